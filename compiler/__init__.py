@@ -1,0 +1,104 @@
+"""Compile diffusers pipelines (PixArt, Latte, SD 2.1) with nexfort-style modes.
+
+    from compiler import compile_pipe
+    pipe = compile_pipe(pipe, '{"mode": "O2", "memory_format": "channels_last"}')
+
+Contract: `compile_pipe(pipe, options, fuse_qkv_projections=True) -> pipe` transforms `pipe` in place
+and returns it; `options` is anything `parse_options` takes (see `compiler/options.py` for the flag
+table). Nothing compiles until the first call. The result is recorded on `pipe._compile_options`.
+Lossless modes give the eager output within half-precision tolerance.
+
+Order of transforms (each later one wraps the earlier):
+  1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark);
+  2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
+  3. `memory_format`: channels_last for the UNet and the VAE (conv models; DiTs are unaffected);
+  4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
+     with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
+     from); text encoder / VAE decoder blocks likewise if `compile_text_encoder` / `compile_vae`;
+  5. SDPA kernel priority around the denoiser forward (CUDA only: CPU keeps the default);
+  6. `cudagraphs`: the denoiser call captured as one CUDA graph per input shape (CUDA only).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
+from . import transforms
+from .cudagraph import StepGraph, wrap_step
+
+__all__ = ["compile_pipe", "parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD",
+           "denoiser_of", "StepGraph"]
+
+log = logging.getLogger(__name__)
+
+
+def denoiser_of(pipe) -> torch.nn.Module:
+    den = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if den is None:
+        raise ValueError(f"{type(pipe).__name__} has neither .transformer nor .unet to compile")
+    return den
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    p = next(module.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def _apply_switches(opts: CompileOptions) -> None:
+    """Process-wide backend switches (not Inductor config: that is passed per compile)."""
+    if opts.has("low_precision"):
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    if opts.has("cudnn_benchmark"):
+        torch.backends.cudnn.benchmark = True
+
+
+def compile_kwargs(opts: CompileOptions) -> dict:
+    """Arguments for every torch.compile call the compiler makes."""
+    # dynamic=True: symbolic shapes from the first call (one graph serves all resolutions);
+    # False: specialise on each shape (fastest kernels, a recompile per new resolution).
+    return dict(fullgraph=True, dynamic=opts.dynamic, options=opts.inductor_config())
+
+
+def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
+    opts = parse_options(options)
+    den = denoiser_of(pipe)
+    device = _device_type(den)
+    report: dict = {"options": opts.to_dict(), "device": device}
+
+    _apply_switches(opts)
+
+    if fuse_qkv_projections and opts.fuse_qkv:
+        report["fused_attention"] = transforms.fuse_qkv(den)
+
+    if opts.memory_format == "channels_last":
+        for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):
+            if m is not None:
+                m.to(memory_format=torch.channels_last)
+
+    if opts.compile:
+        kw = compile_kwargs(opts)
+        report["compiled_blocks"] = transforms.compile_blocks(den, kw)
+        if opts.compile_text_encoder and getattr(pipe, "text_encoder", None) is not None:
+            report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, kw)
+        if opts.compile_vae and getattr(pipe, "vae", None) is not None:
+            report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, kw)
+
+    if device == "cuda":
+        transforms.with_sdpa_priority(den)
+        report["sdpa_priority"] = list(transforms.SDPA_PRIORITY)
+
+    if opts.has("cudagraphs"):
+        if device == "cuda":
+            wrap_step(den)
+            report["cudagraphs"] = "denoiser step"
+        else:
+            log.info("cudagraphs ignored on %s", device)
+
+    pipe._compile_options = opts
+    pipe._compile_report = report
+    log.info("compile_pipe: %s", report)
+    return pipe

@@ -1,0 +1,1 @@
+"""Batch video/image generation on Ray with compiled diffusers pipelines (see README.md)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,17 +60,30 @@ class ModelSpec:
     preset: str
     source: str = "tiny"
     path: str | None = None          # pretrained only: hub id or local dir; None = the preset's hub id
-    dtype: str = "fp32"              # fp16 | bf16 | fp32 (already resolved from "auto")
-    device: str = "cpu"              # cpu | cuda | cuda:N (already resolved from "auto")
+    dtype: str = "auto"              # auto | fp16 | bf16 | fp32; auto = fp16 on GPU, fp32 on CPU
+    device: str = "auto"             # auto | cpu | cuda | cuda:N; auto = cuda when available
     local_files_only: bool = False
+    mask_feature: bool = True        # Latte only: trim text embeddings to the real token count
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"unknown model preset {self.preset!r}; valid: {sorted(PRESETS)}")
         if self.source not in SOURCES:
             raise ValueError(f"unknown model.source {self.source!r}; valid: {list(SOURCES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown model.dtype {self.dtype!r}; valid: {sorted(DTYPES)} or auto")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown model.dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"unknown model.device {self.device!r}; valid: auto, cpu, cuda, cuda:N")
+
+    def resolved(self) -> "ModelSpec":
+        """`auto` device/dtype made concrete for the process this runs in."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "fp32" if device == "cpu" else "fp16"
+        return replace(self, device=device, dtype=dtype)
 
     @property
     def info(self) -> dict:
@@ -78,7 +91,7 @@ class ModelSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.resolved().dtype]
 
 
 def video_length(spec: ModelSpec) -> int | None:
@@ -238,6 +251,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_pipeline(spec: ModelSpec):
     """Build (or load) the pipeline for `spec`, on its device, in its dtype, in eval mode."""
+    spec = spec.resolved()
     info = spec.info
     if spec.source == "pretrained":
         pipe = _load_pretrained(spec)

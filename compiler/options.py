@@ -1,0 +1,182 @@
+"""Compile options: nexfort-style modes parsed into one frozen `CompileOptions`.
+
+Contract: `parse_options(obj)` accepts `None`, a `CompileOptions`, a dict or a JSON string of the
+dict nexfort takes::
+
+    {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
+     "dynamic": false, "options": {...Inductor config overrides...},
+     "fuse_qkv": true, "compile_text_encoder": false, "compile_vae": false}
+
+and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
+`torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
+listing the valid ones. Nothing here touches a model or global state: `compiler.compile_pipe` applies
+the result.
+
+`mode` is colon-joined flags. Presets expand to flags before anything else. `FLAGS` below is the one
+table of what each flag turns on; `FLAG_TABLE_MD` renders it for the README. Every Inductor setting
+the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applied last), nowhere else.
+
+| flag | turns on |
+| --- | --- |
+| `none` | eager: nothing is compiled (baselines); QKV fusion still applies unless `fuse_qkv: false` |
+| `max-autotune` | Inductor `max_autotune` (GEMM templates benchmarked per shape) and `coordinate_descent_tuning`; slow first compile |
+| `max-optimize` | Inductor `aggressive_fusion`, `epilogue_fusion`, `coordinate_descent_tuning` (more fusion, tuned pointwise/reduction kernels) |
+| `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
+| `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
+| `low-precision` | lossy: Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), cuBLAS fp16 accumulation (`allow_fp16_accumulation`) and reduced-precision reductions |
+| `cache-all` | Inductor `fx_graph_cache` and `autotune_local_cache` on (in `compiler.cache`'s directory), and portable artifacts packed by `compiler.cache` |
+| `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
+| `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
+| `O3` (preset) | `O2` + `max-optimize:low-precision`: fastest, not bit-faithful (the benchmark states its error) |
+
+`max-autotune` is in neither preset: on an H100 it took first-call compile from 6 s to 58 s for no
+gain on PixArt (see performance.md), and the presets must keep the first call short.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# flag -> what it turns on. Keys of each entry:
+#   inductor:   torch._inductor.config overrides (dotted names as in config)
+#   cudagraphs / low_precision / cudnn_benchmark / cache: switches read by compiler/__init__.py
+#   compile:    False for eager
+FLAGS: dict[str, dict] = {
+    "none": {"compile": False},
+    "max-autotune": {"inductor": {"max_autotune": True, "coordinate_descent_tuning": True}},
+    "max-optimize": {"inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
+                                  "coordinate_descent_tuning": True}},
+    "cudagraphs": {"cudagraphs": True},
+    "freezing": {"inductor": {"freezing": True}},
+    "low-precision": {"low_precision": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},
+    "cache-all": {"cache": True, "inductor": {"fx_graph_cache": True, "autotune_local_cache": True}},
+    "benchmark": {"cudnn_benchmark": True, "inductor": {"benchmark_fusion": True}},
+}
+
+# Presets expand to plain flags (O2 lossless, O3 adds lossy speed).
+PRESETS: dict[str, tuple[str, ...]] = {
+    "O2": ("cudagraphs", "cache-all"),
+    "O3": ("cudagraphs", "cache-all", "max-optimize", "low-precision"),
+}
+
+LOSSY_FLAGS = frozenset({"low-precision"})
+MEMORY_FORMATS = (None, "channels_last", "contiguous")
+TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv",
+                  "compile_text_encoder", "compile_vae")
+
+FLAG_TABLE_MD = __doc__[__doc__.index("| flag |"):__doc__.index("\n\n`max-autotune` is in")]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    flags: frozenset[str] = frozenset()
+    memory_format: str | None = None
+    dynamic: bool = False
+    inductor: dict = field(default_factory=dict)   # user overrides only; flag settings: inductor_config()
+    fuse_qkv: bool = True
+    compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
+    compile_vae: bool = False           # VAE decode is one call per image: off by default
+
+    def __hash__(self):  # dict field: hash its sorted items
+        return hash((self.flags, self.memory_format, self.dynamic, json.dumps(self.inductor, sort_keys=True),
+                     self.fuse_qkv, self.compile_text_encoder, self.compile_vae))
+
+    @property
+    def compile(self) -> bool:
+        return "none" not in self.flags
+
+    @property
+    def lossless(self) -> bool:
+        return not (self.flags & LOSSY_FLAGS)
+
+    def has(self, switch: str) -> bool:
+        """True if any flag turns on `switch` (a non-inductor key of FLAGS, e.g. "cudagraphs")."""
+        return any(FLAGS[f].get(switch) for f in self.flags)
+
+    def inductor_config(self) -> dict:
+        """Every Inductor setting to apply: the flags' settings, then the user's overrides."""
+        cfg: dict = {}
+        for f in sorted(self.flags):
+            cfg.update(FLAGS[f].get("inductor", {}))
+        cfg.update(self.inductor)
+        return cfg
+
+    @property
+    def mode(self) -> str:
+        return ":".join(sorted(self.flags))
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
+                "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv,
+                "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
+
+
+def _valid_inductor_keys() -> set[str]:
+    import torch._inductor.config as inductor_config
+    return set(inductor_config.get_config_copy())
+
+
+def expand_mode(mode: str) -> frozenset[str]:
+    """'O3:max-autotune' -> the set of plain flags. Empty mode means 'none' (eager)."""
+    flags: set[str] = set()
+    for part in (p.strip() for p in mode.split(":")):
+        if not part:
+            continue
+        if part in PRESETS:
+            flags.update(PRESETS[part])
+        elif part in FLAGS:
+            flags.add(part)
+        else:
+            raise ValueError(f"unknown compile mode flag {part!r}; valid flags: {sorted(FLAGS)}, "
+                             f"presets: {sorted(PRESETS)}")
+    if not flags:
+        flags = {"none"}
+    if "none" in flags and len(flags) > 1:
+        raise ValueError(f"compile mode 'none' (eager) cannot be combined with {sorted(flags - {'none'})}")
+    return frozenset(flags)
+
+
+def parse_options(obj: dict | str | CompileOptions | None) -> CompileOptions:
+    if isinstance(obj, CompileOptions):
+        return obj
+    if obj is None:
+        obj = {}
+    if isinstance(obj, str):
+        s = obj.strip()
+        if s.startswith("{"):
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"compile options are not valid JSON: {e}") from e
+        else:  # a bare mode string, e.g. "O3" (what `compile.mode=O3` gives)
+            obj = {"mode": s}
+    if not isinstance(obj, dict):
+        raise ValueError(f"compile options must be a dict, JSON string or CompileOptions, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown compile option key(s) {unknown}; valid keys: {list(TOP_LEVEL_KEYS)}")
+
+    mode = obj.get("mode") or "none"
+    if not isinstance(mode, str):
+        raise ValueError(f"compile mode must be a string like 'O2' or 'max-autotune:cudagraphs', got {mode!r}")
+    flags = expand_mode(mode)
+
+    memory_format = obj.get("memory_format")
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"unknown memory_format {memory_format!r}; valid: {list(MEMORY_FORMATS)}")
+
+    inductor = dict(obj.get("options") or {})
+    valid = _valid_inductor_keys()
+    bad = sorted(k for k in inductor if k not in valid)
+    if bad:
+        raise ValueError(f"unknown Inductor option(s) {bad} (not in torch._inductor.config); valid options "
+                         f"are the {len(valid)} keys of torch._inductor.config.get_config_copy(), e.g. "
+                         f"{sorted(valid)[:12]}...")
+    for key in ("dynamic", "fuse_qkv", "compile_text_encoder", "compile_vae"):
+        if key in obj and not isinstance(obj[key], bool):
+            raise ValueError(f"compile option {key!r} must be true or false, got {obj[key]!r}")
+    return CompileOptions(flags=flags, memory_format=memory_format, dynamic=obj.get("dynamic", False),
+                          inductor=inductor, fuse_qkv=obj.get("fuse_qkv", True),
+                          compile_text_encoder=obj.get("compile_text_encoder", False),
+                          compile_vae=obj.get("compile_vae", False))

@@ -1,0 +1,208 @@
+"""Prompts in: Parquet files -> validated `Item`s, and the shard plan.
+
+Contract:
+- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable).
+- Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
+  `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
+  job's `generation` defaults. Unknown columns are ignored.
+- A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
+  Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
+  collide are an error, so no output can overwrite another.
+- `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
+  would fail later (before any model is built). Workers call `read_items` on their own shard: the
+  same normalization, so both sides agree on ids and parameters.
+- A shard is `(file, start, stop)` over raw rows; prompts never travel through the driver.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import GenerationDefaults
+
+OPTIONAL_COLUMNS = ("id", "negative_prompt", "seed", "height", "width", "num_frames",
+                    "num_inference_steps", "guidance_scale")
+_INT_COLUMNS = ("seed", "height", "width", "num_frames", "num_inference_steps")
+_ID_BAD = re.compile(r"[^A-Za-z0-9._-]")
+MAX_ID_LEN = 150
+
+
+class PromptError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the model accepts, known before it is built."""
+    size_factor: int                 # height and width must be multiples of this
+    video_length: int | None = None  # video models: the only valid num_frames
+    min_steps: int = 1
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    height: int
+    width: int
+    num_frames: int | None           # None for image models
+    num_inference_steps: int
+    guidance_scale: float
+    source: str                      # "<file>:<row>" for error messages and the results table
+
+    def shape_key(self) -> tuple:
+        """Items with equal keys can share one batched pipeline call."""
+        return (self.height, self.width, self.num_frames, self.num_inference_steps, self.guidance_scale)
+
+    def params(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    file: str
+    start: int
+    stop: int
+
+    def __len__(self):
+        return self.stop - self.start
+
+
+def list_files(paths: tuple[str, ...]) -> list[str]:
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(str(f) for f in Path(p).rglob("*.parquet"))
+            if not found:
+                raise PromptError(f"prompts.path directory {p!r} has no .parquet files")
+            files += found
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise PromptError(f"prompts.path {p!r} does not exist (relative paths are relative "
+                              f"to the current directory {os.getcwd()!r})")
+    if len(set(map(os.path.abspath, files))) != len(files):
+        raise PromptError(f"prompts.path lists a file twice: {files}")
+    return files
+
+
+def _read_table(file: str) -> pa.Table:
+    try:
+        return pq.read_table(file)
+    except Exception as e:
+        raise PromptError(f"cannot read Parquet file {file!r}: {e}") from e
+
+
+def sanitize_id(raw: str) -> str:
+    s = _ID_BAD.sub("_", raw.strip()).lstrip(".")[:MAX_ID_LEN]
+    return s
+
+
+def _items_from_table(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
+                      limits: Constraints, on_empty: str) -> list[Item]:
+    if "prompt" not in table.column_names:
+        raise PromptError(f"{file}: no 'prompt' column (columns: {table.column_names}); "
+                          f"required: prompt; optional: {list(OPTIONAL_COLUMNS)}")
+    cols = {c: table.column(c).to_pylist() for c in ("prompt", *OPTIONAL_COLUMNS)
+            if c in table.column_names}
+    stem = Path(file).stem
+    items = []
+    for i in range(table.num_rows):
+        row = first_row + i
+        where = f"{file}:{row}"
+
+        def get(col, default):
+            v = cols[col][i] if col in cols else None
+            return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+        prompt = cols["prompt"][i]
+        if prompt is None or not str(prompt).strip():
+            if on_empty == "skip":
+                continue
+            raise PromptError(f"{where}: prompt is null or empty (set prompts.on_empty=skip to "
+                              f"skip such rows)")
+        raw_id = get("id", None)
+        item_id = sanitize_id(str(raw_id)) if raw_id is not None else f"{stem}-{row:06d}"
+        if not item_id:
+            raise PromptError(f"{where}: id {raw_id!r} is empty after sanitizing to file-name "
+                              f"characters [A-Za-z0-9._-]")
+        values = {}
+        for col in _INT_COLUMNS:
+            v = get(col, getattr(gen, col))
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise PromptError(f"{where}: {col}={v!r} must be an integer")
+            values[col] = v
+        try:
+            guidance = float(get("guidance_scale", gen.guidance_scale))
+        except (TypeError, ValueError):
+            raise PromptError(f"{where}: guidance_scale={cols['guidance_scale'][i]!r} is not a number")
+        item = Item(id=item_id, prompt=str(prompt), negative_prompt=str(get("negative_prompt", gen.negative_prompt)),
+                    seed=values["seed"], height=values["height"], width=values["width"],
+                    num_frames=values["num_frames"] if limits.video_length is not None else None,
+                    num_inference_steps=values["num_inference_steps"], guidance_scale=guidance,
+                    source=where)
+        _check_item(item, limits)
+        items.append(item)
+    return items
+
+
+def _check_item(item: Item, limits: Constraints) -> None:
+    where = item.source
+    for k in ("height", "width"):
+        v = getattr(item, k)
+        if v <= 0 or v % limits.size_factor:
+            raise PromptError(f"{where}: {k}={v} must be a positive multiple of "
+                              f"{limits.size_factor} for this model")
+    if limits.video_length is not None and item.num_frames != limits.video_length:
+        raise PromptError(f"{where}: num_frames={item.num_frames}, but this model generates exactly "
+                          f"{limits.video_length} frames (its video_length)")
+    if item.num_inference_steps < limits.min_steps:
+        raise PromptError(f"{where}: num_inference_steps={item.num_inference_steps} must be >= "
+                          f"{limits.min_steps} for this model")
+    if not 0 <= item.seed < 2**63:
+        raise PromptError(f"{where}: seed={item.seed} must be in [0, 2**63)")
+
+
+def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Constraints,
+                  on_empty: str) -> tuple[list[str], dict[str, int], list[Item]]:
+    """Read and validate every prompt. Returns (files, raw row count per file, items)."""
+    files = list_files(paths)
+    rows, items, seen = {}, [], {}
+    for f in files:
+        table = _read_table(f)
+        rows[f] = table.num_rows
+        for item in _items_from_table(table, f, 0, gen, limits, on_empty):
+            if item.id in seen:
+                raise PromptError(f"{item.source}: id {item.id!r} (after sanitizing) is also used by "
+                                  f"{seen[item.id]}; ids must be unique, they name the output files")
+            seen[item.id] = item.source
+            items.append(item)
+    if not items:
+        raise PromptError(f"no prompts to run in {files}")
+    return files, rows, items
+
+
+def plan_shards(rows_per_file: dict[str, int], shard_size: int) -> list[Shard]:
+    shards = []
+    for f, n in rows_per_file.items():
+        for start in range(0, n, shard_size):
+            shards.append(Shard(len(shards), f, start, min(start + shard_size, n)))
+    return shards
+
+
+def read_items(shard: Shard, gen: GenerationDefaults, limits: Constraints, on_empty: str) -> list[Item]:
+    """A worker's view of its shard: the same normalization `check_prompts` applied."""
+    table = _read_table(shard.file).slice(shard.start, len(shard))
+    return _items_from_table(table, shard.file, shard.start, gen, limits, on_empty)

@@ -1,0 +1,204 @@
+"""One worker: loads a pipeline once, compiles and warms it, then serves shards.
+
+Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load time measured);
+`warmup()` compiles it through `compiler` and runs one short call at the job's default shape;
+`run_shard(shard)` reads its rows from Parquet itself, generates them in batches of equal shape,
+writes each output atomically to `media/<id>.<ext>` and returns one result row per item;
+`metrics()` returns the worker's performance figures. The class is plain Python: the driver wraps it
+in `ray.remote` (one actor per GPU), and tests can also use it in-process. Nothing here mutates
+state shared with other workers; outputs are named by prompt id, so a rerun rewrites the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import CompileConfig, GenerationDefaults
+from .models import ModelSpec, build_pipeline
+from .outputs import write_mp4, write_png
+from .prompts import Constraints, Item, Shard, read_items
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: ModelSpec
+    generation: GenerationDefaults
+    limits: Constraints
+    on_empty: str
+    job_dir: str
+    batch_size: int = 1
+    warmup_steps: int = 2
+    fps: int = 8
+    compile: CompileConfig = CompileConfig()
+    num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
+
+
+class StepClock:
+    """Marks the end of each denoising step; the rate over steps 2..N excludes step 1's one-off
+    costs. On CUDA the marks are events (no sync inside the loop)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> tuple[int, float]:
+        """(steps, seconds) from the end of step 1 to the end of step N."""
+        if len(self.marks) < 2:
+            return 0, 0.0
+        if self.cuda:
+            torch.cuda.synchronize()
+            return len(self.marks) - 1, self.marks[0].elapsed_time(self.marks[-1]) / 1e3
+        return len(self.marks) - 1, self.marks[-1] - self.marks[0]
+
+
+def generate(pipe, family: str, items: list[Item], device: str, clock: StepClock | None = None,
+             mask_feature: bool = True) -> np.ndarray:
+    """One pipeline call for items of equal shape. Returns (B, H, W, 3) or (B, F, H, W, 3) in [0, 1].
+    One generator per item: an item's output depends on its seed, not on its batch-mates."""
+    first = items[0]
+    gen_device = "cpu" if device == "cpu" else device
+    kw = dict(prompt=[i.prompt for i in items], negative_prompt=[i.negative_prompt for i in items],
+              height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
+              guidance_scale=first.guidance_scale, output_type="np",
+              generator=[torch.Generator(gen_device).manual_seed(i.seed) for i in items])
+    on_step = (lambda *a: clock.mark()) if clock else None
+    if family == "latte":
+        # LattePipeline takes one negative prompt string for the whole batch.
+        negs = {i.negative_prompt for i in items}
+        assert len(negs) == 1, "latte batches must share the negative prompt"
+        kw.update(negative_prompt=negs.pop(), video_length=first.num_frames, clean_caption=False,
+                  mask_feature=mask_feature)
+        if on_step:
+            kw["callback_on_step_end"] = lambda p, i, t, d: (on_step(), d)[1]
+        return np.asarray(pipe(**kw).frames)
+    if family.startswith("pixart"):
+        # Resolution binning and the size conditions only apply to the 128-latent (1024) checkpoints.
+        kw.update(clean_caption=False,
+                  use_resolution_binning=pipe.transformer.config.sample_size in (32, 64, 128))
+        if on_step:
+            kw.update(callback=on_step, callback_steps=1)
+        return np.asarray(pipe(**kw).images)
+    if on_step:
+        kw["callback_on_step_end"] = lambda p, i, t, d: (on_step(), d)[1]
+    return np.asarray(pipe(**kw).images)
+
+
+def batches(items: list[Item], batch_size: int, family: str) -> list[list[Item]]:
+    """Group equal shapes (order of first appearance), then cut into batches."""
+    groups: dict[tuple, list[Item]] = {}
+    for it in items:
+        key = it.shape_key() + ((it.negative_prompt,) if family == "latte" else ())
+        groups.setdefault(key, []).append(it)
+    return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+
+class Worker:
+    def __init__(self, rank: int, cfg: WorkerConfig):
+        self.rank, self.cfg = rank, cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.spec = cfg.model.resolved()
+        self.cuda = self.spec.device.startswith("cuda")
+        self.family = self.spec.info["family"]
+        self.ext = "mp4" if self.spec.info["kind"] == "video" else "png"
+        self.media_dir = os.path.join(cfg.job_dir, "media")
+        os.makedirs(self.media_dir, exist_ok=True)
+        t0 = time.perf_counter()
+        self.pipe = build_pipeline(self.spec)
+        self._sync()
+        self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(),
+                      device=self.spec.device, dtype=self.spec.dtype,
+                      gpu_name=torch.cuda.get_device_name() if self.cuda else None,
+                      model_load_s=time.perf_counter() - t0, items=0, failed=0, steps=0,
+                      denoise_s=0.0, e2e=[], busy_s=0.0)
+        self.ready_at = None
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def warmup(self) -> dict:
+        """Compile (if configured) and run one short call at the default shape."""
+        t0 = time.perf_counter()
+        report = {}
+        if self.cfg.compile.enabled:
+            import compiler
+            report = compiler.compile_pipe(self.pipe, self.cfg.compile.options,
+                                           fuse_qkv_projections=self.cfg.compile.fuse_qkv) or {}
+            report = report if isinstance(report, dict) else {}
+        if self.cfg.warmup_steps:
+            g = self.cfg.generation
+            item = Item(id="warmup", prompt="warm up", negative_prompt=g.negative_prompt, seed=0,
+                        height=g.height, width=g.width,
+                        num_frames=self.cfg.limits.video_length, guidance_scale=g.guidance_scale,
+                        num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
+                        source="warmup")
+            with torch.inference_mode():
+                generate(self.pipe, self.family, [item], self.spec.device,
+                         mask_feature=self.spec.mask_feature)
+        self._sync()
+        self.m["warmup_s"] = time.perf_counter() - t0
+        self.m["compile_mode"] = self.cfg.compile.options.get("mode", "none")
+        self.m.update({k: v for k, v in report.items() if k not in self.m})
+        if self.cuda:  # peak memory of serving, not of loading/compiling
+            torch.cuda.reset_peak_memory_stats()
+        self.ready_at = time.perf_counter()
+        return {"rank": self.rank, "host": self.m["host"], "model_load_s": self.m["model_load_s"],
+                "warmup_s": self.m["warmup_s"]}
+
+    def run_shard(self, shard: Shard) -> list[dict]:
+        items = read_items(shard, self.cfg.generation, self.cfg.limits, self.cfg.on_empty)
+        rows = []
+        for batch in batches(items, self.cfg.batch_size, self.family):
+            t0 = time.perf_counter()
+            clock = StepClock(self.cuda)
+            with torch.inference_mode():
+                out = generate(self.pipe, self.family, batch, self.spec.device, clock,
+                               mask_feature=self.spec.mask_feature)
+            steps, denoise_s = clock.seconds()
+            paths = []
+            for item, media in zip(batch, out):
+                path = os.path.join(self.media_dir, f"{item.id}.{self.ext}")
+                if self.ext == "mp4":
+                    write_mp4(path, media, self.cfg.fps)
+                else:
+                    write_png(path, media)
+                paths.append(path)
+            e2e = time.perf_counter() - t0
+            self.m["items"] += len(batch)
+            self.m["steps"] += steps
+            self.m["denoise_s"] += denoise_s
+            self.m["busy_s"] += e2e
+            self.m["e2e"].append(e2e)
+            for item, path in zip(batch, paths):
+                rows.append({**item.params(), "status": "ok", "error": None,
+                             "output": os.path.relpath(path, self.cfg.job_dir),
+                             "worker": self.rank, "batch_size": len(batch), "e2e_s": e2e,
+                             "denoise_it_s": steps / denoise_s if denoise_s else None})
+        return rows
+
+    def metrics(self) -> dict:
+        m = {k: v for k, v in self.m.items() if k != "e2e"}
+        e2e = np.array(self.m["e2e"]) if self.m["e2e"] else None
+        # A batch's E2E is the wall time of the call that produced its items.
+        m["e2e_mean_s"] = float(e2e.mean()) if e2e is not None else None
+        m["e2e_p95_s"] = float(np.percentile(e2e, 95)) if e2e is not None else None
+        m["batches"] = len(self.m["e2e"])
+        m["steady_it_s"] = self.m["steps"] / self.m["denoise_s"] if self.m["denoise_s"] else None
+        m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        span = time.perf_counter() - self.ready_at if self.ready_at else None
+        m["busy_fraction"] = self.m["busy_s"] / span if span else None
+        return m
