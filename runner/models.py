@@ -283,7 +283,7 @@ def _load_pretrained(spec: ModelSpec):
     cls = getattr(diffusers, PIPELINE_CLASSES[spec.info["family"]])
     extra = {"safety_checker": None, "requires_safety_checker": False} if spec.info["family"] == "sd21" else {}
     try:
-        return cls.from_pretrained(path, torch_dtype=spec.torch_dtype,
+        return cls.from_pretrained(path, dtype=spec.torch_dtype,
                                    local_files_only=spec.local_files_only, **extra)
     except (OSError, ValueError) as e:
         where = "local directory" if os.path.isdir(path) else "hub id"

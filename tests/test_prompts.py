@@ -1,0 +1,123 @@
+import os
+
+import pytest
+
+from runner.config import GenerationDefaults
+from runner.prompts import (Constraints, PromptError, Shard, check_prompts, plan_shards, read_items,
+                            sanitize_id)
+
+GEN = GenerationDefaults(seed=3, height=64, width=64, num_frames=4, num_inference_steps=2,
+                         guidance_scale=4.5, negative_prompt="ugly")
+IMAGE = Constraints(size_factor=16)
+VIDEO = Constraints(size_factor=16, video_length=4)
+
+
+def check(path, limits=IMAGE, on_empty="error", gen=GEN):
+    return check_prompts((path,), gen, limits, on_empty)
+
+
+def test_defaults_fill_absent_columns_and_null_cells(write_prompts):
+    p = write_prompts({"prompt": ["a", "b"], "seed": [5, None], "height": [128, None]})
+    _, rows, items = check(p)
+    assert rows == {p: 2}
+    a, b = items
+    assert (a.seed, a.height, a.width, a.negative_prompt) == (5, 128, 64, "ugly")
+    assert (b.seed, b.height) == (3, 64)
+    assert a.num_frames is None                       # image model
+    assert [i.id for i in items] == ["prompts-000000", "prompts-000001"]  # stable row ids
+
+
+def test_video_frames_default_and_mismatch(write_prompts):
+    p = write_prompts({"prompt": ["a", "b"], "num_frames": [4, 8]})
+    with pytest.raises(PromptError, match=r"prompts.parquet:1: num_frames=8.*exactly 4 frames"):
+        check(p, VIDEO)
+    p = write_prompts({"prompt": ["a"]}, "ok.parquet")
+    assert check(p, VIDEO)[2][0].num_frames == 4
+
+
+def test_size_not_divisible(write_prompts):
+    p = write_prompts({"prompt": ["a", "b"], "width": [64, 72]})
+    with pytest.raises(PromptError, match=r":1: width=72 must be a positive multiple of 16"):
+        check(p)
+
+
+def test_steps_below_model_minimum(write_prompts):
+    p = write_prompts({"prompt": ["a"], "num_inference_steps": [1]})
+    with pytest.raises(PromptError, match="num_inference_steps=1 must be >= 2"):
+        check(p, Constraints(size_factor=16, min_steps=2))
+
+
+def test_missing_prompt_column(write_prompts):
+    p = write_prompts({"text": ["a"]})
+    with pytest.raises(PromptError, match=r"no 'prompt' column \(columns: \['text'\]\)"):
+        check(p)
+
+
+def test_unreadable_parquet(tmp_path):
+    p = tmp_path / "broken.parquet"
+    p.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(PromptError, match="cannot read Parquet file"):
+        check(str(p))
+
+
+def test_no_prompts(tmp_path, write_prompts):
+    with pytest.raises(PromptError, match="does not exist"):
+        check(str(tmp_path / "missing.parquet"))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(PromptError, match="has no .parquet files"):
+        check(str(tmp_path / "empty_dir"))
+    import pyarrow as pa, pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "zero.parquet")
+    with pytest.raises(PromptError, match="no prompts to run"):
+        check(str(tmp_path / "zero.parquet"))
+
+
+def test_null_or_empty_prompts_error_or_skip(write_prompts):
+    p = write_prompts({"prompt": ["a", None, "  ", "d"]})
+    with pytest.raises(PromptError, match=r":1: prompt is null or empty.*on_empty=skip"):
+        check(p)
+    _, rows, items = check(p, on_empty="skip")
+    assert [i.prompt for i in items] == ["a", "d"]
+    assert [i.id for i in items] == ["prompts-000000", "prompts-000003"]  # row numbers kept
+    # a worker reading the shard drops the same rows and assigns the same ids
+    shard_items = read_items(Shard(0, p, 1, 4), GEN, IMAGE, "skip")
+    assert [i.id for i in shard_items] == ["prompts-000003"]
+
+
+def test_ids_are_sanitized_and_collisions_rejected(write_prompts):
+    p = write_prompts({"prompt": ["a", "b", "c"], "id": ["../../x", "a b/c", "7"]})
+    ids = [i.id for i in check(p)[2]]
+    assert ids == ["_.._x", "a_b_c", "7"]
+    for i in ids:  # every id is a plain file name
+        assert os.path.basename(i) == i and not i.startswith(".")
+    p = write_prompts({"prompt": ["a", "b"], "id": ["x/y", "x_y"]}, "dup.parquet")
+    with pytest.raises(PromptError, match=r"id 'x_y' .* is also used by .*dup.parquet:0"):
+        check(p)
+    assert sanitize_id("..\\..\\etc") == "_.._etc"
+
+
+def test_directory_and_multiple_files_and_shards(tmp_path, write_prompts):
+    d = tmp_path / "many"
+    d.mkdir()
+    import pyarrow as pa, pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": [f"a{i}" for i in range(5)]}), d / "b.parquet")
+    pq.write_table(pa.table({"prompt": [f"b{i}" for i in range(3)]}), d / "a.parquet")
+    files, rows, items = check_prompts((str(d),), GEN, IMAGE, "error")
+    assert [os.path.basename(f) for f in files] == ["a.parquet", "b.parquet"]   # sorted, stable
+    assert len(items) == 8 and items[0].id == "a-000000" and items[3].id == "b-000000"
+    shards = plan_shards(rows, 2)
+    assert [(os.path.basename(s.file), s.start, s.stop) for s in shards] == [
+        ("a.parquet", 0, 2), ("a.parquet", 2, 3),
+        ("b.parquet", 0, 2), ("b.parquet", 2, 4), ("b.parquet", 4, 5)]
+    # shards cover every row exactly once, and workers see the same items as the driver
+    seen = [i.id for s in shards for i in read_items(s, GEN, IMAGE, "error")]
+    assert seen == [i.id for i in items]
+
+
+def test_bad_cell_types(write_prompts):
+    p = write_prompts({"prompt": ["a"], "seed": ["lucky"]})
+    with pytest.raises(PromptError, match="seed='lucky' must be an integer"):
+        check(p)
+    p = write_prompts({"prompt": ["a"], "seed": [-1]}, "neg.parquet")
+    with pytest.raises(PromptError, match="seed=-1"):
+        check(p)
