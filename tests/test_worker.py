@@ -1,0 +1,107 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
+from runner.config import GenerationDefaults
+from runner.job import JobError, run
+from runner.models import ModelSpec
+from runner.outputs import atomic_path, write_png
+from runner.prompts import Constraints, PromptError, Shard
+from runner.worker import Worker, WorkerConfig, batches
+
+
+def make_worker(tmp_path, batch_size=2, preset="pixart_alpha_1024"):
+    cfg = WorkerConfig(model=ModelSpec(preset, source="tiny"),
+                       generation=GenerationDefaults(height=64, width=64, num_inference_steps=3),
+                       limits=Constraints(size_factor=16, min_steps=2), on_empty="error",
+                       job_dir=str(tmp_path / "job"), batch_size=batch_size, warmup_steps=2)
+    return Worker(0, cfg)
+
+
+def test_worker_serves_a_shard_in_batches_of_equal_shape(tmp_path, write_prompts):
+    p = write_prompts({"prompt": list("abcde"), "id": list("abcde"),
+                       "height": [64, 64, 128, 64, 128]})
+    w = make_worker(tmp_path)
+    assert w.warmup()["warmup_s"] > 0
+    rows = w.run_shard(Shard(0, p, 0, 5))
+    assert [r["id"] for r in rows] == ["a", "b", "d", "c", "e"]       # grouped by shape
+    assert [r["batch_size"] for r in rows] == [2, 2, 1, 2, 2]
+    for r in rows:
+        assert os.path.isfile(tmp_path / "job" / r["output"]) and r["status"] == "ok"
+        assert r["denoise_it_s"] > 0 and r["e2e_s"] > 0 and r["worker"] == 0
+    assert sorted(os.listdir(tmp_path / "job" / "media")) == [f"{c}.png" for c in "abcde"]
+    m = w.metrics()
+    assert m["items"] == 5 and m["batches"] == 3 and m["steps"] == 3 * 2   # steps 2..3 of 3 calls
+    assert m["steady_it_s"] > 0 and 0 < m["busy_fraction"] <= 1
+    assert m["e2e_p95_s"] >= m["e2e_mean_s"] * 0.5 and m["model_load_s"] > 0
+
+
+def test_rerun_writes_the_same_files(tmp_path, write_prompts):
+    p = write_prompts({"prompt": ["a cat"], "id": ["cat"], "seed": [4]})
+    w = make_worker(tmp_path)
+    w.run_shard(Shard(0, p, 0, 1))
+    first = (tmp_path / "job" / "media" / "cat.png").read_bytes()
+    w.run_shard(Shard(0, p, 0, 1))
+    assert (tmp_path / "job" / "media" / "cat.png").read_bytes() == first
+    assert os.listdir(tmp_path / "job" / "media") == ["cat.png"]          # no temp leftovers
+
+
+def test_batches_split_by_shape_and_size():
+    from runner.prompts import Item
+    mk = lambda i, h: Item(str(i), "p", "", 0, h, 64, None, 2, 4.5, "t")
+    groups = batches([mk(0, 64), mk(1, 128), mk(2, 64), mk(3, 64)], 2, "pixart_alpha")
+    assert [[i.id for i in b] for b in groups] == [["0", "2"], ["3"], ["1"]]
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    target = tmp_path / "out.png"
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("crash mid-write")
+    assert os.listdir(tmp_path) == []
+    write_png(target, np.zeros((8, 8, 3)))
+    assert os.listdir(tmp_path) == ["out.png"]
+
+
+@pytest.fixture
+def no_models_no_ray(monkeypatch):
+    """Fail loudly if a test reaches model building or Ray."""
+    import ray
+    import runner.models as models
+    def boom(*a, **k):
+        raise AssertionError("reached model building / Ray before rejecting bad input")
+    monkeypatch.setattr(models, "build_pipeline", boom)
+    monkeypatch.setattr(ray, "init", boom)
+
+
+@pytest.mark.parametrize("columns,extra,needle", [
+    ({"prompt": ["a", None]}, [], "prompt is null or empty"),
+    ({"text": ["a"]}, [], "no 'prompt' column"),
+    ({"prompt": ["a"], "width": [100]}, [], "width=100 must be a positive multiple of 16"),
+    ({"prompt": ["a"]}, ["model.preset=latte1", "generation.num_frames=16"], "exactly 4 frames"),
+])
+def test_bad_input_rejected_before_any_model_or_ray(tmp_path, write_prompts, no_models_no_ray,
+                                                     columns, extra, needle):
+    p = write_prompts(columns)
+    with pytest.raises(PromptError, match=needle):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/out", *extra])
+    assert not (tmp_path / "out").exists()          # nothing written either
+
+
+def test_output_dir_that_is_a_file(tmp_path, write_prompts, no_models_no_ray):
+    p = write_prompts({"prompt": ["a"]})
+    (tmp_path / "f").write_text("not a dir")
+    with pytest.raises(JobError, match="is a file"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/f"])
+
+
+def test_cli_exit_code_and_message_for_bad_input(tmp_path):
+    import subprocess, sys
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", "generation.stepz=2"],
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 2
+    assert "error: unknown config key 'generation.stepz'" in r.stderr
+    assert "Traceback" not in r.stderr
