@@ -1,0 +1,130 @@
+"""compiler.cache: keys change with every input; corrupt/truncated/wrong-key artifacts never load."""
+
+import logging
+
+import pytest
+import torch
+
+from compiler import cache
+from runner.models import ModelSpec, build_pipeline
+
+SHAPES = {"height": 64, "width": 64, "batch": 1}
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
+
+
+def test_key_is_stable_and_file_name_safe(pipe):
+    k = cache.cache_key(pipe, "O2", SHAPES)
+    assert k == cache.cache_key(pipe, {"mode": "O2"}, dict(SHAPES))
+    assert cache.artifact_path("/tmp", k).name == f"{k}.artifact"
+
+
+@pytest.mark.parametrize("field, value", [("torch", "9.9.9"), ("triton", "0.0"), ("cuda", "99.9"),
+                                          ("gpu", "NVIDIA H200")])
+def test_key_changes_with_environment(pipe, monkeypatch, field, value):
+    before = cache.cache_key(pipe, "O2", SHAPES)
+    env = cache.environment()
+    monkeypatch.setattr(cache, "environment", lambda: {**env, field: value})
+    assert cache.cache_key(pipe, "O2", SHAPES) != before
+
+
+def test_key_changes_with_model_dtype_shapes_mode_and_options(pipe):
+    base = cache.cache_key(pipe, "O2", SHAPES)
+    keys = {
+        cache.cache_key(pipe, "O3", SHAPES),
+        cache.cache_key(pipe, {"mode": "O2", "dynamic": True}, SHAPES),
+        cache.cache_key(pipe, {"mode": "O2", "options": {"max_fusion_size": 32}}, SHAPES),
+        cache.cache_key(pipe, {"mode": "O2", "memory_format": "channels_last"}, SHAPES),
+        cache.cache_key(pipe, "O2", {**SHAPES, "height": 128}),
+        cache.cache_key(pipe, "O2", {**SHAPES, "batch": 2}),
+    }
+    assert base not in keys and len(keys) == 6
+    other = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny", dtype="bf16"))
+    assert cache.cache_key(other, "O2", SHAPES) != base
+    latte = build_pipeline(ModelSpec("latte1", source="tiny"))
+    assert cache.cache_key(latte, "O2", SHAPES) != base
+    pipe.transformer.register_to_config(num_layers=99)  # any config change
+    try:
+        assert cache.cache_key(pipe, "O2", SHAPES) != base
+    finally:
+        pipe.transformer.register_to_config(num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """A real save_cache_artifacts payload from compiling a small function on CPU."""
+    import os
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    cache.configure_cache_dir(tmp_path_factory.mktemp("cc"))
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True)
+    def f(x):
+        return torch.nn.functional.gelu(x * 2 + 1).sum(-1)
+
+    f(torch.randn(8, 8))
+    blob = cache.pack_artifact("k1")
+    for k, v in saved.items():  # leave the process's cache dir as it was for other test modules
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert blob is not None
+    return blob
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: calls.append(b))
+    return calls
+
+
+def test_good_artifact_loads(artifact, loads, tmp_path):
+    cache.write_artifact(tmp_path, "k1", artifact)
+    assert cache.read_artifact(tmp_path, "k1") == artifact
+    assert cache.read_artifact(tmp_path, "missing") is None
+    assert [p.name for p in tmp_path.iterdir()] == ["k1.artifact"]  # no temp files left
+    assert cache.unpack_and_load(artifact, "k1") is True
+    assert len(loads) == 1 and loads[0] == cache.verify(artifact, "k1")
+
+
+def test_real_load_roundtrip(artifact):
+    assert cache.unpack_and_load(artifact, "k1") is True
+
+
+def _flip(b: bytes, i: int) -> bytes:
+    return b[:i] + bytes([b[i] ^ 0xFF]) + b[i + 1:]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:10], "truncated"),
+    (lambda b: b"", "truncated"),
+    (lambda b: _flip(b, len(b) - 1), "sha256"),
+    (lambda b: _flip(b, 0), "magic"),
+    (lambda b: b + b"x", "header says"),
+    (lambda b: b"not an artifact at all, just bytes" * 4, "magic"),
+])
+def test_corrupt_artifact_falls_back(artifact, loads, caplog, damage, reason):
+    with caplog.at_level(logging.WARNING, logger="compiler.cache"):
+        assert cache.unpack_and_load(damage(artifact), "k1") is False
+    assert loads == []  # never handed to torch
+    assert reason in caplog.text and "compiling instead" in caplog.text
+
+
+def test_wrong_key_falls_back(artifact, loads, caplog):
+    with caplog.at_level(logging.WARNING, logger="compiler.cache"):
+        assert cache.unpack_and_load(artifact, "k2") is False
+    assert loads == [] and "key mismatch" in caplog.text
+
+
+def test_not_bytes_and_failing_load_fall_back(artifact, monkeypatch, caplog):
+    assert cache.unpack_and_load(None, "k1") is False
+
+    def boom(b):
+        raise RuntimeError("incompatible")
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", boom)
+    with caplog.at_level(logging.WARNING, logger="compiler.cache"):
+        assert cache.unpack_and_load(artifact, "k1") is False
+    assert "incompatible" in caplog.text
