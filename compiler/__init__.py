@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def denoiser_of(pipe) -> torch.nn.Module:
-    den = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    den = getattr(pipe, "transformer", None)
+    den = den if den is not None else getattr(pipe, "unet", None)
     if den is None:
         raise ValueError(f"{type(pipe).__name__} has neither .transformer nor .unet to compile")
     return den
@@ -87,7 +88,7 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
         if opts.compile_vae and getattr(pipe, "vae", None) is not None:
             report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, kw)
 
-    if device == "cuda":
+    if device == "cuda" and opts.sdpa_priority:
         transforms.with_sdpa_priority(den)
         report["sdpa_priority"] = list(transforms.SDPA_PRIORITY)
 

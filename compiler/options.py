@@ -5,7 +5,7 @@ dict nexfort takes::
 
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
-     "fuse_qkv": true, "compile_text_encoder": false, "compile_vae": false}
+     "fuse_qkv": true, "sdpa_priority": true, "compile_text_encoder": false, "compile_vae": false}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -62,8 +62,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
 
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
-TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv",
+TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv", "sdpa_priority",
                   "compile_text_encoder", "compile_vae")
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "compile_text_encoder", "compile_vae")
 
 FLAG_TABLE_MD = __doc__[__doc__.index("| flag |"):__doc__.index("\n\n`max-autotune` is in")]
 
@@ -75,12 +76,13 @@ class CompileOptions:
     dynamic: bool = False
     inductor: dict = field(default_factory=dict)   # user overrides only; flag settings: inductor_config()
     fuse_qkv: bool = True
+    sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
     compile_vae: bool = False           # VAE decode is one call per image: off by default
 
     def __hash__(self):  # dict field: hash its sorted items
         return hash((self.flags, self.memory_format, self.dynamic, json.dumps(self.inductor, sort_keys=True),
-                     self.fuse_qkv, self.compile_text_encoder, self.compile_vae))
+                     self.fuse_qkv, self.sdpa_priority, self.compile_text_encoder, self.compile_vae))
 
     @property
     def compile(self) -> bool:
@@ -108,7 +110,7 @@ class CompileOptions:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
-                "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv,
+                "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv, "sdpa_priority": self.sdpa_priority,
                 "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
 
 
@@ -173,10 +175,11 @@ def parse_options(obj: dict | str | CompileOptions | None) -> CompileOptions:
         raise ValueError(f"unknown Inductor option(s) {bad} (not in torch._inductor.config); valid options "
                          f"are the {len(valid)} keys of torch._inductor.config.get_config_copy(), e.g. "
                          f"{sorted(valid)[:12]}...")
-    for key in ("dynamic", "fuse_qkv", "compile_text_encoder", "compile_vae"):
+    for key in BOOL_KEYS:
         if key in obj and not isinstance(obj[key], bool):
             raise ValueError(f"compile option {key!r} must be true or false, got {obj[key]!r}")
     return CompileOptions(flags=flags, memory_format=memory_format, dynamic=obj.get("dynamic", False),
                           inductor=inductor, fuse_qkv=obj.get("fuse_qkv", True),
+                          sdpa_priority=obj.get("sdpa_priority", True),
                           compile_text_encoder=obj.get("compile_text_encoder", False),
                           compile_vae=obj.get("compile_vae", False))

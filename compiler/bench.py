@@ -1,0 +1,343 @@
+"""Benchmark: eager vs compiled, side by side in one run, as the seed tables report them.
+
+    python -m compiler.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
+        [frames=16] [batch=1] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
+        [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}']
+
+Builds `source=random` (published size, random weights) fp16 on CUDA and measures, in this order:
+  1. matmul peak: a big fp16 and bf16 GEMM (TFLOP/s), for the "fraction of peak" column;
+  2. FLOPs of one denoiser call (torch.utils.flop_counter, batch incl. classifier-free guidance);
+  3. eager: warm-up call, then one timed call: denoising it/s over steps 2..N from CUDA events
+     recorded in the step callback, E2E wall time of that call, peak memory (reset after warm-up);
+  4. compiled (`compile.mode`) on a fresh cache directory: warm-up with compilation (first call),
+     then the same timed call; max abs error of the output vs eager (same seed);
+  5. warm-up with cache: a second Python process on the filled cache directory (and the packed
+     `save_cache_artifacts` artifact) times its first call;
+  6. `extra=`: more modes on fresh copies of the denoiser, it/s only (ablations: what each part gives).
+Prints a markdown table and writes JSON (`out=`).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from . import cache, compile_pipe, denoiser_of, parse_options
+
+
+def parse_argv(argv: list[str]) -> dict:
+    a = dict(model="pixart_alpha_1024", steps=20, height=None, width=None, frames=16, batch=1, out=None,
+             extra="", seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
+    comp: dict = {"mode": "O2"}
+    for item in argv:
+        if "=" not in item:
+            raise SystemExit(f"arguments are key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        if k.startswith("compile."):
+            sub = k[len("compile."):]
+            comp[sub] = json.loads(v) if sub in ("options", "dynamic", "fuse_qkv", "compile_vae",
+                                                 "compile_text_encoder") else v
+        elif k == "compile":
+            comp = json.loads(v)
+        elif k in a:
+            a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width") else v
+        else:
+            raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)} and compile.*")
+    a["compile"] = parse_options(comp).to_dict()
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+
+def build(args):
+    from runner.models import ModelSpec, build_pipeline, video_length
+    spec = ModelSpec(args["model"], source=args["source"], dtype=args["dtype"], device=args["device"])
+    pipe = build_pipeline(spec)
+    size = 512 if spec.info["kind"] == "video" else (768 if spec.info["family"] == "sd21" else
+                                                      int(args["model"].rsplit("_", 1)[-1]))
+    if args["source"] == "tiny":
+        size = 64
+    args["height"] = args["height"] or size
+    args["width"] = args["width"] or size
+    if spec.info["kind"] == "video":
+        args["frames"] = video_length(spec)
+    return pipe, spec
+
+
+def call_kwargs(pipe, spec, args, steps: int) -> dict:
+    kw = dict(prompt=["a red fox running through a snowy forest at dawn"] * args["batch"],
+              num_inference_steps=steps, height=args["height"], width=args["width"], output_type="pt")
+    fam = spec.info["family"]
+    if fam.startswith("pixart"):
+        kw.update(clean_caption=False, use_resolution_binning=False)
+    if fam == "latte":
+        kw.update(video_length=args["frames"], clean_caption=False, mask_feature=False)  # all 120 tokens
+    return kw
+
+
+def run_call(pipe, spec, args, steps: int, events: bool = False):
+    """One full call; returns (output, e2e seconds, per-step CUDA events or None)."""
+    kw = call_kwargs(pipe, spec, args, steps)
+    evs: list = []
+    if events:
+        def mark():
+            if torch.cuda.is_available():
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                evs.append(e)
+            else:  # CPU smoke runs (source=tiny device=cpu): wall clock
+                evs.append(time.perf_counter())
+        params = inspect.signature(pipe.__call__).parameters
+        if "callback_on_step_end" in params:
+            def on_end(p, i, t, kwargs):
+                mark()
+                return kwargs
+            kw["callback_on_step_end"] = on_end
+        else:  # PixArt: old API callback(step, t, latents)
+            kw.update(callback=lambda i, t, lat: mark(), callback_steps=1)
+    g = torch.Generator(args["device"]).manual_seed(args["seed"])
+    sync()
+    t0 = time.perf_counter()
+    out = pipe(**kw, generator=g)
+    sync()
+    e2e = time.perf_counter() - t0
+    out = out.frames if hasattr(out, "frames") else out.images
+    return out, e2e, evs
+
+
+def its(evs) -> float:
+    """Denoising it/s over steps 2..N: from the end of step 1 to the end of step N."""
+    if isinstance(evs[0], float):
+        return (len(evs) - 1) / (evs[-1] - evs[0])
+    return (len(evs) - 1) / (evs[0].elapsed_time(evs[-1]) / 1e3)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def max_mem_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def measure(pipe, spec, args, steps: int) -> dict:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    out, e2e, evs = run_call(pipe, spec, args, steps, events=True)
+    return dict(its=its(evs), e2e_s=e2e, peak_mem_gib=max_mem_gib()), out
+
+
+def matmul_peak(dtype, n: int = 8192, iters: int = 30) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (s.elapsed_time(e) / 1e3) / 1e12
+
+
+def denoiser_flops(pipe, spec, args) -> float:
+    """FLOPs of one denoiser call as the pipeline makes it (captured by a pre-hook, replayed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    den = denoiser_of(pipe)
+    seen = {}
+
+    def hook(mod, a, kw):
+        if not seen:
+            seen["a"], seen["kw"] = a, kw
+    h = den.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run_call(pipe, spec, args, 2)
+    finally:
+        h.remove()
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        den(*seen["a"], **seen["kw"])
+    return float(fc.get_total_flops())
+
+
+def versions() -> dict:
+    import diffusers
+    env = cache.environment()
+    env["diffusers"] = diffusers.__version__
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+
+def child(args) -> dict:
+    """Second process: warm up on the filled cache directory (and the artifact)."""
+    t_start = time.perf_counter()
+    cache.configure_cache_dir(args["cache_dir"])
+    pipe, spec = build(args)
+    t_built = time.perf_counter()
+    key = cache.cache_key(pipe, args["compile"], shape_dict(args))
+    blob = cache.read_artifact(args["cache_dir"], key)
+    hit = blob is not None and cache.unpack_and_load(blob, key)
+    t_loaded = time.perf_counter()
+    compile_pipe(pipe, args["compile"])
+    _, first_call, _ = run_call(pipe, spec, args, args["steps"])
+    return dict(warmup_with_cache_s=first_call, artifact_hit=bool(hit), artifact_load_s=t_loaded - t_built,
+                build_s=t_built - t_start, process_ready_s=time.perf_counter() - t_start)
+
+
+def shape_dict(args) -> dict:
+    return {k: args[k] for k in ("height", "width", "frames", "batch", "steps")}
+
+
+def main(argv: list[str]) -> dict:
+    args = parse_argv(argv)
+    if args["child"]:
+        res = child(args)
+        with open(args["child"], "w") as f:
+            json.dump(res, f)
+        return res
+
+    if args["device"] == "cuda":
+        assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU (or: source=tiny device=cpu)"
+    cache_dir = args["cache_dir"] or tempfile.mkdtemp(prefix="compile-cache-")
+    cache.configure_cache_dir(cache_dir)  # fresh: warm-up with compilation compiles everything
+    res: dict = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "versions": versions(), "argv": argv, "args": {k: v for k, v in args.items() if k != "child"}}
+    res["matmul_tflops"] = {"fp16": matmul_peak(torch.float16), "bf16": matmul_peak(torch.bfloat16)}
+
+    t0 = time.perf_counter()
+    pipe, spec = build(args)
+    res["build_s"] = time.perf_counter() - t0
+    res["args"].update(height=args["height"], width=args["width"], frames=args["frames"])
+    steps = args["steps"]
+    res["flops_per_step"] = denoiser_flops(pipe, spec, args)
+    attr = "unet" if spec.info["family"] == "sd21" else "transformer"
+    pristine = copy.deepcopy(denoiser_of(pipe)).to("cpu") if args["extra"] else None  # for extra variants
+
+    # eager
+    t0 = time.perf_counter()
+    run_call(pipe, spec, args, steps)
+    res["eager_warmup_s"] = time.perf_counter() - t0
+    res["eager"], ref = measure(pipe, spec, args, steps)
+    ref = ref.float().cpu()
+
+    # compiled, fresh cache
+    try:
+        torch._dynamo.reset()
+        compile_pipe(pipe, args["compile"])
+        res["compile_report"] = pipe._compile_report
+        t0 = time.perf_counter()
+        run_call(pipe, spec, args, steps)
+        res["warmup_with_compile_s"] = time.perf_counter() - t0
+        res["compiled"], out = measure(pipe, spec, args, steps)
+        out = out.float().cpu()
+        res["max_abs_err_vs_eager"] = (out - ref).abs().max().item()
+        res["output_finite"] = bool(torch.isfinite(ref).all() and torch.isfinite(out).all())
+        res["speedup"] = res["compiled"]["its"] / res["eager"]["its"]
+
+        key = cache.cache_key(pipe, args["compile"], shape_dict(args))
+        blob = cache.pack_artifact(key)
+        if blob:
+            cache.write_artifact(cache_dir, key, blob)
+        res["artifact_bytes"] = len(blob) if blob else 0
+    except Exception as e:  # keep the eager figures and the ablations
+        import traceback
+        res["compiled_error"] = traceback.format_exc()[-4000:]
+        print(res["compiled_error"], file=sys.stderr)
+    setattr(pipe, attr, None)  # free the compiled denoiser before the ablations
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    # extra variants (ablations), it/s only, on fresh copies of the eager denoiser
+    res["extra"] = {}
+    for mode in [m for m in args["extra"].split(",") if m]:
+        # "MODE[-nofuse][-nosdpa]": ablate QKV fusion / the SDPA priority list
+        name, opts = mode, {**args["compile"], "fuse_qkv": "-nofuse" not in mode,
+                            "sdpa_priority": "-nosdpa" not in mode}
+        opts["mode"] = mode.replace("-nofuse", "").replace("-nosdpa", "")
+        torch._dynamo.reset()
+        setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
+        try:
+            compile_pipe(pipe, opts)
+            t0 = time.perf_counter()
+            run_call(pipe, spec, args, min(steps, 10))
+            first = time.perf_counter() - t0
+            m, _ = measure(pipe, spec, args, min(steps, 10))
+            res["extra"][name] = dict(its=m["its"], first_call_s=first, speedup=m["its"] / res["eager"]["its"],
+                                      peak_mem_gib=m["peak_mem_gib"])
+        except Exception as e:  # an ablation failing must not lose the rest of the run
+            res["extra"][name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        setattr(pipe, attr, None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # warm-up with cache: a second process on the filled directory
+    if "compiled_error" in res:
+        print(json.dumps(res, indent=1, default=str))
+        if args["out"]:
+            json.dump(res, open(args["out"], "w"), indent=2, default=str)
+        return res
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        child_out = f.name
+    cmd = [sys.executable, "-m", "compiler.bench", *argv, f"cache_dir={cache_dir}", f"child={child_out}"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode == 0:
+        res["cache_process"] = json.load(open(child_out))
+        res["warmup_with_cache_s"] = res["cache_process"]["warmup_with_cache_s"]
+    else:
+        res["cache_process_error"] = p.stderr[-3000:]
+    res["cache_process_wall_s"] = time.perf_counter() - t0
+
+    peak = res["matmul_tflops"]["bf16" if args["dtype"] == "bf16" else "fp16"] * 1e12
+    for k in ("eager", "compiled"):
+        res[k]["frac_of_matmul_peak"] = res["flops_per_step"] * res[k]["its"] / peak
+    res["flops_per_step_tflop"] = res["flops_per_step"] / 1e12
+    print(table(res))
+    if args["out"]:
+        with open(args["out"], "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return res
+
+
+def table(r: dict) -> str:
+    e, c = r["eager"], r["compiled"]
+    a = r["args"]
+    shape = f"{a['height']}x{a['width']}" + (f", {a['frames']} frames" if "latte" in a["model"] else "")
+    lines = [f"**{a['model']} {shape}, {a['steps']} steps, batch {a['batch']}, {r['device']}**, "
+             f"mode `{a['compile']['mode']}`, torch {r['versions']['torch']}, triton {r['versions']['triton']}, "
+             f"diffusers {r['versions']['diffusers']}, {r['date']}",
+             "",
+             "| metric | eager | compiled |", "| --- | --- | --- |",
+             f"| iteration speed (steps 2..N) | {e['its']:.2f} it/s | {c['its']:.2f} it/s ({r['speedup']:.2f}x) |",
+             f"| E2E, one call | {e['e2e_s']:.2f} s | {c['e2e_s']:.2f} s |",
+             f"| max memory (after warm-up) | {e['peak_mem_gib']:.2f} GiB | {c['peak_mem_gib']:.2f} GiB |",
+             f"| warm-up (first call) | {r['eager_warmup_s']:.1f} s | {r['warmup_with_compile_s']:.1f} s with compilation |",
+             f"| warm-up with cache (2nd process) | | {r.get('warmup_with_cache_s', float('nan')):.1f} s "
+             f"(artifact hit: {r.get('cache_process', {}).get('artifact_hit')}) |",
+             f"| fraction of measured matmul peak ({r['matmul_tflops']['fp16']:.0f} TFLOP/s fp16) "
+             f"| {e['frac_of_matmul_peak']:.1%} | {c['frac_of_matmul_peak']:.1%} |",
+             f"| max abs error vs eager (output in [0,1]) | | {r['max_abs_err_vs_eager']:.2e} |"]
+    for mode, x in r.get("extra", {}).items():
+        if "error" in x:
+            lines.append(f"| ablation `{mode}` | | failed: {x['error'][:120]} |")
+            continue
+        lines.append(f"| ablation `{mode}` | | {x['its']:.2f} it/s ({x['speedup']:.2f}x), first call {x['first_call_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
