@@ -172,6 +172,13 @@ def _vae(name: str, tiny: bool):
     return AutoencoderKL.from_config(_PUBLISHED[name])
 
 
+def _scheduler(cls, name: str):
+    # Schedulers keep their tables on the CPU (DPM-Solver calls .numpy() on them), also when the
+    # rest is built under `torch.device("cuda")`.
+    with torch.device("cpu"):
+        return cls.from_config(_PUBLISHED[name])
+
+
 def _dit_config(info: dict, tiny: bool) -> dict:
     cfg = dict(_PUBLISHED[info["transformer"]])
     if tiny:
@@ -194,7 +201,7 @@ def _build_latte(info: dict, tiny: bool):
     tok, te = _text_encoder_t5(info, tiny)
     return LattePipeline(tokenizer=tok, text_encoder=te, vae=_vae(info["vae"], tiny),
                          transformer=LatteTransformer3DModel.from_config(_dit_config(info, tiny)),
-                         scheduler=DDIMScheduler.from_config(_PUBLISHED["latte1_scheduler"]))
+                         scheduler=_scheduler(DDIMScheduler, "latte1_scheduler"))
 
 
 def _build_pixart(info: dict, tiny: bool):
@@ -204,7 +211,7 @@ def _build_pixart(info: dict, tiny: bool):
     cls = PixArtSigmaPipeline if info["family"] == "pixart_sigma" else PixArtAlphaPipeline
     return cls(tokenizer=tok, text_encoder=te, vae=_vae(info["vae"], tiny),
                transformer=PixArtTransformer2DModel.from_config(_dit_config(info, tiny)),
-               scheduler=DPMSolverMultistepScheduler.from_config(_PUBLISHED["pixart_scheduler"]))
+               scheduler=_scheduler(DPMSolverMultistepScheduler, "pixart_scheduler"))
 
 
 def _build_sd21(info: dict, tiny: bool):
@@ -227,7 +234,7 @@ def _build_sd21(info: dict, tiny: bool):
                                  "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
     return StableDiffusionPipeline(vae=_vae(info["vae"], tiny), text_encoder=CLIPTextModel(clip),
                                    tokenizer=tok, unet=unet,
-                                   scheduler=DDIMScheduler.from_config(_PUBLISHED["sd21_scheduler"]),
+                                   scheduler=_scheduler(DDIMScheduler, "sd21_scheduler"),
                                    safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
 
