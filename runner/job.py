@@ -98,7 +98,11 @@ def run(argv: list[str]) -> dict:
 
 
 def _constraints(model) -> Constraints:
-    from .models import video_length
+    from .models import ModelLoadError, check_pretrained, video_length
+    try:
+        check_pretrained(model)
+    except ModelLoadError as e:
+        raise JobError(str(e)) from e
     info = model.info
     # DPM-Solver's 1-step branch fails in the PixArt pipelines.
     return Constraints(size_factor=info["size_factor"], video_length=video_length(model),

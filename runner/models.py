@@ -106,6 +106,25 @@ def video_length(spec: ModelSpec) -> int | None:
     return json.loads(Path(cfg).read_text()).get("video_length", 16) if cfg else 16
 
 
+def check_pretrained(spec: ModelSpec) -> None:
+    """Fail fast, on the driver, when `pretrained` weights cannot be found (no GPU time spent)."""
+    if spec.source != "pretrained":
+        return
+    path = spec.path or spec.info["hub_id"]
+    if os.path.isdir(path):
+        if not (Path(path) / "model_index.json").is_file():
+            raise ModelLoadError(f"model.path {path!r} is a directory without model_index.json: "
+                                 f"not a diffusers pipeline (save one with save_pretrained, or "
+                                 f"download {spec.info['hub_id']} into it)")
+        return
+    if _pretrained_file(spec, "model_index.json") is None:
+        raise ModelLoadError(
+            f"cannot find the pretrained model {path!r} (not a local directory; not reachable on the "
+            f"hub or not in the local hub cache). Fix: download it where there is network "
+            f"(huggingface-cli download {spec.info['hub_id']} --local-dir DIR) and run with "
+            f"model.path=DIR, or use model.source=random|tiny to run without weights.")
+
+
 def _pretrained_file(spec: ModelSpec, name: str) -> str | None:
     path = spec.path or spec.info["hub_id"]
     if os.path.isdir(path):

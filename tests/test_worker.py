@@ -91,6 +91,15 @@ def test_bad_input_rejected_before_any_model_or_ray(tmp_path, write_prompts, no_
     assert not (tmp_path / "out").exists()          # nothing written either
 
 
+def test_missing_pretrained_weights_rejected_on_the_driver(tmp_path, write_prompts, no_models_no_ray):
+    p = write_prompts({"prompt": ["a"]})
+    with pytest.raises(JobError, match=r"cannot find the pretrained model 'PixArt-alpha/PixArt-XL-2-1024-MS'.*model.path=DIR"):
+        run(["job=pixart_batch", f"prompts.path={p}", f"output.dir={tmp_path}", "model.local_files_only=true"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JobError, match="without model_index.json"):
+        run(["job=pixart_batch", f"prompts.path={p}", f"output.dir={tmp_path}", f"model.path={tmp_path}/empty"])
+
+
 def test_output_dir_that_is_a_file(tmp_path, write_prompts, no_models_no_ray):
     p = write_prompts({"prompt": ["a"]})
     (tmp_path / "f").write_text("not a dir")
