@@ -57,6 +57,14 @@ def _apply_switches(opts: CompileOptions) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+def _raise_recompile_limit(n_blocks: int) -> None:
+    """Dynamo keeps at most `recompile_limit` graphs per code object; all instances of a block class
+    share one code object, and a UNet's ResnetBlock2D comes in ~10 shapes (channels x resolution)."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, n_blocks + 8)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * (n_blocks + 8))
+
+
 def compile_kwargs(opts: CompileOptions) -> dict:
     """Arguments for every torch.compile call the compiler makes."""
     # dynamic=True: symbolic shapes from the first call (one graph serves all resolutions);
@@ -83,6 +91,7 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     if opts.compile:
         kw = compile_kwargs(opts)
         report["compiled_blocks"] = transforms.compile_blocks(den, kw)
+        _raise_recompile_limit(sum(report["compiled_blocks"].values()))
         if opts.compile_text_encoder and getattr(pipe, "text_encoder", None) is not None:
             report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, kw)
         if opts.compile_vae and getattr(pipe, "vae", None) is not None:

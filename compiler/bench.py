@@ -36,7 +36,7 @@ from . import cache, compile_pipe, denoiser_of, parse_options
 
 def parse_argv(argv: list[str]) -> dict:
     a = dict(model="pixart_alpha_1024", steps=20, height=None, width=None, frames=16, batch=1, out=None,
-             extra="", seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
+             extra="", profile=0, seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
     comp: dict = {"mode": "O2"}
     for item in argv:
         if "=" not in item:
@@ -49,7 +49,7 @@ def parse_argv(argv: list[str]) -> dict:
         elif k == "compile":
             comp = json.loads(v)
         elif k in a:
-            a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width") else v
+            a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width", "profile") else v
         else:
             raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)} and compile.*")
     a["compile"] = parse_options(comp).to_dict()
@@ -172,6 +172,16 @@ def denoiser_flops(pipe, spec, args) -> float:
     return float(fc.get_total_flops())
 
 
+def profile_table(pipe, spec, args, rows: int = 25) -> str:
+    """Top CUDA kernels of a 4-step call (where the step time goes), as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run_call(pipe, spec, args, 4)
+    return prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=rows, max_name_column_width=70)
+
+
 def versions() -> dict:
     import diffusers
     env = cache.environment()
@@ -231,6 +241,9 @@ def main(argv: list[str]) -> dict:
     run_call(pipe, spec, args, steps)
     res["eager_warmup_s"] = time.perf_counter() - t0
     res["eager"], ref = measure(pipe, spec, args, steps)
+    if args["profile"]:
+        res["profile_eager"] = profile_table(pipe, spec, args)
+        print(res["profile_eager"])
     ref = ref.float().cpu()
 
     # compiled, fresh cache
@@ -246,6 +259,9 @@ def main(argv: list[str]) -> dict:
         res["max_abs_err_vs_eager"] = (out - ref).abs().max().item()
         res["output_finite"] = bool(torch.isfinite(ref).all() and torch.isfinite(out).all())
         res["speedup"] = res["compiled"]["its"] / res["eager"]["its"]
+        if args["profile"]:
+            res["profile_compiled"] = profile_table(pipe, spec, args)
+            print(res["profile_compiled"])
 
         key = cache.cache_key(pipe, args["compile"], shape_dict(args))
         blob = cache.pack_artifact(key)
