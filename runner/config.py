@@ -207,8 +207,10 @@ class RunOptions:
     batch_size: int = 1
     shard_size: int = 8
     warmup_steps: int = 2
+    max_shard_retries: int = 2
 
     def __post_init__(self):
+        _positive("run.max_shard_retries", self.max_shard_retries, allow_zero=True)
         _positive("run.batch_size", self.batch_size)
         _positive("run.shard_size", self.shard_size)
         _positive("run.warmup_steps", self.warmup_steps, allow_zero=True)
@@ -220,8 +222,12 @@ class RayOptions:
     num_workers: int | None = None
     cpu_workers: int = 2
     cpus_per_worker: int = 1
+    max_worker_restarts: int = 3
+    worker_start_timeout_s: float = 900.0
 
     def __post_init__(self):
+        _positive("ray.max_worker_restarts", self.max_worker_restarts, allow_zero=True)
+        _positive("ray.worker_start_timeout_s", self.worker_start_timeout_s)
         if self.num_workers is not None:
             _positive("ray.num_workers", self.num_workers)
         _positive("ray.cpu_workers", self.cpu_workers)

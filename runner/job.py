@@ -2,9 +2,11 @@
 stream results, summarize. `main(argv)` is what `python -m runner` runs.
 
 Everything that can be wrong with the input is checked before Ray starts or any model is built.
-Shards are handed out dynamically: each worker holds at most `INFLIGHT` shards, and a worker that
-finishes takes the next one from the queue. Results stream back to the driver, which rewrites
-`results.parquet` atomically as they arrive (at most every `output.results_every_s`) and at the end.
+A rerun into the same directory resumes: prompts whose output is complete are skipped (see
+`results.py`). Shards are handed out dynamically and survive worker failures (see `dispatch.py`).
+Each shard's rows are journaled as they arrive; `results.parquet` is rewritten atomically at most
+every `output.results_every_s` and at the end. Exit status: 0 all ok, 1 some items failed, 2 bad
+input or the job could not run, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 
 from omegaconf import OmegaConf
 
 from .config import ConfigError, load_config, split
-from .outputs import format_table, write_json, write_parquet, write_text
+from .dispatch import DispatchError, dispatch
+from .outputs import format_table, write_json, write_text
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
+from .results import JOURNAL, Results, config_changes, fingerprint, remove_temp_files, start_fresh
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
@@ -41,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PromptError, JobError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished outputs and the summary so far are written; rerun the same "
+              "command to resume", file=sys.stderr)
+        return 130
+    # 1: some items failed (see summary.txt); the others are complete.
     return 0 if summary["failed"] == 0 else 1
 
 
@@ -48,53 +56,128 @@ def run(argv: list[str]) -> dict:
     # 1. Config: merged, checked, split into typed pieces.
     cfg = load_config(argv)
     job = split(cfg)
-    model, out = job["model"], job["output"]
+    model, out, opts = job["model"], job["output"], job["run"]
 
-    # 2. Prompts: read and validate all of them, plan shards (no model, no Ray yet).
+    # 2. Prompts: read and validate all of them, find what is already done, plan shards
+    #    (no model, no Ray yet).
     limits = _constraints(model)
-    files, rows_per_file, items = check_prompts(job["prompts"].paths, job["generation"], limits,
-                                                job["prompts"].on_empty)
-    shards = plan_shards(rows_per_file, job["run"].shard_size)
-    _prepare_output_dir(out.job_dir)
+    files, _, items = check_prompts(job["prompts"].paths, job["generation"], limits,
+                                    job["prompts"].on_empty)
+    results = _open_results(cfg, out)
+    done = results.done_ids() & {it.id for it in items}
+    shards = plan_shards(items, opts.shard_size, done)
     write_text(os.path.join(out.job_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
-    log.info("%d prompts in %d files -> %d shards; outputs in %s", len(items), len(files),
-             len(shards), out.job_dir)
+    log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
+             len(items), len(files), len(done), len(shards), out.job_dir)
+    by_row = {(it.file, it.row): it for it in items}
+
+    def items_of(shard):
+        return [by_row[(shard.file, r)] for r in range(shard.start, shard.stop)
+                if (shard.file, r) in by_row]
 
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
-    import ray
-    from .worker import Worker, WorkerConfig
-    _ray_init(job["ray"])
-    gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
-    n = job["ray"].num_workers or (gpus or job["ray"].cpu_workers)
-    if gpus:
-        actor_opts = dict(num_gpus=1, num_cpus=1)
-    else:
-        actor_opts = dict(num_cpus=job["ray"].cpus_per_worker)
-    wcfg = WorkerConfig(model=model, generation=job["generation"], limits=limits,
-                        on_empty=job["prompts"].on_empty, job_dir=os.path.abspath(out.job_dir),
-                        batch_size=job["run"].batch_size, warmup_steps=job["run"].warmup_steps,
-                        fps=out.fps, compile=job["compile"],
-                        num_threads=None if gpus else job["ray"].cpus_per_worker)
-    RemoteWorker = ray.remote(Worker).options(
-        max_concurrency=1, scheduling_strategy="SPREAD", **actor_opts)
-    t_start = time.perf_counter()
-    workers = [RemoteWorker.remote(k, wcfg) for k in range(n)]
-    log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
-    ready = _wait_all([w.warmup.remote() for w in workers], "worker start-up")
-    t_ready = time.perf_counter()
+    slots, interrupted, t_start = [], False, time.perf_counter()
+    t_ready = t_done = None
+    if shards:
+        import ray
+        from .worker import Worker, WorkerConfig
+        _ray_init(job["ray"])
+        gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
+        n = job["ray"].num_workers or (gpus or job["ray"].cpu_workers)
+        actor_opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=job["ray"].cpus_per_worker)
+        faults = {k: v for k, v in os.environ.items() if k == "RUNNER_FAULTS"}
+        if faults:
+            actor_opts["runtime_env"] = {"env_vars": faults}
+        wcfg = WorkerConfig(model=model, generation=job["generation"], limits=limits,
+                            on_empty=job["prompts"].on_empty, job_dir=os.path.abspath(out.job_dir),
+                            batch_size=opts.batch_size, warmup_steps=opts.warmup_steps,
+                            fps=out.fps, compile=job["compile"],
+                            num_threads=None if gpus else job["ray"].cpus_per_worker)
+        RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
+                                                  **actor_opts)
+        log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
 
-    # 4. Stream: dynamic hand-out, results recorded as they arrive.
-    results = _stream(workers, shards, len(items), out)
-    t_done = time.perf_counter()
+        # 4. Stream: dynamic hand-out, each shard's rows journaled as they arrive.
+        from tqdm import tqdm
+        todo = sum(len(items_of(s)) for s in shards)
+        bar = tqdm(total=todo, unit="item", desc="generating", smoothing=0.1)
+        last_write = [time.monotonic()]
+
+        def on_rows(rows):
+            results.add(rows)
+            bar.update(len(rows))
+            if time.monotonic() - last_write[0] >= out.results_every_s:
+                results.write_table([it.id for it in items])
+                last_write[0] = time.monotonic()
+
+        def on_ready(slot):
+            nonlocal t_ready
+            t_ready = t_ready or time.perf_counter()
+
+        try:
+            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg), n, shards, items_of, on_rows,
+                             inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                             max_restarts=job["ray"].max_worker_restarts,
+                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready)
+        except KeyboardInterrupt:
+            interrupted = True
+            log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
+        except DispatchError as e:
+            results.write_table([it.id for it in items])
+            raise JobError(str(e)) from e
+        finally:
+            bar.close()
+        t_done = time.perf_counter()
 
     # 5. Summarize.
-    metrics = _wait_all([w.metrics.remote() for w in workers], "worker metrics")
-    for m in metrics:
-        write_json(os.path.join(out.job_dir, "metrics", f"worker-{m['rank']}.json"), m)
-    summary = _summarize(job, results, metrics, ready, t_ready - t_start, t_done - t_ready)
-    for w in workers:
-        ray.kill(w)
+    table = results.write_table([it.id for it in items])
+    results.close()
+    metrics = _collect_metrics(slots, out)
+    summary = _summarize(job, items, table, metrics, len(done), interrupted,
+                         (t_ready or t_start) - t_start, (t_done or t_start) - (t_ready or t_start))
+    if slots:
+        import ray
+        for s in slots:
+            ray.kill(s.actor)
+    if interrupted:
+        raise KeyboardInterrupt
     return summary
+
+
+def _open_results(cfg, out) -> Results:
+    """Resume what a previous run into this directory finished, if its config is compatible."""
+    _prepare_output_dir(out.job_dir)
+    old_cfg = os.path.join(out.job_dir, "config.yaml")
+    if cfg.output.overwrite:
+        start_fresh(out.job_dir)
+    elif os.path.exists(os.path.join(out.job_dir, JOURNAL)) and os.path.exists(old_cfg):
+        changes = config_changes(fingerprint(OmegaConf.load(old_cfg)), fingerprint(cfg))
+        if changes:
+            raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
+                           f"set output.overwrite=true to regenerate everything, or choose another "
+                           f"job.name or output.dir")
+    removed = remove_temp_files(out.job_dir)
+    if removed:
+        log.info("removed %d half-written files left by an earlier run", removed)
+    os.makedirs(os.path.join(out.job_dir, "media"), exist_ok=True)
+    return Results(out.job_dir).load()
+
+
+def _collect_metrics(slots, out) -> list[dict]:
+    import ray
+    metrics = []
+    for s in slots:
+        if s.state != "ready":
+            continue
+        try:
+            m = ray.get(s.actor.metrics.remote(), timeout=60)
+        except Exception as e:           # a worker that died at the very end: its rows are in
+            log.warning("no metrics from worker %d: %s", s.rank, e)
+            continue
+        m["restarts"] = s.restarts
+        write_json(os.path.join(out.job_dir, "metrics", f"worker-{m['rank']}.json"), m)
+        metrics.append(m)
+    return metrics
 
 
 def _constraints(model) -> Constraints:
@@ -110,11 +193,14 @@ def _constraints(model) -> Constraints:
 
 
 def _prepare_output_dir(job_dir: str) -> None:
+    if "://" in job_dir:
+        raise JobError(f"output.dir {job_dir!r}: URIs are not supported; use a path every node can "
+                       f"reach (a shared filesystem, or an object store mounted with FUSE)")
     for p in (os.path.dirname(job_dir) or ".", job_dir):
         if os.path.exists(p) and not os.path.isdir(p):
             raise JobError(f"output directory {p!r} exists and is a file; set output.dir to a "
                            f"directory (or remove the file)")
-    os.makedirs(os.path.join(job_dir, "media"), exist_ok=True)
+    os.makedirs(job_dir, exist_ok=True)
 
 
 def _ray_init(opts) -> None:
@@ -131,72 +217,40 @@ def _ray_init(opts) -> None:
                  logging_level=logging.WARNING)
 
 
-def _wait_all(refs, what: str):
-    import ray
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayError as e:
-        raise JobError(f"{what} failed: {e}") from e
-
-
-def _stream(workers, shards, total: int, out) -> list[dict]:
-    import ray
-    from tqdm import tqdm
-    queue = deque(shards)
-    inflight = {}   # ObjectRef -> (worker index, shard)
-    results: list[dict] = []
-    last_write = time.monotonic()
-    path = os.path.join(out.job_dir, "results.parquet")
-
-    def submit(k):
-        if queue:
-            shard = queue.popleft()
-            inflight[workers[k].run_shard.remote(shard)] = (k, shard)
-
-    for k in range(len(workers)):
-        for _ in range(INFLIGHT):
-            submit(k)
-    with tqdm(total=total, unit="item", desc="generating", smoothing=0.1) as bar:
-        while inflight:
-            done, _ = ray.wait(list(inflight), num_returns=1)
-            k, shard = inflight.pop(done[0])
-            try:
-                rows = ray.get(done[0])
-            except ray.exceptions.RayError as e:
-                raise JobError(f"worker {k} failed on shard {shard.file}[{shard.start}:{shard.stop}]: "
-                               f"{e}") from e
-            results += rows
-            bar.update(len(rows))
-            submit(k)
-            if time.monotonic() - last_write >= out.results_every_s:
-                write_parquet(path, results)
-                last_write = time.monotonic()
-    write_parquet(path, results)
-    return results
-
-
-def _summarize(job, results, metrics, ready, startup_s, gen_s) -> dict:
+def _summarize(job, items, table, metrics, resumed, interrupted, startup_s, gen_s) -> dict:
     out = job["output"]
-    ok = [r for r in results if r["status"] == "ok"]
+    ok = [r for r in table if r["status"] == "ok"]
+    failed = [r for r in table if r["status"] != "ok"]
+    errors: dict[str, int] = {}
+    for r in failed:
+        key = (r["error"] or "?").splitlines()[0][:160]
+        errors[key] = errors.get(key, 0) + 1
     summary = dict(
         job=job["name"], model=job["model"].preset, source=job["model"].source,
-        compile_mode=job["compile"].options["mode"], workers=len(metrics), items=len(results),
-        ok=len(ok), failed=len(results) - len(ok), startup_s=startup_s, generate_s=gen_s,
-        items_per_s=len(ok) / gen_s if gen_s else None,
+        compile_mode=job["compile"].options["mode"], workers=len(metrics), items=len(items),
+        ok=len(ok), failed=len(failed), not_run=len(items) - len(table), resumed=resumed,
+        interrupted=interrupted, errors=errors, startup_s=startup_s, generate_s=gen_s,
+        items_per_s=(len(ok) - resumed) / gen_s if gen_s else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
-        workers_detail=[{k: m.get(k) for k in ("rank", "host", "gpu_name", "items",
-                                                "model_load_s", "warmup_s", "steady_it_s",
-                                                "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
-                                                "busy_fraction")} for m in metrics],
+        workers_detail=[{k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items",
+                                                "failed", "restarts", "model_load_s", "warmup_s",
+                                                "steady_it_s", "e2e_mean_s", "e2e_p95_s",
+                                                "peak_mem_gb", "busy_fraction")} for m in metrics],
     )
     write_json(os.path.join(out.job_dir, "summary.json"), summary)
-    table = format_table(summary["workers_detail"],
-                         ["rank", "host", "items", "model_load_s", "warmup_s", "steady_it_s",
-                          "e2e_mean_s", "e2e_p95_s", "peak_mem_gb", "busy_fraction"])
-    text = (f"job {summary['job']}: {summary['ok']}/{summary['items']} ok, {summary['failed']} failed, "
-            f"model {summary['model']} ({summary['source']}), compile {summary['compile_mode']}\n"
+    table_txt = format_table(summary["workers_detail"],
+                             ["rank", "host", "items", "failed", "restarts", "model_load_s",
+                              "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
+                              "busy_fraction"])
+    rate = f"{summary['items_per_s']:.3g} items/s" if summary["items_per_s"] else "-"
+    text = (f"job {summary['job']}: {summary['ok']}/{summary['items']} ok, {summary['failed']} failed"
+            f", {summary['not_run']} not run ({resumed} done by an earlier run)"
+            f"{', INTERRUPTED' if interrupted else ''}; model {summary['model']} "
+            f"({summary['source']}), compile {summary['compile_mode']}\n"
             f"{summary['workers']} workers ready in {startup_s:.1f} s; generated in {gen_s:.1f} s "
-            f"= {summary['items_per_s']:.3g} items/s\n\n{table}\n")
+            f"= {rate}\n\n{table_txt}\n")
+    if errors:
+        text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
     write_text(os.path.join(out.job_dir, "summary.txt"), text)
     print("\n" + text)
     return summary

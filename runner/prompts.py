@@ -11,7 +11,8 @@ Contract:
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
   would fail later (before any model is built). Workers call `read_items` on their own shard: the
   same normalization, so both sides agree on ids and parameters.
-- A shard is `(file, start, stop)` over raw rows; prompts never travel through the driver.
+- A shard is `(file, start, stop)` over raw rows, planned over the rows still to do; prompts
+  never travel through the driver.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ class Item:
     num_frames: int | None           # None for image models
     num_inference_steps: int
     guidance_scale: float
-    source: str                      # "<file>:<row>" for error messages and the results table
+    file: str                        # where the row came from (errors, the results table)
+    row: int
+
+    @property
+    def source(self) -> str:
+        return f"{self.file}:{self.row}"
 
     def shape_key(self) -> tuple:
         """Items with equal keys can share one batched pipeline call."""
@@ -81,6 +87,9 @@ class Shard:
 def list_files(paths: tuple[str, ...]) -> list[str]:
     files: list[str] = []
     for p in paths:
+        if "://" in p:
+            raise PromptError(f"prompts.path {p!r}: URIs are not supported; use a path every node "
+                              f"can read (a shared filesystem, or an object store mounted with FUSE)")
         if os.path.isdir(p):
             found = sorted(str(f) for f in Path(p).rglob("*.parquet"))
             if not found:
@@ -152,7 +161,7 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
                     seed=values["seed"], height=values["height"], width=values["width"],
                     num_frames=values["num_frames"] if limits.video_length is not None else None,
                     num_inference_steps=values["num_inference_steps"], guidance_scale=guidance,
-                    source=where)
+                    file=file, row=row)
         _check_item(item, limits)
         items.append(item)
     return items
@@ -194,11 +203,25 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
     return files, rows, items
 
 
-def plan_shards(rows_per_file: dict[str, int], shard_size: int) -> list[Shard]:
-    shards = []
-    for f, n in rows_per_file.items():
-        for start in range(0, n, shard_size):
-            shards.append(Shard(len(shards), f, start, min(start + shard_size, n)))
+def plan_shards(items: list[Item], shard_size: int, done: set[str] = frozenset()) -> list[Shard]:
+    """Shards over runs of consecutive rows still to do (`done` ids are left out: resume)."""
+    shards: list[Shard] = []
+    start = prev = None
+    file = None
+
+    def close():
+        if start is not None:
+            shards.append(Shard(len(shards), file, start, prev + 1))
+
+    for it in items:
+        if it.id in done:
+            continue
+        if it.file == file and it.row == prev + 1 and it.row - start < shard_size:
+            prev = it.row
+            continue
+        close()
+        file, start, prev = it.file, it.row, it.row
+    close()
     return shards
 
 

@@ -105,6 +105,51 @@ def batches(items: list[Item], batch_size: int, family: str) -> list[list[Item]]
     return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
 
 
+def _node_id() -> str | None:
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _fatal(e: Exception) -> bool:
+    """Errors after which this process cannot go on: a CUDA error other than out-of-memory poisons
+    the context. The worker exits and the driver starts a replacement."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    if "CUDA error" in str(e) or "cudaError" in str(e):
+        os._exit(70)
+    return isinstance(e, (KeyboardInterrupt, SystemExit))
+
+
+def _free_memory(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _faults() -> list[str]:
+    """Fault injection for the failure tests, from RUNNER_FAULTS (comma-separated):
+    crash:<id> (the worker process dies at that item, every time), crash_once:<id> (only the first
+    time), nan:<id> (the output is NaN), slow:<seconds> (sleep before each batch)."""
+    return [f for f in os.environ.get("RUNNER_FAULTS", "").split(",") if f]
+
+
+def _inject_faults(batch: list[Item], job_dir: str) -> None:
+    for f in _faults():
+        kind, _, arg = f.partition(":")
+        if kind == "slow":
+            time.sleep(float(arg))
+        for it in batch:
+            if kind == "crash" and arg == it.id:
+                os._exit(71)
+            if kind == "crash_once" and arg == it.id:
+                marker = os.path.join(job_dir, f".fault-{it.id}")
+                if not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(71)
+
+
 class Worker:
     def __init__(self, rank: int, cfg: WorkerConfig):
         self.rank, self.cfg = rank, cfg
@@ -119,7 +164,7 @@ class Worker:
         t0 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
         self._sync()
-        self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(),
+        self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(), node_id=_node_id(),
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
                       model_load_s=time.perf_counter() - t0, items=0, failed=0, steps=0,
@@ -145,7 +190,7 @@ class Worker:
                         height=g.height, width=g.width,
                         num_frames=self.cfg.limits.video_length, guidance_scale=g.guidance_scale,
                         num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
-                        source="warmup")
+                        file="warmup", row=0)
             with torch.inference_mode():
                 generate(self.pipe, self.family, [item], self.spec.device,
                          mask_feature=self.spec.mask_feature)
@@ -163,31 +208,64 @@ class Worker:
         items = read_items(shard, self.cfg.generation, self.cfg.limits, self.cfg.on_empty)
         rows = []
         for batch in batches(items, self.cfg.batch_size, self.family):
-            t0 = time.perf_counter()
-            clock = StepClock(self.cuda)
-            with torch.inference_mode():
-                out = generate(self.pipe, self.family, batch, self.spec.device, clock,
-                               mask_feature=self.spec.mask_feature)
-            steps, denoise_s = clock.seconds()
-            paths = []
-            for item, media in zip(batch, out):
-                path = os.path.join(self.media_dir, f"{item.id}.{self.ext}")
-                if self.ext == "mp4":
-                    write_mp4(path, media, self.cfg.fps)
-                else:
-                    write_png(path, media)
-                paths.append(path)
-            e2e = time.perf_counter() - t0
-            self.m["items"] += len(batch)
-            self.m["steps"] += steps
-            self.m["denoise_s"] += denoise_s
-            self.m["busy_s"] += e2e
-            self.m["e2e"].append(e2e)
-            for item, path in zip(batch, paths):
-                rows.append({**item.params(), "status": "ok", "error": None,
-                             "output": os.path.relpath(path, self.cfg.job_dir),
-                             "worker": self.rank, "batch_size": len(batch), "e2e_s": e2e,
-                             "denoise_it_s": steps / denoise_s if denoise_s else None})
+            try:
+                rows += self._run_batch(batch)
+            except Exception as e:
+                if _fatal(e):
+                    raise
+                # One bad item (NaN, out of memory at one size, ...) must not fail its batch-mates.
+                _free_memory(self.cuda)
+                if len(batch) == 1:
+                    rows.append(self._failed(batch[0], e))
+                    continue
+                for item in batch:
+                    try:
+                        rows += self._run_batch([item])
+                    except Exception as e1:
+                        if _fatal(e1):
+                            raise
+                        _free_memory(self.cuda)
+                        rows.append(self._failed(item, e1))
+        return rows
+
+    def _failed(self, item: Item, e: Exception) -> dict:
+        self.m["failed"] += 1
+        return {**item.params(), "status": "failed", "error": f"{type(e).__name__}: {e}"[:2000],
+                "output": None, "worker": self.rank, "batch_size": 1, "e2e_s": None,
+                "denoise_it_s": None}
+
+    def _run_batch(self, batch: list[Item]) -> list[dict]:
+        _inject_faults(batch, self.cfg.job_dir)
+        t0 = time.perf_counter()
+        clock = StepClock(self.cuda)
+        with torch.inference_mode():
+            out = generate(self.pipe, self.family, batch, self.spec.device, clock,
+                           mask_feature=self.spec.mask_feature)
+        if any(f"nan:{it.id}" in _faults() for it in batch):
+            out = out * np.nan
+        steps, denoise_s = clock.seconds()
+        for item, media in zip(batch, out):
+            if not np.isfinite(media).all():
+                raise FloatingPointError(f"non-finite values in the output of {item.id!r}")
+        rows = []
+        for item, media in zip(batch, out):
+            path = os.path.join(self.media_dir, f"{item.id}.{self.ext}")
+            if self.ext == "mp4":
+                write_mp4(path, media, self.cfg.fps)
+            else:
+                write_png(path, media)
+            rows.append({**item.params(), "status": "ok", "error": None,
+                         "output": os.path.relpath(path, self.cfg.job_dir), "worker": self.rank,
+                         "node_id": self.m["node_id"],
+                         "batch_size": len(batch), "denoise_it_s": steps / denoise_s if denoise_s else None})
+        e2e = time.perf_counter() - t0
+        for r in rows:
+            r["e2e_s"] = e2e
+        self.m["items"] += len(batch)
+        self.m["steps"] += steps
+        self.m["denoise_s"] += denoise_s
+        self.m["busy_s"] += e2e
+        self.m["e2e"].append(e2e)
         return rows
 
     def metrics(self) -> dict:

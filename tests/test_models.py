@@ -9,7 +9,7 @@ from runner.worker import generate
 
 def item(i=0, seed=1, frames=None, **kw):
     base = dict(id=f"x{i}", prompt="a cat on the moon", negative_prompt="", seed=seed, height=64,
-                width=64, num_frames=frames, num_inference_steps=2, guidance_scale=4.5, source="t")
+                width=64, num_frames=frames, num_inference_steps=2, guidance_scale=4.5, file="t", row=i)
     return Item(**{**base, **kw})
 
 

@@ -105,7 +105,7 @@ def test_directory_and_multiple_files_and_shards(tmp_path, write_prompts):
     files, rows, items = check_prompts((str(d),), GEN, IMAGE, "error")
     assert [os.path.basename(f) for f in files] == ["a.parquet", "b.parquet"]   # sorted, stable
     assert len(items) == 8 and items[0].id == "a-000000" and items[3].id == "b-000000"
-    shards = plan_shards(rows, 2)
+    shards = plan_shards(items, 2)
     assert [(os.path.basename(s.file), s.start, s.stop) for s in shards] == [
         ("a.parquet", 0, 2), ("a.parquet", 2, 3),
         ("b.parquet", 0, 2), ("b.parquet", 2, 4), ("b.parquet", 4, 5)]

@@ -50,7 +50,7 @@ def test_rerun_writes_the_same_files(tmp_path, write_prompts):
 
 def test_batches_split_by_shape_and_size():
     from runner.prompts import Item
-    mk = lambda i, h: Item(str(i), "p", "", 0, h, 64, None, 2, 4.5, "t")
+    mk = lambda i, h: Item(str(i), "p", "", 0, h, 64, None, 2, 4.5, "t", i)
     groups = batches([mk(0, 64), mk(1, 128), mk(2, 64), mk(3, 64)], 2, "pixart_alpha")
     assert [[i.id for i in b] for b in groups] == [["0", "2"], ["3"], ["1"]]
 

@@ -1,0 +1,180 @@
+"""Hands shards to workers and survives their failures.
+
+Contract of `dispatch(...)`:
+- Each worker slot holds at most `inflight` shards; when one finishes, the slot takes the next from
+  the queue (dynamic, not a static split). Rows go to `on_rows` as each shard finishes.
+- A worker that dies (process killed, node lost, CUDA error: any Ray error that is not an exception
+  raised inside `run_shard`) loses only its queued shards: they go back to the front of the queue.
+  The slot gets a new actor (at most `max_restarts` times per slot), which warms up like the first.
+- The shard that was running when a worker died, or that raised, is charged one attempt. A failing
+  shard of several rows is split into single rows, so one poison prompt cannot take its neighbours
+  down; a row that fails more than `max_retries` times is recorded as failed and the job goes on.
+- A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
+  that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
+  the job stops with `DispatchError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from .prompts import Item, Shard
+
+log = logging.getLogger("runner")
+
+
+class DispatchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Slot:
+    rank: int
+    actor: Any
+    warm_ref: Any
+    started: float
+    state: str = "starting"          # starting | ready | dead
+    restarts: int = 0
+    running: list = field(default_factory=list)   # refs in submission order (Ray runs them in order)
+    ready_info: dict | None = None
+    last_error: str | None = None
+
+
+def _is_task_error(e: Exception) -> bool:
+    """An exception raised by our code inside the actor (the actor lives on)."""
+    import ray
+    return isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e, ray.exceptions.RayActorError)
+
+
+def failed_rows(items: list[Item], error: str) -> list[dict]:
+    return [{**it.params(), "status": "failed", "error": error, "output": None, "worker": None,
+             "batch_size": None, "e2e_s": None, "denoise_it_s": None} for it in items]
+
+
+def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
+             items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
+             inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
+             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None) -> list[Slot]:
+    import ray
+
+    queue = deque(shards)
+    attempts: dict[int, int] = {}
+    next_index = max((s.index for s in shards), default=-1) + 1
+    refs: dict[Any, tuple[Slot, Shard]] = {}
+
+    def start(slot: Slot | None, rank: int) -> Slot:
+        actor = make_actor(rank)
+        new = Slot(rank=rank, actor=actor, warm_ref=actor.warmup.remote(), started=time.monotonic())
+        if slot is not None:
+            new.restarts = slot.restarts + 1
+        return new
+
+    slots = [start(None, k) for k in range(n_workers)]
+
+    def fill(slot: Slot):
+        while slot.state == "ready" and queue and len(slot.running) < inflight:
+            shard = queue.popleft()
+            ref = slot.actor.run_shard.remote(shard)
+            slot.running.append(ref)
+            refs[ref] = (slot, shard)
+
+    def charge(shard: Shard, error: str):
+        """One more failed attempt of `shard`: split it, retry it, or record its rows as failed."""
+        nonlocal next_index
+        n = attempts.get(shard.index, 0) + 1
+        attempts[shard.index] = n
+        items = items_of(shard)
+        if len(items) > 1:
+            log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
+                        shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
+            singles = []
+            for it in items:
+                s = Shard(next_index, shard.file, it.row, it.row + 1)
+                attempts[next_index] = n
+                next_index += 1
+                singles.append(s)
+            queue.extendleft(reversed(singles))
+        elif n > max_retries:
+            log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
+                      error.splitlines()[0][:300])
+            on_rows(failed_rows(items, f"failed {n} times: {error[:2000]}"))
+        elif items:
+            queue.appendleft(shard)
+
+    def lose(slot: Slot, error: str):
+        """The slot's actor is gone: requeue its shards, restart it if allowed."""
+        if slot.state == "dead":
+            return
+        slot.state, slot.last_error = "dead", error
+        for i, ref in enumerate(slot.running):
+            _, shard = refs.pop(ref)
+            if i == 0:
+                charge(shard, error)         # the one it was running
+            else:
+                queue.appendleft(shard)      # only queued behind it: no attempt charged
+        slot.running = []
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception:
+            pass
+        if slot.restarts < max_restarts and (queue or refs):
+            log.warning("worker %d lost (%s); starting a replacement (%d/%d)", slot.rank,
+                        error.splitlines()[0][:200], slot.restarts + 1, max_restarts)
+            slots[slots.index(slot)] = start(slot, slot.rank)
+        else:
+            log.warning("worker %d lost (%s); not restarted", slot.rank, error.splitlines()[0][:200])
+
+    while queue or refs:
+        waiting = {s.warm_ref: s for s in slots if s.state == "starting"}
+        live = [s for s in slots if s.state != "dead"]
+        if not live:
+            errors = "; ".join(f"worker {s.rank}: {(s.last_error or '?').splitlines()[0][:300]}"
+                               for s in slots)
+            raise DispatchError(f"every worker is gone and none could be restarted ({errors}); "
+                                f"{len(queue)} shards were not run. Finished outputs are kept: "
+                                f"rerun the same command to resume.")
+        ready, _ = ray.wait(list(refs) + list(waiting), num_returns=1, timeout=1.0)
+        now = time.monotonic()
+        for s in [s for s in slots if s.state == "starting" and now - s.started > start_timeout_s]:
+            if s.warm_ref not in ready:
+                lose(s, f"not ready after {start_timeout_s:.0f} s (ray.worker_start_timeout_s): "
+                        f"the cluster may lack the resources for it")
+        for ref in ready:
+            if ref in waiting:
+                slot = waiting[ref]
+                if slot.state != "starting":
+                    continue
+                try:
+                    slot.ready_info = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    lose(slot, f"start-up failed: {e}")
+                    continue
+                slot.state = "ready"
+                if on_ready:
+                    on_ready(slot)
+                fill(slot)
+            elif ref in refs:
+                slot, shard = refs.pop(ref)
+                slot.running.remove(ref)
+                try:
+                    rows = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    if _is_task_error(e):
+                        charge(shard, str(e))
+                    else:
+                        refs[ref] = (slot, shard)          # lose() requeues all its shards
+                        slot.running.insert(0, ref)
+                        lose(slot, str(e))
+                    continue
+                on_rows(rows)
+            for s in slots:
+                fill(s)
+    for s in slots:
+        if s.state == "starting":              # a replacement nobody needs any more
+            ray.kill(s.actor, no_restart=True)
+            s.state = "dead"
+    return slots
