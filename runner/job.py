@@ -133,7 +133,7 @@ def run(argv: list[str]) -> dict:
     table = results.write_table([it.id for it in items])
     results.close()
     metrics = _collect_metrics(slots, out)
-    summary = _summarize(job, items, table, metrics, len(done), interrupted,
+    summary = _summarize(job, items, table, slots, metrics, len(done), interrupted,
                          (t_ready or t_start) - t_start, (t_done or t_start) - (t_ready or t_start))
     if slots:
         import ray
@@ -217,7 +217,7 @@ def _ray_init(opts) -> None:
                  logging_level=logging.WARNING)
 
 
-def _summarize(job, items, table, metrics, resumed, interrupted, startup_s, gen_s) -> dict:
+def _summarize(job, items, table, slots, metrics, resumed, interrupted, startup_s, gen_s) -> dict:
     out = job["output"]
     ok = [r for r in table if r["status"] == "ok"]
     failed = [r for r in table if r["status"] != "ok"]
@@ -229,6 +229,7 @@ def _summarize(job, items, table, metrics, resumed, interrupted, startup_s, gen_
         job=job["name"], model=job["model"].preset, source=job["model"].source,
         compile_mode=job["compile"].options["mode"], workers=len(metrics), items=len(items),
         ok=len(ok), failed=len(failed), not_run=len(items) - len(table), resumed=resumed,
+        worker_restarts=sum(s.restarts for s in slots),
         interrupted=interrupted, errors=errors, startup_s=startup_s, generate_s=gen_s,
         items_per_s=(len(ok) - resumed) / gen_s if gen_s else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
@@ -247,7 +248,8 @@ def _summarize(job, items, table, metrics, resumed, interrupted, startup_s, gen_
             f", {summary['not_run']} not run ({resumed} done by an earlier run)"
             f"{', INTERRUPTED' if interrupted else ''}; model {summary['model']} "
             f"({summary['source']}), compile {summary['compile_mode']}\n"
-            f"{summary['workers']} workers ready in {startup_s:.1f} s; generated in {gen_s:.1f} s "
+            f"{summary['workers']} workers ({summary['worker_restarts']} restarts) ready in "
+            f"{startup_s:.1f} s; generated in {gen_s:.1f} s "
             f"= {rate}\n\n{table_txt}\n")
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"

@@ -1,0 +1,162 @@
+"""Failure and resume behaviour of the real CLI on a local Ray (tiny models, CPU workers).
+Faults are injected with RUNNER_FAULTS (see runner/worker.py) or by killing processes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.e2e
+IDS = [f"p{i:02d}" for i in range(12)]
+
+
+@pytest.fixture
+def job(tmp_path, write_prompts):
+    prompts = write_prompts({"prompt": [f"prompt number {i}" for i in range(len(IDS))], "id": IDS})
+    out = tmp_path / "out"
+    return dict(args=["job=demo_image", f"prompts.path={prompts}", f"output.dir={out}",
+                      "job.name=j", "generation.height=64", "generation.width=64",
+                      "generation.num_inference_steps=2", "run.shard_size=3", "run.batch_size=1",
+                      "output.results_every_s=0"],
+                dir=out / "j")
+
+
+def cli(args, faults="", wait=True, **env):
+    e = {**os.environ, "RUNNER_FAULTS": faults, **env}
+    p = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, env=e, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    if not wait:
+        return p
+    out, err = p.communicate(timeout=300)
+    return p.returncode, out, err
+
+
+def rows(job_dir):
+    return pq.read_table(os.path.join(job_dir, "results.parquet")).to_pylist()
+
+
+def assert_complete(job_dir, failed=()):
+    table = rows(job_dir)
+    assert sorted(r["id"] for r in table) == IDS                 # every prompt exactly once
+    for r in table:
+        assert r["status"] == ("failed" if r["id"] in failed else "ok"), r
+    media = sorted(os.listdir(os.path.join(job_dir, "media")))
+    assert media == [f"{i}.png" for i in IDS if i not in failed]  # no partial or temp files
+    leftovers = [f for _, _, fs in os.walk(job_dir) for f in fs if f.startswith(".tmp-")]
+    assert leftovers == []
+    return table
+
+
+def wait_for_journal(job_dir, n, timeout=120):
+    path = os.path.join(job_dir, "journal.jsonl")
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"journal never reached {n} rows")
+
+
+def test_worker_crash_mid_job_loses_nothing(job):
+    rc, out, err = cli(job["args"], faults="crash_once:p04")
+    assert rc == 0, err[-3000:]
+    assert_complete(job["dir"])
+    summary = json.load(open(job["dir"] / "summary.json"))
+    assert summary["ok"] == 12 and summary["failed"] == 0
+    assert summary["worker_restarts"] == 1           # one replacement started
+    assert "worker 0 lost" in err or "worker 1 lost" in err
+
+
+def test_worker_process_killed_from_outside(job):
+    p = cli(job["args"], faults="slow:0.4", wait=False)
+    wait_for_journal(job["dir"], 2)
+    pids = subprocess.run(["pgrep", "-f", "ray::Worker"], capture_output=True, text=True).stdout.split()
+    assert pids, "no worker process found"
+    os.kill(int(pids[0]), signal.SIGKILL)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert_complete(job["dir"])
+
+
+def test_poison_prompt_is_retried_then_recorded_failed(job):
+    rc, out, err = cli(job["args"] + ["run.max_shard_retries=1"], faults="crash:p07")
+    assert rc == 1                                   # the job completes, reporting a failure
+    table = assert_complete(job["dir"], failed={"p07"})
+    bad = next(r for r in table if r["id"] == "p07")
+    assert "failed 2 times" in bad["error"]          # 1 try + 1 retry, then given up
+    summary = json.load(open(job["dir"] / "summary.json"))
+    assert summary["failed"] == 1 and summary["ok"] == 11
+    assert "1 x failed 2 times" in open(job["dir"] / "summary.txt").read()
+
+
+def test_nan_output_fails_only_that_item(job):
+    rc, out, err = cli(job["args"] + ["run.batch_size=3"], faults="nan:p02")
+    assert rc == 1
+    table = assert_complete(job["dir"], failed={"p02"})
+    assert "non-finite" in next(r for r in table if r["id"] == "p02")["error"]
+
+
+def test_every_worker_gone_stops_with_a_clear_error(job):
+    rc, out, err = cli(job["args"] + ["ray.cpu_workers=1", "ray.max_worker_restarts=1",
+                                      "run.max_shard_retries=9"], faults="crash:p00")
+    assert rc == 2
+    assert "every worker is gone and none could be restarted" in err and "rerun" in err
+
+
+def test_driver_sigkill_then_rerun_resumes(job):
+    p = cli(job["args"], faults="slow:0.3", wait=False)
+    wait_for_journal(job["dir"], 4)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    time.sleep(2)
+    rc, out, err = cli(job["args"])
+    assert rc == 0, err[-3000:]
+    summary = json.load(open(job["dir"] / "summary.json"))
+    assert summary["resumed"] >= 4 and summary["ok"] == 12     # skipped what was done
+    assert_complete(job["dir"])
+
+
+def test_rerun_skips_done_work_and_config_change_is_refused(job):
+    assert cli(job["args"])[0] == 0
+    png = job["dir"] / "media" / "p00.png"
+    mtime = png.stat().st_mtime_ns
+    rc, out, err = cli(job["args"])
+    assert rc == 0 and "12 already done; 0 shards to run" in err
+    assert png.stat().st_mtime_ns == mtime
+    assert_complete(job["dir"])
+    rc, out, err = cli(job["args"] + ["generation.num_inference_steps=3"])
+    assert rc == 2 and "generation.num_inference_steps: 2 -> 3" in err and "output.overwrite=true" in err
+    rc, out, err = cli(job["args"] + ["generation.num_inference_steps=3", "output.overwrite=true"])
+    assert rc == 0 and png.stat().st_mtime_ns != mtime
+    assert {r["num_inference_steps"] for r in assert_complete(job["dir"])} == {3}
+
+
+def test_ctrl_c_stops_cleanly_and_writes_the_summary(job):
+    p = cli(job["args"], faults="slow:0.5", wait=False)
+    wait_for_journal(job["dir"], 2)
+    os.kill(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    summary = json.load(open(job["dir"] / "summary.json"))
+    assert summary["interrupted"] and 2 <= summary["ok"] < 12
+    done = rows(job["dir"])
+    assert len(done) == summary["ok"]
+    for r in done:                                   # what is recorded is complete
+        assert os.path.getsize(job["dir"] / r["output"]) > 0
+    assert [f for _, _, fs in os.walk(job["dir"]) for f in fs if f.startswith(".tmp-")] == []
+    assert cli(job["args"])[0] == 0                  # and a rerun finishes the rest
+    assert_complete(job["dir"])
+
+
+def test_hostile_ids_stay_inside_the_output_dir(tmp_path, write_prompts):
+    p = write_prompts({"prompt": ["a", "b"], "id": ["../../escape", "/etc/passwd"]})
+    rc, out, err = cli(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/o",
+                        "generation.num_inference_steps=2", "ray.cpu_workers=1"])
+    assert rc == 0, err[-2000:]
+    assert sorted(os.listdir(tmp_path / "o" / "demo_image" / "media")) == ["_.._escape.png", "_etc_passwd.png"]
+    assert sorted(os.listdir(tmp_path)) == ["o", "prompts.parquet"]
