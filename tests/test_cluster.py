@@ -1,0 +1,98 @@
+"""Multi-node Ray on one machine: a head and two worker nodes, each worker node advertising one GPU
+resource (the tiny models run on CPU). Every process of a test cluster runs with the same
+RAY_AUTH_MODE (token auth is on by default for local clusters in Ray 2.60)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+pytestmark = pytest.mark.e2e
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(cmd, timeout=180, **kw):
+    r = subprocess.run(cmd, env=kw.pop("env", ENV), capture_output=True, text=True, timeout=timeout, **kw)
+    assert r.returncode == 0, f"{cmd} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture
+def ray_cluster():
+    port, dash = free_port(), free_port()
+    sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
+        "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}", "--disable-usage-stats"])
+    try:
+        for _ in range(2):
+            sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
+                "--num-cpus=2", "--num-gpus=1"])
+        yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
+    finally:
+        subprocess.run([*RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+
+
+def test_ray_job_submit_on_a_multi_node_cluster(ray_cluster, tmp_path):
+    runtime_env = {"excludes": [".venv", "outputs", ".git"],
+                   "env_vars": {"RUNNER_FAULTS": "slow:0.3"}}     # paced, so both nodes get work
+    r = sh([*RAY, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ROOT,
+            "--runtime-env-json", json.dumps(runtime_env), "--",
+            "python", "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
+            "generation.num_inference_steps=2", "run.shard_size=1"], timeout=400)
+    assert "Job 'raysubmit_" in r.stdout and "succeeded" in r.stdout
+    job_dir = tmp_path / "demo_image"
+    table = pq.read_table(job_dir / "results.parquet").to_pylist()
+    assert len(table) == 8 and all(row["status"] == "ok" for row in table)
+    nodes = {row["node_id"] for row in table}
+    assert len(nodes) == 2                         # outputs from both worker nodes
+    assert len(os.listdir(job_dir / "media")) == 8
+    summary = json.load(open(job_dir / "summary.json"))
+    assert summary["workers"] == 2 and len({w["node_id"] for w in summary["workers_detail"]}) == 2
+
+
+def test_worker_node_removed_mid_job(tmp_path, write_prompts):
+    import ray
+    from ray.cluster_utils import Cluster
+    os.environ.update(RAY_AUTH_MODE="disabled")
+    ids = [f"q{i:02d}" for i in range(12)]
+    prompts = write_prompts({"prompt": [f"p {i}" for i in range(12)], "id": ids})
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, num_gpus=0, _system_config={"health_check_period_ms": 500,
+                                                "health_check_failure_threshold": 3}))
+    try:
+        cluster.add_node(num_cpus=2, num_gpus=1)
+        doomed = cluster.add_node(num_cpus=2, num_gpus=1)
+        job_dir = tmp_path / "demo_image"
+        p = subprocess.Popen(
+            [sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
+             f"output.dir={tmp_path}", f"ray.address={cluster.address}", "run.shard_size=1",
+             "generation.num_inference_steps=2", "ray.worker_start_timeout_s=20"],
+            cwd=ROOT, env={**ENV, "RUNNER_FAULTS": "slow:0.5"}, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        journal = job_dir / "journal.jsonl"
+        t0 = time.time()
+        while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
+            assert time.time() - t0 < 120 and p.poll() is None, "job made no progress"
+            time.sleep(0.2)
+        cluster.remove_node(doomed)
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-4000:]
+        assert "lost" in err
+        table = pq.read_table(job_dir / "results.parquet").to_pylist()
+        assert sorted(r["id"] for r in table) == ids and all(r["status"] == "ok" for r in table)
+        assert sorted(os.listdir(job_dir / "media")) == [f"{i}.png" for i in ids]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
