@@ -11,6 +11,9 @@ Lossless modes give the eager output within half-precision tolerance.
 Order of transforms (each later one wraps the earlier):
   1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark);
   2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
+     then, CUDA only and when compiling: `low-precision` swaps the blocks' Linears for FP8Linear
+     (compute capability >= 8.9), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
+     GEMM with a GELU epilogue (a custom op Inductor keeps whole);
   3. `memory_format`: channels_last for the UNet and the VAE (conv models; DiTs are unaffected);
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
@@ -82,6 +85,13 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
 
     if fuse_qkv_projections and opts.fuse_qkv:
         report["fused_attention"] = transforms.fuse_qkv(den)
+
+    if opts.compile and device == "cuda":
+        blocks = transforms.block_classes(den)
+        if opts.has("low_precision") and transforms.fp8_supported(den):
+            report["fp8_linears"] = transforms.to_fp8(den, blocks)
+        if opts.fuse_gelu:
+            report["fused_gelu"] = transforms.fuse_gelu(den)
 
     if opts.memory_format == "channels_last":
         for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):

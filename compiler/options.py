@@ -5,7 +5,7 @@ dict nexfort takes::
 
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
-     "fuse_qkv": true, "sdpa_priority": true, "compile_text_encoder": false, "compile_vae": false}
+     "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "compile_text_encoder": false, "compile_vae": false}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -23,7 +23,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | `max-optimize` | Inductor `aggressive_fusion`, `epilogue_fusion`, `coordinate_descent_tuning` (more fusion, tuned pointwise/reduction kernels) |
 | `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
 | `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
-| `low-precision` | lossy: Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), cuBLAS fp16 accumulation (`allow_fp16_accumulation`) and reduced-precision reductions |
+| `low-precision` | lossy: the denoiser blocks' Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
 | `cache-all` | Inductor `fx_graph_cache` and `autotune_local_cache` on (in `compiler.cache`'s directory), and portable artifacts packed by `compiler.cache` |
 | `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
 | `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
@@ -62,9 +62,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
 
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
-TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv", "sdpa_priority",
+TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv", "sdpa_priority", "fuse_gelu",
                   "compile_text_encoder", "compile_vae")
-BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "compile_text_encoder", "compile_vae")
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "compile_text_encoder", "compile_vae")
 
 FLAG_TABLE_MD = __doc__[__doc__.index("| flag |"):__doc__.index("\n\n`max-autotune` is in")]
 
@@ -77,12 +77,13 @@ class CompileOptions:
     inductor: dict = field(default_factory=dict)   # user overrides only; flag settings: inductor_config()
     fuse_qkv: bool = True
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
+    fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
     compile_vae: bool = False           # VAE decode is one call per image: off by default
 
     def __hash__(self):  # dict field: hash its sorted items
         return hash((self.flags, self.memory_format, self.dynamic, json.dumps(self.inductor, sort_keys=True),
-                     self.fuse_qkv, self.sdpa_priority, self.compile_text_encoder, self.compile_vae))
+                     self.fuse_qkv, self.sdpa_priority, self.fuse_gelu, self.compile_text_encoder, self.compile_vae))
 
     @property
     def compile(self) -> bool:
@@ -111,6 +112,7 @@ class CompileOptions:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
                 "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv, "sdpa_priority": self.sdpa_priority,
+                "fuse_gelu": self.fuse_gelu,
                 "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
 
 
@@ -180,6 +182,6 @@ def parse_options(obj: dict | str | CompileOptions | None) -> CompileOptions:
             raise ValueError(f"compile option {key!r} must be true or false, got {obj[key]!r}")
     return CompileOptions(flags=flags, memory_format=memory_format, dynamic=obj.get("dynamic", False),
                           inductor=inductor, fuse_qkv=obj.get("fuse_qkv", True),
-                          sdpa_priority=obj.get("sdpa_priority", True),
+                          sdpa_priority=obj.get("sdpa_priority", True), fuse_gelu=obj.get("fuse_gelu", True),
                           compile_text_encoder=obj.get("compile_text_encoder", False),
                           compile_vae=obj.get("compile_vae", False))
