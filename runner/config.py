@@ -293,5 +293,6 @@ def split(cfg: DictConfig) -> dict:
         compile=CompileConfig(
             options={"mode": c["mode"], "memory_format": c["memory_format"],
                      "dynamic": c["dynamic"], "options": c["options"]},
-            fuse_qkv=c["fuse_qkv"], cache_dir=c["cache_dir"]),
+            fuse_qkv=c["fuse_qkv"],
+            cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),
     )

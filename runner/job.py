@@ -61,6 +61,7 @@ def run(argv: list[str]) -> dict:
     # 2. Prompts: read and validate all of them, find what is already done, plan shards
     #    (no model, no Ray yet).
     limits = _constraints(model)
+    compile_flags = _check_compile(job["compile"])
     files, _, items = check_prompts(job["prompts"].paths, job["generation"], limits,
                                     job["prompts"].on_empty)
     results = _open_results(cfg, out)
@@ -88,11 +89,16 @@ def run(argv: list[str]) -> dict:
         faults = {k: v for k, v in os.environ.items() if k == "RUNNER_FAULTS"}
         if faults:
             actor_opts["runtime_env"] = {"env_vars": faults}
+        broker = None
+        if "cache-all" in compile_flags:
+            from .compile_cache import CacheBroker
+            broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
         wcfg = WorkerConfig(model=model, generation=job["generation"], limits=limits,
                             on_empty=job["prompts"].on_empty, job_dir=os.path.abspath(out.job_dir),
                             batch_size=opts.batch_size, warmup_steps=opts.warmup_steps,
                             fps=out.fps, compile=job["compile"],
-                            num_threads=None if gpus else job["ray"].cpus_per_worker)
+                            num_threads=None if gpus else job["ray"].cpus_per_worker,
+                            cache_wait_s=job["ray"].worker_start_timeout_s)
         RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                   **actor_opts)
         log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
@@ -115,7 +121,7 @@ def run(argv: list[str]) -> dict:
             t_ready = t_ready or time.perf_counter()
 
         try:
-            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg), n, shards, items_of, on_rows,
+            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
                              inflight=INFLIGHT, max_retries=opts.max_shard_retries,
                              max_restarts=job["ray"].max_worker_restarts,
                              start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready)
@@ -142,6 +148,15 @@ def run(argv: list[str]) -> dict:
     if interrupted:
         raise KeyboardInterrupt
     return summary
+
+
+def _check_compile(c) -> frozenset:
+    """Compile options are checked on the driver, before any GPU time."""
+    import compiler
+    try:
+        return compiler.parse_options(c.options).flags
+    except ValueError as e:
+        raise ConfigError(f"compile: {e}") from e
 
 
 def _open_results(cfg, out) -> Results:

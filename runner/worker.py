@@ -37,6 +37,7 @@ class WorkerConfig:
     fps: int = 8
     compile: CompileConfig = CompileConfig()
     num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
+    cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
 
 class StepClock:
@@ -151,8 +152,8 @@ def _inject_faults(batch: list[Item], job_dir: str) -> None:
 
 
 class Worker:
-    def __init__(self, rank: int, cfg: WorkerConfig):
-        self.rank, self.cfg = rank, cfg
+    def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
+        self.rank, self.cfg, self.broker = rank, cfg, broker
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.spec = cfg.model.resolved()
@@ -176,33 +177,73 @@ class Worker:
             torch.cuda.synchronize()
 
     def warmup(self) -> dict:
-        """Compile (if configured) and run one short call at the default shape."""
+        """Compile (if configured; from the shared cache when it has this model), then one short
+        call at the default shape and batch size, so serving starts with compiled graphs."""
         t0 = time.perf_counter()
-        report = {}
-        if self.cfg.compile.enabled:
+        opts = self.cfg.compile
+        cache = None
+        if opts.enabled:
             import compiler
-            report = compiler.compile_pipe(self.pipe, self.cfg.compile.options,
-                                           fuse_qkv_projections=self.cfg.compile.fuse_qkv) or {}
-            report = report if isinstance(report, dict) else {}
-        if self.cfg.warmup_steps:
-            g = self.cfg.generation
-            item = Item(id="warmup", prompt="warm up", negative_prompt=g.negative_prompt, seed=0,
-                        height=g.height, width=g.width,
-                        num_frames=self.cfg.limits.video_length, guidance_scale=g.guidance_scale,
-                        num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
-                        file="warmup", row=0)
-            with torch.inference_mode():
-                generate(self.pipe, self.family, [item], self.spec.device,
-                         mask_feature=self.spec.mask_feature)
+            from compiler.cache import cache_key, configure_cache_dir
+            if "cache-all" in compiler.parse_options(opts.options).flags:
+                from .compile_cache import warm_from_shared_cache
+                configure_cache_dir(opts.cache_dir)
+                key = cache_key(self.pipe, opts.options, self._warmup_shape())
+                cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
+                                               self.cfg.cache_wait_s)
+            t_compile = time.perf_counter()
+            compiler.compile_pipe(self.pipe, opts.options, fuse_qkv_projections=opts.fuse_qkv)
+        else:
+            t_compile = t0
+        try:
+            self._warmup_call()
+        except BaseException:
+            if cache and cache["role"] == "compile" and self.broker is not None:
+                import ray
+                ray.get(self.broker.publish.remote(cache["cache_key"], None))  # waiters: compile
+            raise
         self._sync()
-        self.m["warmup_s"] = time.perf_counter() - t0
-        self.m["compile_mode"] = self.cfg.compile.options.get("mode", "none")
-        self.m.update({k: v for k, v in report.items() if k not in self.m})
+        t_end = time.perf_counter()
+        self.m["compile_mode"] = opts.options.get("mode", "none")
+        self.m["warmup_s"] = t_end - t0
+        if opts.enabled:
+            # Warm-up from the moment compiling (or loading the artifact) starts; waiting for the
+            # compiling worker to publish is reported apart, as cache_wait_s.
+            wait = cache["cache_wait_s"] if cache else 0.0
+            warm = t_end - t0 - wait
+            hit = bool(cache and cache["cache_hit"])
+            self.m["warmup_with_cache_s" if hit else "warmup_with_compile_s"] = warm
+            self.m.update(cache_hit=hit, cache_wait_s=wait,
+                          cache_source=cache and cache["cache_source"],
+                          compile_call_s=t_end - t_compile)
+            if cache and cache["role"] == "compile":
+                from .compile_cache import publish
+                publish(self.broker, cache, opts.cache_dir)
+                self.m["artifact_bytes"] = cache.get("artifact_bytes")
         if self.cuda:  # peak memory of serving, not of loading/compiling
             torch.cuda.reset_peak_memory_stats()
         self.ready_at = time.perf_counter()
-        return {"rank": self.rank, "host": self.m["host"], "model_load_s": self.m["model_load_s"],
-                "warmup_s": self.m["warmup_s"]}
+        keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
+                "warmup_with_cache_s", "cache_hit", "cache_wait_s")
+        return {k: self.m[k] for k in keys if k in self.m}
+
+    def _warmup_shape(self) -> dict:
+        g = self.cfg.generation
+        return {"height": g.height, "width": g.width, "num_frames": self.cfg.limits.video_length,
+                "batch_size": self.cfg.batch_size, "guidance": g.guidance_scale > 1}
+
+    def _warmup_call(self) -> None:
+        if not self.cfg.warmup_steps:
+            return
+        g = self.cfg.generation
+        items = [Item(id="warmup", prompt="warm up", negative_prompt=g.negative_prompt, seed=k,
+                      height=g.height, width=g.width, num_frames=self.cfg.limits.video_length,
+                      guidance_scale=g.guidance_scale,
+                      num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
+                      file="warmup", row=k) for k in range(self.cfg.batch_size)]
+        with torch.inference_mode():
+            generate(self.pipe, self.family, items, self.spec.device,
+                     mask_feature=self.spec.mask_feature)
 
     def run_shard(self, shard: Shard) -> list[dict]:
         items = read_items(shard, self.cfg.generation, self.cfg.limits, self.cfg.on_empty)

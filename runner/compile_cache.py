@@ -1,0 +1,98 @@
+"""The job's shared compile cache: only the first worker pays for compilation.
+
+Contract (used by `Worker.warmup` when the compile mode has `cache-all`):
+- `CacheBroker` is a Ray actor owned by the driver for one job. For a cache key (from
+  `compiler.cache.cache_key`: versions, GPU, model config, dtype, shapes, mode), the first worker
+  to `claim` it compiles; the others `fetch` the artifact it publishes, through the Ray object store,
+  so this works across nodes with no shared filesystem. The broker records the artifact's sha256
+  when it is published; a fetching worker checks the bytes it got against that digest, and
+  `compiler.cache.unpack_and_load` checks the artifact's own header and hash, before anything is
+  unpickled.
+- The artifact is also written to `compile.cache_dir` (atomically), where the next job's first
+  worker finds it. Artifacts are read only from there or from the broker.
+- Anything wrong (a timeout waiting for the compiling worker, a corrupt or mismatched artifact)
+  is logged and the worker compiles itself: never a crash, never unverified code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+
+log = logging.getLogger("runner")
+
+
+class CacheBroker:
+    def __init__(self):
+        self.owner: dict[str, int] = {}
+        self.blobs: dict[str, bytes | None] = {}
+        self.digests: dict[str, str | None] = {}
+        self.events: dict[str, asyncio.Event] = {}
+
+    def _event(self, key: str) -> asyncio.Event:
+        return self.events.setdefault(key, asyncio.Event())
+
+    async def claim(self, key: str, rank: int) -> str:
+        """'compile' for the first worker of a key (and for its replacement), else 'fetch'."""
+        if key in self.blobs and self.blobs[key] is not None:
+            return "fetch"
+        owner = self.owner.setdefault(key, rank)
+        return "compile" if owner == rank else "fetch"
+
+    async def publish(self, key: str, blob: bytes | None) -> None:
+        """blob None: the compiling worker has nothing to share; the waiters compile themselves."""
+        self.blobs[key] = blob
+        self.digests[key] = hashlib.sha256(blob).hexdigest() if blob is not None else None
+        self._event(key).set()
+
+    async def fetch(self, key: str, timeout_s: float):
+        try:
+            await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return None, None
+        return self.blobs[key], self.digests[key]
+
+
+def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, wait_s: float) -> dict:
+    """Before compiling: load a verified artifact if one exists for `key`. Returns the report;
+    report["role"] == "compile" means this worker must publish after its warm-up."""
+    import ray
+    from compiler import cache as cc
+
+    report = {"cache_key": key, "cache_hit": False, "cache_source": None, "cache_wait_s": 0.0}
+    role = ray.get(broker.claim.remote(key, rank)) if broker is not None else "compile"
+    report["role"] = role
+    if role == "fetch":
+        t0 = time.perf_counter()
+        blob, digest = ray.get(broker.fetch.remote(key, wait_s))
+        report["cache_wait_s"] = time.perf_counter() - t0
+        if blob is None:
+            log.warning("no compile artifact for %s from the broker; compiling", key)
+        elif hashlib.sha256(blob).hexdigest() != digest:
+            log.warning("compile artifact for %s does not match the digest the broker recorded; "
+                        "compiling", key)
+        elif cc.unpack_and_load(blob, key):
+            report.update(cache_hit=True, cache_source="broker")
+        return report
+    blob = cc.read_artifact(cache_dir, key)
+    if blob is not None and cc.unpack_and_load(blob, key):
+        report.update(cache_hit=True, cache_source="cache_dir", blob=blob)
+    return report
+
+
+def publish(broker, report: dict, cache_dir: str) -> None:
+    """After the compiling worker's warm-up: share what it compiled (or what it loaded)."""
+    import ray
+    from compiler import cache as cc
+
+    key = report["cache_key"]
+    blob = report.pop("blob", None)
+    if blob is None:
+        blob = cc.pack_artifact(key)
+        if blob is not None:
+            cc.write_artifact(cache_dir, key, blob)
+            report["artifact_bytes"] = len(blob)
+    if broker is not None:
+        ray.get(broker.publish.remote(key, blob))

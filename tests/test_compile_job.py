@@ -1,0 +1,61 @@
+"""The shared compile cache in a real job (CLI, local Ray, tiny PixArt compiled on CPU)."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.e2e
+
+
+def cli(*args, faults=""):
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", *args], cwd=ROOT,
+                       env={**os.environ, "RUNNER_FAULTS": faults}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+def metrics(job_dir):
+    return [json.load(open(p)) for p in sorted(glob.glob(f"{job_dir}/metrics/worker-*.json"))]
+
+
+def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
+    common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={tmp_path}/cc",
+              "generation.num_inference_steps=2", "run.batch_size=1"]
+    # slow:1.0 paces generation so the second worker is ready before the queue runs dry.
+    cli(*common, "job.name=a", faults="slow:1.0")
+    m = metrics(tmp_path / "a")
+    assert len(m) == 2
+    compiled = [w for w in m if not w["cache_hit"]]
+    loaded = [w for w in m if w["cache_hit"]]
+    assert len(compiled) == 1 and len(loaded) == 1          # only one worker paid for compiling
+    assert loaded[0]["cache_source"] == "broker" and "warmup_with_cache_s" in loaded[0]
+    assert loaded[0]["warmup_with_cache_s"] < 0.5 * compiled[0]["warmup_with_compile_s"]
+    artifacts = glob.glob(f"{tmp_path}/cc/*.artifact")
+    assert len(artifacts) == 1 and compiled[0]["artifact_bytes"] == os.path.getsize(artifacts[0])
+
+    # A truncated artifact in the cache dir is rejected (logged) and the worker compiles.
+    with open(artifacts[0], "r+b") as f:
+        f.truncate(os.path.getsize(artifacts[0]) // 2)
+    r = cli(*common, "job.name=b", "ray.cpu_workers=1")
+    assert "compile cache artifact rejected" in r.stderr
+    (w,) = metrics(tmp_path / "b")
+    assert not w["cache_hit"] and "warmup_with_compile_s" in w
+    assert len(os.listdir(tmp_path / "b" / "media")) == 8
+
+    # The next job's first worker warms from the (rewritten) artifact in the cache dir.
+    cli(*common, "job.name=c", "ray.cpu_workers=1")
+    (w,) = metrics(tmp_path / "c")
+    assert w["cache_hit"] and w["cache_source"] == "cache_dir"
+    assert w["warmup_with_cache_s"] < 0.5 * compiled[0]["warmup_with_compile_s"]
+
+
+def test_bad_compile_mode_is_rejected_before_any_work(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", "compile.mode=O9",
+                        f"output.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown compile mode flag 'O9'" in r.stderr
+    assert not (tmp_path / "demo_image").exists()
