@@ -78,7 +78,8 @@ def run(argv: list[str]) -> dict:
 
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
     slots, interrupted, t_start = [], False, time.perf_counter()
-    t_ready = t_done = None
+    t_ready = t_done = t_all_ready = None
+    ready_count, steady = [0], [0]   # workers ready; items finished once all of them were
     if shards:
         import ray
         from .worker import Worker, WorkerConfig
@@ -112,13 +113,19 @@ def run(argv: list[str]) -> dict:
         def on_rows(rows):
             results.add(rows)
             bar.update(len(rows))
+            if t_all_ready is not None:
+                steady[0] += len(rows)
             if time.monotonic() - last_write[0] >= out.results_every_s:
                 results.write_table([it.id for it in items])
                 last_write[0] = time.monotonic()
 
         def on_ready(slot):
-            nonlocal t_ready
+            nonlocal t_ready, t_all_ready
             t_ready = t_ready or time.perf_counter()
+            ready_count[0] += 1
+            if ready_count[0] == n:
+                t_all_ready = time.perf_counter()
+                steady[0] = 0
 
         try:
             slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
@@ -139,8 +146,14 @@ def run(argv: list[str]) -> dict:
     table = results.write_table([it.id for it in items])
     results.close()
     metrics = _collect_metrics(slots, out)
-    summary = _summarize(job, items, table, slots, metrics, len(done), interrupted,
-                         (t_ready or t_start) - t_start, (t_done or t_start) - (t_ready or t_start))
+    timing = dict(startup_s=(t_ready or t_start) - t_start,
+                  generate_s=(t_done or t_start) - (t_ready or t_start))
+    if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
+        # Throughput once every worker serves: the figure that scales with workers (the ramp
+        # while later workers load and warm is in generate_s).
+        timing.update(all_ready_s=t_all_ready - t_start,
+                      steady_items_per_s=steady[0] / (t_done - t_all_ready))
+    summary = _summarize(job, items, table, slots, metrics, len(done), interrupted, timing)
     if slots:
         import ray
         for s in slots:
@@ -232,8 +245,9 @@ def _ray_init(opts) -> None:
                  logging_level=logging.WARNING)
 
 
-def _summarize(job, items, table, slots, metrics, resumed, interrupted, startup_s, gen_s) -> dict:
+def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) -> dict:
     out = job["output"]
+    startup_s, gen_s = timing["startup_s"], timing["generate_s"]
     ok = [r for r in table if r["status"] == "ok"]
     failed = [r for r in table if r["status"] != "ok"]
     errors: dict[str, int] = {}
@@ -245,7 +259,7 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, startup_
         compile_mode=job["compile"].options["mode"], workers=len(metrics), items=len(items),
         ok=len(ok), failed=len(failed), not_run=len(items) - len(table), resumed=resumed,
         worker_restarts=sum(s.restarts for s in slots),
-        interrupted=interrupted, errors=errors, startup_s=startup_s, generate_s=gen_s,
+        interrupted=interrupted, errors=errors, **timing,
         items_per_s=(len(ok) - resumed) / gen_s if gen_s else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
         workers_detail=[{k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items",
@@ -264,8 +278,9 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, startup_
             f"{', INTERRUPTED' if interrupted else ''}; model {summary['model']} "
             f"({summary['source']}), compile {summary['compile_mode']}\n"
             f"{summary['workers']} workers ({summary['worker_restarts']} restarts) ready in "
-            f"{startup_s:.1f} s; generated in {gen_s:.1f} s "
-            f"= {rate}\n\n{table_txt}\n")
+            f"{startup_s:.1f} s; generated in {gen_s:.1f} s = {rate}"
+            + (f"; all ready at {timing['all_ready_s']:.1f} s, then {timing['steady_items_per_s']:.3g} items/s"
+               if "steady_items_per_s" in timing else "") + f"\n\n{table_txt}\n")
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
     write_text(os.path.join(out.job_dir, "summary.txt"), text)
