@@ -1,0 +1,128 @@
+"""Scaling benchmark: the same job with 1, 2, ... workers, side by side in one run.
+
+    python -m runner.scaling job=pixart_batch workers=1,2 prompts=128 out=/tmp/scaling [key=value ...]
+
+For each worker count it runs `python -m runner` (its own local Ray) on `prompts` generated prompts,
+with a fresh compile cache per run (so each run shows who compiled and who loaded), then prints a
+markdown table and writes `scaling.json` and `scaling.svg` (throughput against workers) under `out`.
+Other `key=value` arguments go to every run unchanged (e.g. `model.source=random compile.mode=O2`).
+
+Throughput figures per run: `items_per_s` from the first worker ready to the last item (includes
+the ramp while later workers wait for the compile artifact and warm up) and `steady_items_per_s`
+once every worker is serving. Efficiency is against the 1-worker run of the same figure.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .outputs import format_table, write_json, write_text
+
+
+def _args(argv):
+    opts, rest = {"workers": "1,2", "prompts": "128", "out": "scaling", "job": None}, []
+    for a in argv:
+        k, _, v = a.partition("=")
+        if k in opts:
+            opts[k] = v
+        else:
+            rest.append(a)
+    if not opts["job"]:
+        raise SystemExit("usage: python -m runner.scaling job=NAME [workers=1,2,4,8] [prompts=N] "
+                         "[out=DIR] [key=value ...]")
+    return opts, rest
+
+
+def _svg(rows, path):
+    """Throughput against workers, with the ideal line: a dependency-free plot."""
+    w, h, pad = 480, 320, 50
+    xs = [r["workers"] for r in rows]
+    ys = [r["steady_items_per_s"] or r["items_per_s"] for r in rows]
+    ideal = [ys[0] * x / xs[0] for x in xs]
+    xmax, ymax = max(xs), max(ideal + ys) * 1.1
+
+    def pt(x, y):
+        return pad + (w - 2 * pad) * x / xmax, h - pad - (h - 2 * pad) * y / ymax
+
+    def line(vals, style):
+        return "<polyline fill='none' %s points='%s'/>" % (
+            style, " ".join("%.1f,%.1f" % pt(x, y) for x, y in zip(xs, vals)))
+
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-size='12'>",
+             "<rect width='100%' height='100%' fill='white'/>",
+             f"<line x1='{pad}' y1='{h - pad}' x2='{w - pad}' y2='{h - pad}' stroke='black'/>",
+             f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{h - pad}' stroke='black'/>",
+             line(ideal, "stroke='gray' stroke-dasharray='4'"), line(ys, "stroke='blue' stroke-width='2'")]
+    for x, y in zip(xs, ys):
+        cx, cy = pt(x, y)
+        parts += [f"<circle cx='{cx:.1f}' cy='{cy:.1f}' r='3' fill='blue'/>",
+                  f"<text x='{cx:.1f}' y='{h - pad + 15}' text-anchor='middle'>{x}</text>",
+                  f"<text x='{cx + 5:.1f}' y='{cy - 6:.1f}'>{y:.3g}</text>"]
+    parts += [f"<text x='{w / 2}' y='{h - 10}' text-anchor='middle'>workers</text>",
+              f"<text x='12' y='{pad - 15}'>items/s (all workers serving); dashed: linear</text>",
+              "</svg>"]
+    write_text(path, "\n".join(parts) + "\n")
+
+
+def main(argv: list[str]) -> list[dict]:
+    opts, rest = _args(argv)
+    out = os.path.abspath(opts["out"])
+    os.makedirs(out, exist_ok=True)
+    n = int(opts["prompts"])
+    prompts = os.path.join(out, "prompts.parquet")
+    words = "cat dog robot castle river forest city ocean mountain flower".split()
+    pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
+                             "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
+                                        for i in range(n)],
+                             "seed": list(range(n))}), prompts)
+    rows = []
+    for k in [int(x) for x in opts["workers"].split(",")]:
+        name = f"w{k}"
+        cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
+               f"output.dir={out}", f"job.name={name}", f"ray.num_workers={k}",
+               f"compile.cache_dir={out}/cache-{name}", "output.overwrite=true", *rest]
+        print("$", " ".join(cmd), flush=True)
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd)
+        wall = time.perf_counter() - t0
+        if r.returncode not in (0, 1):
+            raise SystemExit(f"run with {k} workers failed ({r.returncode})")
+        s = json.load(open(os.path.join(out, name, "summary.json")))
+        ms = [json.load(open(p)) for p in glob.glob(os.path.join(out, name, "metrics", "*.json"))]
+        rows.append(dict(
+            workers=k, ok=s["ok"], failed=s["failed"], wall_s=wall, first_ready_s=s["startup_s"],
+            all_ready_s=s.get("all_ready_s"), generate_s=s["generate_s"],
+            items_per_s=s["items_per_s"], steady_items_per_s=s.get("steady_items_per_s"),
+            compiled=sum(1 for m in ms if m.get("cache_hit") is False),
+            loaded=sum(1 for m in ms if m.get("cache_hit") is True),
+            warmup_with_compile_s=max((m["warmup_with_compile_s"] for m in ms
+                                       if "warmup_with_compile_s" in m), default=None),
+            warmup_with_cache_s=max((m["warmup_with_cache_s"] for m in ms
+                                     if "warmup_with_cache_s" in m), default=None),
+            worker_it_s=[round(m["steady_it_s"] or 0, 2) for m in sorted(ms, key=lambda m: m["rank"])],
+            gpus=sorted({m.get("gpu_name") or "cpu" for m in ms})))
+    base = rows[0]
+    for r in rows:
+        for key in ("items_per_s", "steady_items_per_s"):
+            if r[key] and base[key]:
+                r[key.replace("items_per_s", "speedup")] = r[key] / base[key]
+                r[key.replace("items_per_s", "efficiency")] = (r[key] / base[key]) / (r["workers"] / base["workers"])
+    write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
+    _svg(rows, os.path.join(out, "scaling.svg"))
+    print(format_table(rows, ["workers", "ok", "compiled", "loaded", "first_ready_s", "all_ready_s",
+                              "generate_s", "items_per_s", "speedup", "steady_items_per_s",
+                              "steady_speedup", "steady_efficiency", "warmup_with_compile_s",
+                              "warmup_with_cache_s"]))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
