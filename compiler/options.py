@@ -28,9 +28,18 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
 | `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
 | `O3` (preset) | `O2` + `max-optimize:low-precision`: fastest, not bit-faithful (the benchmark states its error) |
+| key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
+| key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
+| key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
+| key `memory_format: "channels_last"` | UNet and VAE in channels_last |
+| key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
+| keys `compile_text_encoder`, `compile_vae` (default false) | also compile the text encoder's / VAE decoder's blocks |
 
 `max-autotune` is in neither preset: on an H100 it took first-call compile from 6 s to 58 s for no
 gain on PixArt (see performance.md), and the presets must keep the first call short.
+Measured on an H100 (BENCHMARKS.md, "Compiler"): O2 compiles PixArt-α in 11-15 s and Latte-1 in
+24 s; O3 costs far more (Latte-1: 107 s first call, 64 s from cache; `max-optimize`'s
+`coordinate_descent_tuning` is the likely cause) for 1.35x instead of 1.27x on Latte.
 """
 
 from __future__ import annotations
