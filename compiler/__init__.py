@@ -77,6 +77,12 @@ def compile_kwargs(opts: CompileOptions) -> dict:
 
 def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     opts = parse_options(options)
+    done = getattr(pipe, "_compile_options", None)
+    if done is not None:  # transforms are not reversible: a second call can only be a no-op
+        if done == opts:
+            return pipe
+        raise ValueError(f"pipeline already compiled with mode {done.mode!r}; build a fresh pipeline "
+                         f"to compile it with {opts.mode!r}")
     den = denoiser_of(pipe)
     device = _device_type(den)
     report: dict = {"options": opts.to_dict(), "device": device}

@@ -98,3 +98,26 @@ def test_dynamic_serves_several_resolutions_without_recompiling():
             out = generate(pipe, preset, steps=2, height=h, width=w)
             torch.testing.assert_close(out, generate(eager, preset, steps=2, height=h, width=w),
                                        atol=1e-3, rtol=1e-3)
+
+
+def test_compile_twice_is_a_noop_or_an_error():
+    pipe = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
+    compile_pipe(pipe, "none")
+    assert compile_pipe(pipe, {"mode": "none"}) is pipe
+    with pytest.raises(ValueError, match="already compiled"):
+        compile_pipe(pipe, "O2")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_cuda_graph_matches_eager_across_shapes_on_gpu():
+    preset = "pixart_alpha_512"
+    pipe = build_pipeline(ModelSpec(preset, source="tiny", device="cuda"))
+    eager = copy.deepcopy(pipe)
+    compile_pipe(pipe, "O2")
+    for h, w in [(64, 64), (64, 96), (64, 64)]:  # a new shape captures a second graph; the first replays
+        kw = call_kwargs(preset, steps=3, height=h, width=w)
+        out = pipe(**kw, generator=torch.Generator("cuda").manual_seed(0)).images
+        ref = eager(**kw, generator=torch.Generator("cuda").manual_seed(0)).images
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+    assert len(pipe.transformer.forward.graphs) == 2
