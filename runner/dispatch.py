@@ -106,14 +106,26 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
             queue.appendleft(shard)
 
     def lose(slot: Slot, error: str):
-        """The slot's actor is gone: requeue its shards, restart it if allowed."""
+        """The slot's actor is gone: keep what it finished, requeue the rest, restart it if allowed.
+        Its tasks ran in submission order, so the oldest unfinished one is the one it died in,
+        whichever error Ray happened to report first."""
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
-        for i, ref in enumerate(slot.running):
+        charged = False
+        for ref in slot.running:
             _, shard = refs.pop(ref)
-            if i == 0:
+            rows = None
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    rows = ray.get(ref)
+                except ray.exceptions.RayError:
+                    pass
+            if rows is not None:
+                on_rows(rows)                # finished before the worker died
+            elif not charged:
                 charge(shard, error)         # the one it was running
+                charged = True
             else:
                 queue.appendleft(shard)      # only queued behind it: no attempt charged
         slot.running = []
@@ -158,18 +170,19 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
                     on_ready(slot)
                 fill(slot)
             elif ref in refs:
-                slot, shard = refs.pop(ref)
-                slot.running.remove(ref)
+                slot, shard = refs[ref]
                 try:
                     rows = ray.get(ref)
                 except ray.exceptions.RayError as e:
                     if _is_task_error(e):
+                        refs.pop(ref)
+                        slot.running.remove(ref)
                         charge(shard, str(e))
                     else:
-                        refs[ref] = (slot, shard)          # lose() requeues all its shards
-                        slot.running.insert(0, ref)
                         lose(slot, str(e))
                     continue
+                refs.pop(ref)
+                slot.running.remove(ref)
                 on_rows(rows)
             for s in slots:
                 fill(s)
