@@ -82,7 +82,7 @@ def run(argv: list[str]) -> dict:
     ready_count, steady = [0], [0]   # workers ready; items finished once all of them were
     if shards:
         import ray
-        from .worker import Worker, WorkerConfig
+        from .worker import Worker
         _ray_init(job["ray"])
         gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
         n = job["ray"].num_workers or (gpus or job["ray"].cpu_workers)
@@ -94,12 +94,7 @@ def run(argv: list[str]) -> dict:
         if "cache-all" in compile_flags:
             from .compile_cache import CacheBroker
             broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
-        wcfg = WorkerConfig(model=model, generation=job["generation"], limits=limits,
-                            on_empty=job["prompts"].on_empty, job_dir=os.path.abspath(out.job_dir),
-                            batch_size=opts.batch_size, warmup_steps=opts.warmup_steps,
-                            fps=out.fps, compile=job["compile"],
-                            num_threads=None if gpus else job["ray"].cpus_per_worker,
-                            cache_wait_s=job["ray"].worker_start_timeout_s)
+        wcfg = worker_config(job, limits, on_gpu=bool(gpus))
         RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                   **actor_opts)
         log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
@@ -161,6 +156,18 @@ def run(argv: list[str]) -> dict:
     if interrupted:
         raise KeyboardInterrupt
     return summary
+
+
+def worker_config(job: dict, limits: Constraints, on_gpu: bool):
+    """What each worker needs to know (the only part of the config a worker sees)."""
+    from .worker import WorkerConfig
+    return WorkerConfig(model=job["model"], generation=job["generation"], limits=limits,
+                        on_empty=job["prompts"].on_empty,
+                        job_dir=os.path.abspath(job["output"].job_dir),
+                        batch_size=job["run"].batch_size, warmup_steps=job["run"].warmup_steps,
+                        fps=job["output"].fps, compile=job["compile"],
+                        num_threads=None if on_gpu else job["ray"].cpus_per_worker,
+                        cache_wait_s=job["ray"].worker_start_timeout_s)
 
 
 def _check_compile(c) -> frozenset:

@@ -38,20 +38,28 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
     artifacts = glob.glob(f"{tmp_path}/cc/*.artifact")
     assert len(artifacts) == 1 and compiled[0]["artifact_bytes"] == os.path.getsize(artifacts[0])
 
-    # A truncated artifact in the cache dir is rejected (logged) and the worker compiles.
+    # A truncated artifact in the cache dir is rejected (logged), and `runner.warm` compiles and
+    # fills the cache again ahead of the next job.
     with open(artifacts[0], "r+b") as f:
         f.truncate(os.path.getsize(artifacts[0]) // 2)
-    r = cli(*common, "job.name=b", "ray.cpu_workers=1")
+    r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", *common, "job.name=b"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert "compile cache artifact rejected" in r.stderr
-    (w,) = metrics(tmp_path / "b")
-    assert not w["cache_hit"] and "warmup_with_compile_s" in w
-    assert len(os.listdir(tmp_path / "b" / "media")) == 8
+    report = json.loads(r.stdout)
+    assert report["cache_hit"] is False and report["artifact_bytes"] == os.path.getsize(artifacts[0])
 
     # The next job's first worker warms from the (rewritten) artifact in the cache dir.
     cli(*common, "job.name=c", "ray.cpu_workers=1")
     (w,) = metrics(tmp_path / "c")
     assert w["cache_hit"] and w["cache_source"] == "cache_dir"
     assert w["warmup_with_cache_s"] < 0.5 * compiled[0]["warmup_with_compile_s"]
+
+
+def test_warm_needs_a_caching_mode(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", "compile.mode=none",
+                        f"output.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "use a mode with cache-all" in r.stderr
 
 
 def test_bad_compile_mode_is_rejected_before_any_work(tmp_path):
