@@ -291,8 +291,9 @@ def split(cfg: DictConfig) -> dict:
         output=OutputOptions(job_dir=os.path.join(str(cfg.output.dir), name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
         compile=CompileConfig(
-            options={"mode": c["mode"], "memory_format": c["memory_format"],
-                     "dynamic": c["dynamic"], "options": c["options"]},
+            options={k: c[k] for k in ("mode", "memory_format", "dynamic", "options", "fuse_qkv",
+                                        "fuse_gelu", "sdpa_priority", "compile_text_encoder",
+                                        "compile_vae")},
             fuse_qkv=c["fuse_qkv"],
             cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),
     )
