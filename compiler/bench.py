@@ -286,6 +286,9 @@ def main(argv: list[str]) -> dict:
         opts["mode"] = mode.replace("-nofuse", "").replace("-nosdpa", "").replace("-nogelu", "")
         torch._dynamo.reset()
         setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
+        # The denoiser is a fresh eager copy: the pipeline may be compiled again. (compile_pipe
+        # refuses a second, different compile of the same pipeline, whose transforms it cannot undo.)
+        pipe._compile_options = None
         try:
             compile_pipe(pipe, opts)
             t0 = time.perf_counter()
