@@ -79,7 +79,7 @@ def run(argv: list[str]) -> dict:
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
     slots, interrupted, t_start = [], False, time.perf_counter()
     t_ready = t_done = t_all_ready = None
-    ready_count, steady = [0], [0]   # workers ready; items finished once all of them were
+    n_ready = steady_items = 0       # workers ready; items finished once all of them were
     if shards:
         import ray
         from .worker import Worker
@@ -103,24 +103,24 @@ def run(argv: list[str]) -> dict:
         from tqdm import tqdm
         todo = sum(len(items_of(s)) for s in shards)
         bar = tqdm(total=todo, unit="item", desc="generating", smoothing=0.1)
-        last_write = [time.monotonic()]
+        last_write = time.monotonic()
 
         def on_rows(rows):
+            nonlocal last_write, steady_items
             results.add(rows)
             bar.update(len(rows))
             if t_all_ready is not None:
-                steady[0] += len(rows)
-            if time.monotonic() - last_write[0] >= out.results_every_s:
+                steady_items += len(rows)
+            if time.monotonic() - last_write >= out.results_every_s:
                 results.write_table([it.id for it in items])
-                last_write[0] = time.monotonic()
+                last_write = time.monotonic()
 
         def on_ready(slot):
-            nonlocal t_ready, t_all_ready
+            nonlocal t_ready, t_all_ready, n_ready
             t_ready = t_ready or time.perf_counter()
-            ready_count[0] += 1
-            if ready_count[0] == n:
+            n_ready += 1
+            if n_ready == n:
                 t_all_ready = time.perf_counter()
-                steady[0] = 0
 
         try:
             slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
@@ -147,7 +147,7 @@ def run(argv: list[str]) -> dict:
         # Throughput once every worker serves: the figure that scales with workers (the ramp
         # while later workers load and warm is in generate_s).
         timing.update(all_ready_s=t_all_ready - t_start,
-                      steady_items_per_s=steady[0] / (t_done - t_all_ready))
+                      steady_items_per_s=steady_items / (t_done - t_all_ready))
     summary = _summarize(job, items, table, slots, metrics, len(done), interrupted, timing)
     if slots:
         import ray

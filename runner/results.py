@@ -29,9 +29,10 @@ FINGERPRINT_KEYS = ("model.preset", "model.source", "model.path", "model.dtype",
 
 
 def fingerprint(cfg: DictConfig) -> dict:
-    out = {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True)
-           if isinstance(OmegaConf.select(cfg, k), DictConfig) else OmegaConf.select(cfg, k)
-           for k in FINGERPRINT_KEYS}
+    out = {}
+    for k in FINGERPRINT_KEYS:
+        v = OmegaConf.select(cfg, k)
+        out[k] = OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v
     out["low_precision"] = "low-precision" in str(cfg.compile.mode) or str(cfg.compile.mode) == "O3"
     return out
 

@@ -70,11 +70,10 @@ def generate(pipe, family: str, items: list[Item], device: str, clock: StepClock
     """One pipeline call for items of equal shape. Returns (B, H, W, 3) or (B, F, H, W, 3) in [0, 1].
     One generator per item: an item's output depends on its seed, not on its batch-mates."""
     first = items[0]
-    gen_device = "cpu" if device == "cpu" else device
     kw = dict(prompt=[i.prompt for i in items], negative_prompt=[i.negative_prompt for i in items],
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type="np",
-              generator=[torch.Generator(gen_device).manual_seed(i.seed) for i in items])
+              generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
     on_step = (lambda *a: clock.mark()) if clock else None
     if family == "latte":
         # LattePipeline takes one negative prompt string for the whole batch.
