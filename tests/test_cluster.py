@@ -46,7 +46,7 @@ def ray_cluster():
 
 def test_ray_job_submit_on_a_multi_node_cluster(ray_cluster, tmp_path):
     runtime_env = {"excludes": [".venv", "outputs", ".git"],
-                   "env_vars": {"RUNNER_FAULTS": "slow:0.3"}}     # paced, so both nodes get work
+                   "env_vars": {"RUNNER_FAULTS": "slow:1.0"}}     # paced, so both nodes get work
     r = sh([*RAY, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ROOT,
             "--runtime-env-json", json.dumps(runtime_env), "--",
             "python", "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",

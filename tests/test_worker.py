@@ -100,6 +100,14 @@ def test_missing_pretrained_weights_rejected_on_the_driver(tmp_path, write_promp
         run(["job=pixart_batch", f"prompts.path={p}", f"output.dir={tmp_path}", f"model.path={tmp_path}/empty"])
 
 
+def test_uris_are_refused_with_the_supported_alternative(tmp_path, write_prompts, no_models_no_ray):
+    with pytest.raises(PromptError, match="URIs are not supported; use a path every node can read"):
+        run(["job=demo_image", "prompts.path=s3://bucket/prompts.parquet", f"output.dir={tmp_path}"])
+    p = write_prompts({"prompt": ["a"]})
+    with pytest.raises(JobError, match="URIs are not supported; use a path every node can reach"):
+        run(["job=demo_image", f"prompts.path={p}", "output.dir=s3://bucket/out"])
+
+
 def test_output_dir_that_is_a_file(tmp_path, write_prompts, no_models_no_ray):
     p = write_prompts({"prompt": ["a"]})
     (tmp_path / "f").write_text("not a dir")
