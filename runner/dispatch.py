@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from .prompts import Item, Shard
+from .results import failed_row
 
 log = logging.getLogger("runner")
 
@@ -48,11 +49,6 @@ def _is_task_error(e: Exception) -> bool:
     """An exception raised by our code inside the actor (the actor lives on)."""
     import ray
     return isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e, ray.exceptions.RayActorError)
-
-
-def failed_rows(items: list[Item], error: str) -> list[dict]:
-    return [{**it.params(), "status": "failed", "error": error, "output": None, "worker": None,
-             "batch_size": None, "e2e_s": None, "denoise_it_s": None} for it in items]
 
 
 def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
@@ -101,7 +97,7 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
         elif n > max_retries:
             log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
                       error.splitlines()[0][:300])
-            on_rows(failed_rows(items, f"failed {n} times: {error[:2000]}"))
+            on_rows([failed_row(it, f"failed {n} times: {error}") for it in items])
         elif items:
             queue.appendleft(shard)
 

@@ -71,6 +71,7 @@ def run(argv: list[str]) -> dict:
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(files), len(done), len(shards), out.job_dir)
     by_row = {(it.file, it.row): it for it in items}
+    ids = [it.id for it in items]          # the rows results.parquet keeps, in prompt order
 
     def items_of(shard):
         return [by_row[(shard.file, r)] for r in range(shard.start, shard.stop)
@@ -112,7 +113,7 @@ def run(argv: list[str]) -> dict:
             if t_all_ready is not None:
                 steady_items += len(rows)
             if time.monotonic() - last_write >= out.results_every_s:
-                results.write_table([it.id for it in items])
+                results.write_table(ids)
                 last_write = time.monotonic()
 
         def on_ready(slot):
@@ -131,14 +132,14 @@ def run(argv: list[str]) -> dict:
             interrupted = True
             log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
         except DispatchError as e:
-            results.write_table([it.id for it in items])
+            results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
             bar.close()
         t_done = time.perf_counter()
 
     # 5. Summarize.
-    table = results.write_table([it.id for it in items])
+    table = results.write_table(ids)
     results.close()
     metrics = _collect_metrics(slots, out)
     timing = dict(startup_s=(t_ready or t_start) - t_start,

@@ -52,6 +52,13 @@ def config_changes(old: dict, new: dict) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+def failed_row(item, error: str, worker: int | None = None) -> dict:
+    """The result row of an item that produced no output (same columns as a worker's ok rows)."""
+    return {**item.params(), "status": "failed", "error": error[:2000], "output": None,
+            "worker": worker, "batch_size": 1 if worker is not None else None, "e2e_s": None,
+            "denoise_it_s": None}
+
+
 class Results:
     def __init__(self, job_dir: str):
         self.job_dir = job_dir

@@ -23,6 +23,7 @@ from .config import CompileConfig, GenerationDefaults
 from .models import ModelSpec, build_pipeline
 from .outputs import write_mp4, write_png
 from .prompts import Constraints, Item, Shard, read_items
+from .results import failed_row
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,15 @@ def generate(pipe, family: str, items: list[Item], device: str, clock: StepClock
               guidance_scale=first.guidance_scale, output_type="np",
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
     on_step = (lambda *a: clock.mark()) if clock else None
+    step_end = (lambda p, i, t, d: (on_step(), d)[1]) if clock else None   # the newer callback API
     if family == "latte":
         # LattePipeline takes one negative prompt string for the whole batch.
         negs = {i.negative_prompt for i in items}
         assert len(negs) == 1, "latte batches must share the negative prompt"
         kw.update(negative_prompt=negs.pop(), video_length=first.num_frames, clean_caption=False,
                   mask_feature=mask_feature)
-        if on_step:
-            kw["callback_on_step_end"] = lambda p, i, t, d: (on_step(), d)[1]
+        if step_end:
+            kw["callback_on_step_end"] = step_end
         return np.asarray(pipe(**kw).frames)
     if family.startswith("pixart"):
         # Resolution binning and the size conditions only apply to the 128-latent (1024) checkpoints.
@@ -91,8 +93,8 @@ def generate(pipe, family: str, items: list[Item], device: str, clock: StepClock
         if on_step:
             kw.update(callback=on_step, callback_steps=1)
         return np.asarray(pipe(**kw).images)
-    if on_step:
-        kw["callback_on_step_end"] = lambda p, i, t, d: (on_step(), d)[1]
+    if step_end:
+        kw["callback_on_step_end"] = step_end
     return np.asarray(pipe(**kw).images)
 
 
@@ -246,33 +248,22 @@ class Worker:
 
     def run_shard(self, shard: Shard) -> list[dict]:
         items = read_items(shard, self.cfg.generation, self.cfg.limits, self.cfg.on_empty)
-        rows = []
-        for batch in batches(items, self.cfg.batch_size, self.family):
-            try:
-                rows += self._run_batch(batch)
-            except Exception as e:
-                if _fatal(e):
-                    raise
-                # One bad item (NaN, out of memory at one size, ...) must not fail its batch-mates.
-                _free_memory(self.cuda)
-                if len(batch) == 1:
-                    rows.append(self._failed(batch[0], e))
-                    continue
-                for item in batch:
-                    try:
-                        rows += self._run_batch([item])
-                    except Exception as e1:
-                        if _fatal(e1):
-                            raise
-                        _free_memory(self.cuda)
-                        rows.append(self._failed(item, e1))
-        return rows
+        return [row for batch in batches(items, self.cfg.batch_size, self.family)
+                for row in self._run_or_split(batch)]
 
-    def _failed(self, item: Item, e: Exception) -> dict:
-        self.m["failed"] += 1
-        return {**item.params(), "status": "failed", "error": f"{type(e).__name__}: {e}"[:2000],
-                "output": None, "worker": self.rank, "batch_size": 1, "e2e_s": None,
-                "denoise_it_s": None}
+    def _run_or_split(self, batch: list[Item]) -> list[dict]:
+        """One bad item (NaN, out of memory at one size, ...) must not fail its batch-mates: a
+        failing batch is retried item by item, and an item that fails alone is recorded failed."""
+        try:
+            return self._run_batch(batch)
+        except Exception as e:
+            if _fatal(e):
+                raise
+            _free_memory(self.cuda)
+            if len(batch) > 1:
+                return [row for item in batch for row in self._run_or_split([item])]
+            self.m["failed"] += 1
+            return [failed_row(batch[0], f"{type(e).__name__}: {e}", worker=self.rank)]
 
     def _run_batch(self, batch: list[Item]) -> list[dict]:
         _inject_faults(batch, self.cfg.job_dir)
