@@ -16,8 +16,10 @@ pytestmark = pytest.mark.e2e
 
 
 def runner(*args, timeout=300):
+    # Paced (1 s per batch): tiny models finish 8 prompts in under a second, sooner than a second
+    # worker may start, and every check below expects both workers to have served.
     r = subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout)
+                       text=True, timeout=timeout, env={**os.environ, "RUNNER_FAULTS": "slow:1.0"})
     assert r.returncode == 0, f"runner failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
 
