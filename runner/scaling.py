@@ -1,8 +1,12 @@
 """Scaling benchmark: the same job with 1, 2, ... workers, side by side in one run.
 
     python -m runner.scaling job=pixart_batch workers=1,2 prompts=128 out=/tmp/scaling [key=value ...]
+    python -m runner.scaling job=pixart_batch workers=1,2,4 prompts_per_worker=128 ...
+    python -m runner.scaling job=latte_batch workers=1,4 prompts=16,128 ...
 
-For each worker count it runs `python -m runner` (its own local Ray) on `prompts` generated prompts,
+For each worker count it runs `python -m runner` (its own local Ray) on `prompts` generated prompts
+(a list gives each run its own count; with `prompts_per_worker=N`, N x workers of them: weak
+scaling, the same work per GPU),
 with a fresh compile cache per run (so each run shows who compiled and who loaded), then prints a
 markdown table and writes `scaling.json` and `scaling.svg` (throughput against workers) under `out`.
 Other `key=value` arguments go to every run unchanged (e.g. `model.source=random compile.mode=O2`).
@@ -28,7 +32,8 @@ from .outputs import format_table, write_json, write_text
 
 
 def _args(argv):
-    opts, rest = {"workers": "1,2", "prompts": "128", "out": "scaling", "job": None}, []
+    opts, rest = {"workers": "1,2", "prompts": "128", "prompts_per_worker": None, "out": "scaling",
+                  "job": None}, []
     for a in argv:
         k, _, v = a.partition("=")
         if k in opts:
@@ -36,8 +41,8 @@ def _args(argv):
         else:
             rest.append(a)
     if not opts["job"]:
-        raise SystemExit("usage: python -m runner.scaling job=NAME [workers=1,2,4,8] [prompts=N] "
-                         "[out=DIR] [key=value ...]")
+        raise SystemExit("usage: python -m runner.scaling job=NAME [workers=1,2,4,8] [prompts=N | "
+                         "prompts_per_worker=N] [out=DIR] [key=value ...]")
     return opts, rest
 
 
@@ -76,16 +81,21 @@ def main(argv: list[str]) -> list[dict]:
     opts, rest = _args(argv)
     out = os.path.abspath(opts["out"])
     os.makedirs(out, exist_ok=True)
-    n = int(opts["prompts"])
-    prompts = os.path.join(out, "prompts.parquet")
+    counts = [int(x) for x in opts["workers"].split(",")]
+    per_worker = int(opts["prompts_per_worker"]) if opts["prompts_per_worker"] else None
     words = "cat dog robot castle river forest city ocean mountain flower".split()
-    pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
-                             "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
-                                        for i in range(n)],
-                             "seed": list(range(n))}), prompts)
+    sizes = [int(x) for x in opts["prompts"].split(",")]
+    if not per_worker and len(sizes) not in (1, len(counts)):
+        raise SystemExit(f"prompts={opts['prompts']!r}: give one count or one per worker count {counts}")
     rows = []
-    for k in [int(x) for x in opts["workers"].split(",")]:
+    for i, k in enumerate(counts):
         name = f"w{k}"
+        n = per_worker * k if per_worker else sizes[i if len(sizes) > 1 else 0]
+        prompts = os.path.join(out, f"prompts-{n}.parquet")
+        pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
+                                 "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
+                                            for i in range(n)],
+                                 "seed": list(range(n))}), prompts)
         cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
                f"output.dir={out}", f"job.name={name}", f"ray.num_workers={k}",
                f"compile.cache_dir={out}/cache-{name}", "output.overwrite=true", *rest]
@@ -98,7 +108,7 @@ def main(argv: list[str]) -> list[dict]:
         s = json.load(open(os.path.join(out, name, "summary.json")))
         ms = [json.load(open(p)) for p in glob.glob(os.path.join(out, name, "metrics", "*.json"))]
         rows.append(dict(
-            workers=k, ok=s["ok"], failed=s["failed"], wall_s=wall, first_ready_s=s["startup_s"],
+            workers=k, prompts=n, ok=s["ok"], failed=s["failed"], wall_s=wall, first_ready_s=s["startup_s"],
             all_ready_s=s.get("all_ready_s"), generate_s=s["generate_s"],
             items_per_s=s["items_per_s"], steady_items_per_s=s.get("steady_items_per_s"),
             compiled=sum(1 for m in ms if m.get("cache_hit") is False),
@@ -109,6 +119,11 @@ def main(argv: list[str]) -> list[dict]:
                                      if "warmup_with_cache_s" in m), default=None),
             worker_it_s=[round(m["steady_it_s"] or 0, 2) for m in sorted(ms, key=lambda m: m["rank"])],
             gpus=sorted({m.get("gpu_name") or "cpu" for m in ms})))
+        _summarize(rows, argv, out)   # after every run: a later run timing out loses nothing
+    return rows
+
+
+def _summarize(rows, argv, out):
     base = rows[0]
     for r in rows:
         for key in ("items_per_s", "steady_items_per_s"):
@@ -117,11 +132,10 @@ def main(argv: list[str]) -> list[dict]:
                 r[key.replace("items_per_s", "efficiency")] = (r[key] / base[key]) / (r["workers"] / base["workers"])
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
     _svg(rows, os.path.join(out, "scaling.svg"))
-    print(format_table(rows, ["workers", "ok", "compiled", "loaded", "first_ready_s", "all_ready_s",
-                              "generate_s", "items_per_s", "speedup", "steady_items_per_s",
+    print(format_table(rows, ["workers", "prompts", "ok", "compiled", "loaded", "first_ready_s", "all_ready_s",
+                              "generate_s", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
                               "steady_speedup", "steady_efficiency", "warmup_with_compile_s",
-                              "warmup_with_cache_s"]))
-    return rows
+                              "warmup_with_cache_s"]), flush=True)
 
 
 if __name__ == "__main__":
