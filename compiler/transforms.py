@@ -166,20 +166,33 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _gelu_tanh_forward(self, hidden_states):
-    return linear_gelu_tanh(hidden_states, self.proj.weight, self.proj.bias)
+class LinearGELUTanh(nn.Module):
+    """Drop-in for diffusers' `GELU(approximate="tanh")` (same `proj` submodule and state dict).
+
+    A module class, not a per-instance `forward` attribute: Dynamo guards on the identity of an
+    instance's bound `forward`, so a per-instance function would give every block its own graph
+    (28-56 graphs instead of one per block class, and Latte's 56 blocks past the recompile limit).
+    """
+
+    def __init__(self, gelu: nn.Module):
+        super().__init__()
+        self.proj = gelu.proj
+
+    def forward(self, hidden_states):
+        return linear_gelu_tanh(hidden_states, self.proj.weight, self.proj.bias)
 
 
 def fuse_gelu(module: nn.Module) -> int:
-    """Route every diffusers `GELU(approximate="tanh")` with a biased projection through
-    `linear_gelu_tanh`. Returns how many were rerouted. (GELU "none" and GEGLU stay as they are.)"""
+    """Replace every diffusers `GELU(approximate="tanh")` with a biased projection by
+    `LinearGELUTanh`. Returns how many were replaced. (GELU "none" and GEGLU stay as they are.)"""
     from diffusers.models.activations import GELU
     n = 0
-    for m in module.modules():
-        if isinstance(m, GELU) and m.approximate == "tanh" and m.proj.bias is not None \
-                and not isinstance(m.proj, FP8Linear):
-            m.forward = functools.partial(_gelu_tanh_forward, m)
-            n += 1
+    for parent in list(module.modules()):
+        for name, m in list(parent.named_children()):
+            if isinstance(m, GELU) and m.approximate == "tanh" and m.proj.bias is not None \
+                    and not isinstance(m.proj, FP8Linear):
+                setattr(parent, name, LinearGELUTanh(m))
+                n += 1
     return n
 
 

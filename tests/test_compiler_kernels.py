@@ -38,3 +38,28 @@ def test_fp8_linear_error_is_small_and_only_used_linears_convert():
     assert n == 2 * 7
     attn1 = den.transformer_blocks[0].attn1
     assert type(attn1.to_q) is torch.nn.Linear and isinstance(attn1.to_qkv, FP8Linear)
+
+
+def test_rewritten_blocks_still_share_one_graph_per_shape():
+    """The GELU rewrite must not make Dynamo specialise on each block instance: 12 Latte blocks
+    (6 spatial + 6 temporal, all BasicTransformerBlock) compile to a few graphs, not 12+."""
+    from diffusers import LatteTransformer3DModel
+    from torch._dynamo.utils import counters
+    from compiler.transforms import compile_blocks
+    from runner.models import PRESETS, TINY_VIDEO_LENGTH, _dit_config
+
+    cfg = dict(_dit_config(PRESETS["latte1"], tiny=True), num_layers=6)
+    den = LatteTransformer3DModel.from_config(cfg).eval()
+    x = torch.randn(1, 4, TINY_VIDEO_LENGTH, 8, 8)
+    kw = dict(encoder_hidden_states=torch.randn(1, 6, 32), timestep=torch.tensor([10]), return_dict=False)
+    with torch.no_grad():
+        ref = den(x, **kw)[0]
+        fuse_qkv(den)
+        assert fuse_gelu(den) == 12
+        torch._dynamo.reset()
+        counters.clear()
+        assert compile_blocks(den, dict(fullgraph=True, backend="aot_eager")) == {"BasicTransformerBlock": 12}
+        out = den(x, **kw)[0]
+    # spatial and temporal shapes, plus the first temporal block's strided input: 3, whatever the depth
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
