@@ -13,7 +13,9 @@ Order of transforms (each later one wraps the earlier):
   2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
      then, CUDA only and when compiling: `low-precision` swaps the blocks' Linears for FP8Linear
      (compute capability >= 8.9), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
-     GEMM with a GELU epilogue (a custom op Inductor keeps whole);
+     GEMM with a GELU epilogue (a custom op Inductor keeps whole), and `short_attention` gives the
+     fused self-attentions a processor that runs sequences of <= 64 tokens (Latte's temporal
+     attention) through one Triton kernel;
   3. `memory_format`: channels_last for the UNet and the VAE (conv models; DiTs are unaffected);
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
@@ -31,6 +33,7 @@ import torch
 from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
 from . import transforms
 from .cudagraph import StepGraph, wrap_step
+from .short_attention import use_short_attention
 
 __all__ = ["compile_pipe", "parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD",
            "denoiser_of", "StepGraph"]
@@ -98,6 +101,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             report["fp8_linears"] = transforms.to_fp8(den, blocks)
         if opts.fuse_gelu:
             report["fused_gelu"] = transforms.fuse_gelu(den)
+        if opts.short_attention and fuse_qkv_projections and opts.fuse_qkv:
+            report["short_attention"] = use_short_attention(den)
 
     if opts.memory_format == "channels_last":
         for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):

@@ -44,7 +44,7 @@ def parse_argv(argv: list[str]) -> dict:
         k, v = item.split("=", 1)
         if k.startswith("compile."):
             sub = k[len("compile."):]
-            comp[sub] = json.loads(v) if sub in ("options", "dynamic", "fuse_qkv", "fuse_gelu", "sdpa_priority", "compile_vae",
+            comp[sub] = json.loads(v) if sub in ("options", "dynamic", "fuse_qkv", "fuse_gelu", "short_attention", "sdpa_priority", "compile_vae",
                                                  "compile_text_encoder") else v
         elif k == "compile":
             comp = json.loads(v)
@@ -280,10 +280,12 @@ def main(argv: list[str]) -> dict:
     # extra variants (ablations), it/s only, on fresh copies of the eager denoiser
     res["extra"] = {}
     for mode in [m for m in args["extra"].split(",") if m]:
-        # "MODE[-nofuse][-nosdpa][-nogelu]": ablate QKV fusion / SDPA priority / GELU epilogue
+        # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority / GELU epilogue /
+        # short-sequence attention kernel
         name, opts = mode, {**args["compile"], "fuse_qkv": "-nofuse" not in mode,
-                            "sdpa_priority": "-nosdpa" not in mode, "fuse_gelu": "-nogelu" not in mode}
-        opts["mode"] = mode.replace("-nofuse", "").replace("-nosdpa", "").replace("-nogelu", "")
+                            "sdpa_priority": "-nosdpa" not in mode, "fuse_gelu": "-nogelu" not in mode,
+                            "short_attention": "-noshort" not in mode}
+        opts["mode"] = mode.replace("-nofuse", "").replace("-nosdpa", "").replace("-nogelu", "").replace("-noshort", "")
         torch._dynamo.reset()
         setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
         # The denoiser is a fresh eager copy: the pipeline may be compiled again. (compile_pipe

@@ -5,7 +5,8 @@ dict nexfort takes::
 
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
-     "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "compile_text_encoder": false, "compile_vae": false}
+     "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "short_attention": true,
+     "compile_text_encoder": false, "compile_vae": false}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -30,6 +31,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | `O3` (preset) | `O2` + `max-optimize:low-precision`: fastest, not bit-faithful (the benchmark states its error) |
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
+| key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
@@ -72,8 +74,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
 TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv", "sdpa_priority", "fuse_gelu",
-                  "compile_text_encoder", "compile_vae")
-BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "compile_text_encoder", "compile_vae")
+                  "short_attention",                   "compile_text_encoder", "compile_vae")
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder", "compile_vae")
 
 FLAG_TABLE_MD = __doc__[__doc__.index("| flag |"):__doc__.index("\n\n`max-autotune` is in")]
 
@@ -87,12 +89,14 @@ class CompileOptions:
     fuse_qkv: bool = True
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
+    short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
     compile_vae: bool = False           # VAE decode is one call per image: off by default
 
     def __hash__(self):  # dict field: hash its sorted items
         return hash((self.flags, self.memory_format, self.dynamic, json.dumps(self.inductor, sort_keys=True),
-                     self.fuse_qkv, self.sdpa_priority, self.fuse_gelu, self.compile_text_encoder, self.compile_vae))
+                     self.fuse_qkv, self.sdpa_priority, self.fuse_gelu, self.short_attention,
+                     self.compile_text_encoder, self.compile_vae))
 
     @property
     def compile(self) -> bool:
@@ -121,7 +125,7 @@ class CompileOptions:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
                 "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv, "sdpa_priority": self.sdpa_priority,
-                "fuse_gelu": self.fuse_gelu,
+                "fuse_gelu": self.fuse_gelu, "short_attention": self.short_attention,
                 "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
 
 
@@ -192,5 +196,6 @@ def parse_options(obj: dict | str | CompileOptions | None) -> CompileOptions:
     return CompileOptions(flags=flags, memory_format=memory_format, dynamic=obj.get("dynamic", False),
                           inductor=inductor, fuse_qkv=obj.get("fuse_qkv", True),
                           sdpa_priority=obj.get("sdpa_priority", True), fuse_gelu=obj.get("fuse_gelu", True),
+                          short_attention=obj.get("short_attention", True),
                           compile_text_encoder=obj.get("compile_text_encoder", False),
                           compile_vae=obj.get("compile_vae", False))

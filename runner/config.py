@@ -292,7 +292,7 @@ def split(cfg: DictConfig) -> dict:
                              results_every_s=cfg.output.results_every_s),
         compile=CompileConfig(
             options={k: c[k] for k in ("mode", "memory_format", "dynamic", "options", "fuse_qkv",
-                                        "fuse_gelu", "sdpa_priority", "compile_text_encoder",
+                                        "fuse_gelu", "short_attention", "sdpa_priority", "compile_text_encoder",
                                         "compile_vae")},
             fuse_qkv=c["fuse_qkv"],
             cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),

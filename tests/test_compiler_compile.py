@@ -35,7 +35,9 @@ def generate(pipe, preset: str, **kw) -> torch.Tensor:
 def compiled(request):
     """(preset, eager reference output, compiled pipe) with a lossless mode that runs on CPU."""
     preset = request.param
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()  # fresh Dynamo caches: other modules' compiles must not leak in
+    counters.clear()       # graph counts below are this pipeline's alone
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))
     ref = generate(pipe, preset)
     compile_pipe(pipe, {"mode": "O2"})  # cudagraphs is a no-op on CPU; fusion + per-block compile
@@ -60,8 +62,9 @@ def test_no_recompiles_across_steps(compiled):
 def test_blocks_of_one_type_share_graphs(compiled):
     from torch._dynamo.utils import counters
     preset, _, pipe = compiled
-    # 2 spatial (+2 temporal) blocks; the first block sees a strided input, the rest contiguous ones.
-    assert counters["stats"]["unique_graphs"] <= 6
+    # 2 spatial (+2 temporal) blocks; Latte's first temporal block sees a strided input: at most
+    # one graph per shape and layout (spatial, temporal, strided temporal), never one per instance.
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
 
 
 @pytest.mark.parametrize("preset", ["latte1", "pixart_alpha_512", "sd21"])

@@ -18,6 +18,7 @@ def _call(pipe, steps, **kw):
 @pytest.mark.parametrize("preset, kw", [
     ("pixart_alpha_1024", dict(height=1024, width=1024, clean_caption=False, use_resolution_binning=False)),
     ("sd21", dict(height=768, width=768)),
+    ("latte1", dict(height=512, width=512, video_length=16)),
 ])
 @pytest.mark.parametrize("mode", ["O2"])
 def test_full_size_lossless_matches_eager(preset, kw, mode):
@@ -33,5 +34,19 @@ def test_full_size_lossless_matches_eager(preset, kw, mode):
     assert (out - ref).abs().max().item() <= 2e-2 * max(scale, 1.0)
 
 
+@pytest.mark.parametrize("n, s, heads, d", [(2048, 16, 16, 72), (64, 5, 4, 64), (32, 33, 2, 40)])
+def test_short_attention_kernel_matches_sdpa(n, s, heads, d):
+    from compiler.short_attention import _reference, short_attention
+    qkv = torch.randn(n, s, 3 * heads * d, device="cuda", dtype=torch.float16)
+    ref = _reference(qkv.float(), heads)
+    out = short_attention(qkv, heads)
+    assert out.shape == (n, s, heads * d) and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    # a strided view (every other sequence) reads the same values
+    torch.testing.assert_close(short_attention(qkv[::2], heads).float(), ref[::2], atol=2e-3, rtol=2e-3)
+
+
+for _m in gpu:
+    test_short_attention_kernel_matches_sdpa = _m(test_short_attention_kernel_matches_sdpa)
 for _m in gpu:
     test_full_size_lossless_matches_eager = _m(test_full_size_lossless_matches_eager)
