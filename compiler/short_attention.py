@@ -4,7 +4,7 @@ Contract: `use_short_attention(module) -> int` gives every fused self-attention 
 `transforms.fuse_qkv`) a processor that, for CUDA inputs of at most `MAX_SEQ` tokens and no mask,
 computes softmax(q k^T / sqrt(d)) v straight from the fused QKV projection's output with
 `diffcompiler::short_attention`; every other call (long sequences, masks, CPU) takes diffusers'
-`FusedAttnProcessor2_0` unchanged. Returns how many attentions got the processor.
+`FusedAttnProcessor2_0` unchanged. Half precision only: fp32 calls keep SDPA. Returns how many attentions got the processor.
 
 Why: Latte's temporal attention is (2 x 1024 patches) x 16 heads independent 16 x 16 problems with
 head dim 72. Its q, k, v and output are 4 x 75 MB at 512x512 (batch 2): ~0.1 ms of HBM traffic on an
@@ -102,6 +102,7 @@ class ShortSeqAttnProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  *args, **kwargs):
         if (encoder_hidden_states is None and attention_mask is None and hidden_states.is_cuda
+                and hidden_states.dtype in (torch.float16, torch.bfloat16)  # fp32 keeps exact SDPA
                 and hidden_states.ndim == 3 and hidden_states.shape[1] <= MAX_SEQ
                 and attn.spatial_norm is None and attn.group_norm is None and attn.norm_q is None
                 and attn.norm_k is None and not attn.residual_connection
