@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 FLAGS: dict[str, dict] = {
     "none": {"compile": False},
     "max-autotune": {"inductor": {"max_autotune": True, "coordinate_descent_tuning": True}},
-    "max-optimize": {"inductor": {"aggressive_fusion": True, "epilogue_fusion": True}},
+    "max-optimize": {"inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
+                                  "coordinate_descent_tuning": True}},
     "cudagraphs": {"cudagraphs": True},
     "freezing": {"inductor": {"freezing": True}},
     "low-precision": {"low_precision": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},

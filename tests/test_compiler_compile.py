@@ -122,5 +122,6 @@ def test_step_cuda_graph_matches_eager_across_shapes_on_gpu():
         kw = call_kwargs(preset, steps=3, height=h, width=w)
         out = pipe(**kw, generator=torch.Generator("cuda").manual_seed(0)).images
         ref = eager(**kw, generator=torch.Generator("cuda").manual_seed(0)).images
-        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+        # the tiny model runs in fp16 on CUDA: half-precision tolerance for images in [0, 1]
+        torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
     assert len(pipe.transformer.forward.graphs) == 2
