@@ -39,9 +39,11 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 
 `max-autotune` is in neither preset: on an H100 it took first-call compile from 6 s to 58 s for no
 gain on PixArt (see performance.md), and the presets must keep the first call short.
-Measured on an H100 (BENCHMARKS.md, "Compiler"): O2 compiles PixArt-α in 11-15 s and Latte-1 in
-24 s; O3 costs far more (Latte-1: 107 s first call, 64 s from cache; `max-optimize`'s
-`coordinate_descent_tuning` is the likely cause) for 1.35x instead of 1.27x on Latte.
+Measured on an H100 (BENCHMARKS.md, "Compiler", 2026-11-22): O2 gives PixArt-α 1.24-1.35x in a
+12 s first call (7 s from cache) and Latte-1 1.37x; O3 gives Latte-1 1.48x and PixArt-α 1.20-1.33x
+but its `coordinate_descent_tuning` costs 77-135 s on the first call and 30-60 s even from a filled
+cache. Without that tuning the FP8 quantisation kernels are slow enough that O3 loses to O2
+(PixArt 1.13x, Latte 1.32x), so `max-optimize` keeps it.
 """
 
 from __future__ import annotations
