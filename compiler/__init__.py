@@ -92,7 +92,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
 
     _apply_switches(opts)
 
-    if fuse_qkv_projections and opts.fuse_qkv:
+    fused = fuse_qkv_projections and opts.fuse_qkv
+    if fused:
         report["fused_attention"] = transforms.fuse_qkv(den)
 
     if opts.compile and device == "cuda":
@@ -101,7 +102,7 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             report["fp8_linears"] = transforms.to_fp8(den, blocks)
         if opts.fuse_gelu:
             report["fused_gelu"] = transforms.fuse_gelu(den)
-        if opts.short_attention and fuse_qkv_projections and opts.fuse_qkv:
+        if opts.short_attention and fused:
             report["short_attention"] = use_short_attention(den)
 
     if opts.memory_format == "channels_last":

@@ -32,6 +32,7 @@ import time
 import torch
 
 from . import cache, compile_pipe, denoiser_of, parse_options
+from .options import BOOL_KEYS
 
 
 def parse_argv(argv: list[str]) -> dict:
@@ -44,8 +45,7 @@ def parse_argv(argv: list[str]) -> dict:
         k, v = item.split("=", 1)
         if k.startswith("compile."):
             sub = k[len("compile."):]
-            comp[sub] = json.loads(v) if sub in ("options", "dynamic", "fuse_qkv", "fuse_gelu", "short_attention", "sdpa_priority", "compile_vae",
-                                                 "compile_text_encoder") else v
+            comp[sub] = json.loads(v) if sub == "options" or sub in BOOL_KEYS else v
         elif k == "compile":
             comp = json.loads(v)
         elif k in a:

@@ -75,9 +75,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
 
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
-TOP_LEVEL_KEYS = ("mode", "memory_format", "dynamic", "options", "fuse_qkv", "sdpa_priority", "fuse_gelu",
-                  "short_attention",                   "compile_text_encoder", "compile_vae")
-BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder", "compile_vae")
+# The boolean keys' defaults are CompileOptions' field defaults.
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder",
+             "compile_vae")
+TOP_LEVEL_KEYS = ("mode", "memory_format", "options", *BOOL_KEYS)
 
 FLAG_TABLE_MD = __doc__[__doc__.index("| flag |"):__doc__.index("\n\n`max-autotune` is in")]
 
@@ -95,10 +96,8 @@ class CompileOptions:
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
     compile_vae: bool = False           # VAE decode is one call per image: off by default
 
-    def __hash__(self):  # dict field: hash its sorted items
-        return hash((self.flags, self.memory_format, self.dynamic, json.dumps(self.inductor, sort_keys=True),
-                     self.fuse_qkv, self.sdpa_priority, self.fuse_gelu, self.short_attention,
-                     self.compile_text_encoder, self.compile_vae))
+    def __hash__(self):  # the inductor field is a dict: hash the JSON of every field
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     @property
     def compile(self) -> bool:
@@ -195,9 +194,5 @@ def parse_options(obj: dict | str | CompileOptions | None) -> CompileOptions:
     for key in BOOL_KEYS:
         if key in obj and not isinstance(obj[key], bool):
             raise ValueError(f"compile option {key!r} must be true or false, got {obj[key]!r}")
-    return CompileOptions(flags=flags, memory_format=memory_format, dynamic=obj.get("dynamic", False),
-                          inductor=inductor, fuse_qkv=obj.get("fuse_qkv", True),
-                          sdpa_priority=obj.get("sdpa_priority", True), fuse_gelu=obj.get("fuse_gelu", True),
-                          short_attention=obj.get("short_attention", True),
-                          compile_text_encoder=obj.get("compile_text_encoder", False),
-                          compile_vae=obj.get("compile_vae", False))
+    return CompileOptions(flags=flags, memory_format=memory_format, inductor=inductor,
+                          **{k: obj[k] for k in BOOL_KEYS if k in obj})

@@ -15,6 +15,7 @@ the (N, S, 3*H*D) projection and writes (N, S, H*D), the layout the output proje
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,14 +23,9 @@ import torch.nn.functional as F
 
 MAX_SEQ = 64     # longest sequence the kernel takes (tile is the next power of two >= 16)
 
-_kernel = None
-
-
+@functools.cache
 def _triton_kernel():
     """Built on first use: CPU-only installs have no Triton."""
-    global _kernel
-    if _kernel is not None:
-        return _kernel
     import triton
     import triton.language as tl
 
@@ -54,8 +50,7 @@ def _triton_kernel():
         tl.store(out + n * stride_on + s[:, None] * stride_os + h * D + d[None, :],
                  o.to(out.dtype.element_ty), mask=ld_mask)
 
-    _kernel = short_attn_kernel
-    return _kernel
+    return short_attn_kernel
 
 
 def _reference(qkv: torch.Tensor, heads: int) -> torch.Tensor:

@@ -291,9 +291,7 @@ def split(cfg: DictConfig) -> dict:
         output=OutputOptions(job_dir=os.path.join(str(cfg.output.dir), name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
         compile=CompileConfig(
-            options={k: c[k] for k in ("mode", "memory_format", "dynamic", "options", "fuse_qkv",
-                                        "fuse_gelu", "short_attention", "sdpa_priority", "compile_text_encoder",
-                                        "compile_vae")},
+            options={k: v for k, v in c.items() if k != "cache_dir"},  # the rest is compiler options
             fuse_qkv=c["fuse_qkv"],
             cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),
     )
