@@ -12,14 +12,17 @@ Order of transforms (each later one wraps the earlier):
   1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark);
   2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
      then, CUDA only and when compiling: `low-precision` swaps the blocks' Linears for FP8Linear
-     (compute capability >= 8.9), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
+     (compute capability >= 8.9) and their feed-forwards for FP8FeedForward (bias + GELU + FP8
+     quantisation of the hidden activation in one Triton pass, `compiler/quant.py`), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
      GEMM with a GELU epilogue (a custom op Inductor keeps whole), and `short_attention` gives the
      fused self-attentions a processor that runs sequences of <= 64 tokens (Latte's temporal
      attention) through one Triton kernel;
   3. `memory_format`: channels_last for the UNet and the VAE (conv models; DiTs are unaffected);
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
-     from); text encoder / VAE decoder blocks likewise if `compile_text_encoder` / `compile_vae`;
+     from); for Latte one compiled function per (spatial, temporal) block pair with the layout
+     changes between them (`compiler/latte.py`); text encoder / VAE decoder blocks likewise, without
+     the denoiser-only settings, if `compile_text_encoder` / `compile_vae`;
   5. SDPA kernel priority around the denoiser forward (CUDA only: CPU keeps the default);
   6. `cudagraphs`: the denoiser call captured as one CUDA graph per input shape (CUDA only).
 """
@@ -31,7 +34,7 @@ import logging
 import torch
 
 from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
-from . import transforms
+from . import latte, quant, transforms
 from .cudagraph import StepGraph, wrap_step
 from .short_attention import use_short_attention
 
@@ -71,11 +74,12 @@ def _raise_recompile_limit(n_blocks: int) -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * (n_blocks + 8))
 
 
-def compile_kwargs(opts: CompileOptions) -> dict:
-    """Arguments for every torch.compile call the compiler makes."""
+def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:
+    """Arguments for every torch.compile call the compiler makes (`denoiser=False`: text encoder,
+    VAE: without the denoiser-only settings, see FLAGS)."""
     # dynamic=True: symbolic shapes from the first call (one graph serves all resolutions);
     # False: specialise on each shape (fastest kernels, a recompile per new resolution).
-    return dict(fullgraph=True, dynamic=opts.dynamic, options=opts.inductor_config())
+    return dict(fullgraph=True, dynamic=opts.dynamic, options=opts.inductor_config(denoiser))
 
 
 def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
@@ -100,6 +104,7 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
         blocks = transforms.block_classes(den)
         if opts.has("low_precision") and transforms.fp8_supported(den):
             report["fp8_linears"] = transforms.to_fp8(den, blocks)
+            report["fp8_feedforwards"] = quant.fp8_feedforward(den)
         if opts.fuse_gelu:
             report["fused_gelu"] = transforms.fuse_gelu(den)
         if opts.short_attention and fused:
@@ -112,12 +117,20 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
 
     if opts.compile:
         kw = compile_kwargs(opts)
-        report["compiled_blocks"] = transforms.compile_blocks(den, kw)
-        _raise_recompile_limit(sum(report["compiled_blocks"].values()))
+        if latte.is_latte(den):  # spatial+temporal block pairs with the layout changes between them
+            report["compiled_blocks"] = latte.compile_pairs(den, kw)
+        else:
+            report["compiled_blocks"] = transforms.compile_blocks(den, kw)
+        aux_kw = compile_kwargs(opts, denoiser=False)
         if opts.compile_text_encoder and getattr(pipe, "text_encoder", None) is not None:
-            report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, kw)
-        if opts.compile_vae and getattr(pipe, "vae", None) is not None:
-            report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, kw)
+            report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, aux_kw)
+        # dynamic: the VAE's blocks specialise on sizes and strides and would recompile per
+        # resolution, which `dynamic` promises not to do: the VAE stays eager there.
+        if opts.compile_vae and not opts.dynamic and getattr(pipe, "vae", None) is not None:
+            report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, aux_kw)
+        # the VAE's ResnetBlock2D shares its code object (and Dynamo's graph count) with the UNet's
+        _raise_recompile_limit(sum(sum(report.get(k, {}).values())
+                                   for k in ("compiled_blocks", "text_encoder_blocks", "vae_blocks")))
 
     if device == "cuda" and opts.sdpa_priority:
         transforms.with_sdpa_priority(den)

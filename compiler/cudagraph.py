@@ -6,7 +6,9 @@ runs `fn` eagerly `warmup` times (this is where per-block torch.compile compiles
 call into a CUDA graph; every later call with that signature copies its inputs into the graph's
 static buffers and replays it. So the 20-50 steps of a call launch one graph each instead of ~1-3k
 kernels, and the eager glue between compiled blocks (embeddings, reshapes, final layer) is captured
-too. All graphs share one memory pool.
+too. All graphs share one memory pool, and warm-up and capture run on one side stream of their own:
+cuBLAS keeps a workspace (32 MiB on Hopper) alive per stream it ran on, so every extra stream is
+memory the eager pipeline does not hold.
 
 Why not Inductor's cudagraph trees (`mode="reduce-overhead"`) on each block: that gives one graph per
 block, still leaves the glue eager, and copies block outputs between graphs.
@@ -27,6 +29,7 @@ class StepGraph:
         self.warmup = warmup
         self.graphs: dict = {}
         self.pool = None
+        self.stream = None  # one side stream for every warm-up and capture (see module docstring)
 
     @staticmethod
     def _signature(leaves, spec):
@@ -58,17 +61,19 @@ class StepGraph:
         static_in = [x.clone() if isinstance(x, torch.Tensor) else None for x in leaves]
         inputs = [s if s is not None else x for s, x in zip(static_in, leaves)]
         args, kwargs = tree_unflatten(inputs, spec)
-        # Warm up on a side stream (CUDA graph rules); compiles happen here.
-        side = torch.cuda.Stream()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+            self.pool = torch.cuda.graph_pool_handle()
+        # Warm up on the side stream (CUDA graph rules); compiles happen here.
+        side = self.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
                 self.fn(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Capture on the same stream (torch.cuda.graph would otherwise take a new one per capture).
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             out = self.fn(*args, **kwargs)
         out_leaves, out_spec = tree_flatten(out)
         return static_in, graph, out_leaves, out_spec

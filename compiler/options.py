@@ -6,7 +6,7 @@ dict nexfort takes::
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
      "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "short_attention": true,
-     "compile_text_encoder": false, "compile_vae": false}
+     "compile_text_encoder": false, "compile_vae": true}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -20,11 +20,11 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | flag | turns on |
 | --- | --- |
 | `none` | eager: nothing is compiled (baselines); QKV fusion still applies unless `fuse_qkv: false` |
-| `max-autotune` | Inductor `max_autotune` (GEMM templates benchmarked per shape) and `coordinate_descent_tuning`; slow first compile |
-| `max-optimize` | Inductor `aggressive_fusion`, `epilogue_fusion`, `coordinate_descent_tuning` (more fusion, tuned pointwise/reduction kernels) |
+| `max-autotune` | denoiser blocks: Inductor `max_autotune` (GEMM templates benchmarked per shape) and `coordinate_descent_tuning`; slow first compile |
+| `max-optimize` | denoiser blocks: Inductor `aggressive_fusion`, `epilogue_fusion`, `max_autotune_pointwise` (more fusion; a few configs of every pointwise/reduction kernel compiled in parallel and timed once) |
 | `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
 | `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
-| `low-precision` | lossy: the denoiser blocks' Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
+| `low-precision` | lossy, denoiser blocks: their Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
 | `cache-all` | Inductor `fx_graph_cache` and `autotune_local_cache` on (in `compiler.cache`'s directory), and portable artifacts packed by `compiler.cache` |
 | `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
 | `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
@@ -35,15 +35,17 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
-| keys `compile_text_encoder`, `compile_vae` (default false) | also compile the text encoder's / VAE decoder's blocks |
+| key `compile_vae` (default true) | compiled, `dynamic: false`: also compile the VAE decoder's ResnetBlock2Ds, with the lossless settings only (fused GroupNorm+SiLU: PixArt-α 1024² peak memory 12.60 -> 11.63 GiB, E2E 0.81 -> 0.76 s) |
+| key `compile_text_encoder` (default false) | compiled: also compile the text encoder's blocks, likewise (pays only for long prompts / big batches) |
 
 `max-autotune` is in neither preset: on an H100 it took first-call compile from 6 s to 58 s for no
 gain on PixArt (see performance.md), and the presets must keep the first call short.
-Measured on an H100 (BENCHMARKS.md, "Compiler", 2026-11-22): O2 gives PixArt-α 1.24-1.35x in a
-12 s first call (7 s from cache) and Latte-1 1.37x; O3 gives Latte-1 1.48x and PixArt-α 1.20-1.33x
-but its `coordinate_descent_tuning` costs 77-135 s on the first call and 30-60 s even from a filled
-cache. Without that tuning the FP8 quantisation kernels are slow enough that O3 loses to O2
-(PixArt 1.13x, Latte 1.32x), so `max-optimize` keeps it.
+Why `max-optimize` uses `max_autotune_pointwise` rather than `coordinate_descent_tuning`
+(BENCHMARKS.md, "Compiler, third round"): on Latte-1 O3 the descent ran 290 serial compile-and-time
+trials, 97 s of a 128 s first call, for 6.84 it/s; `max_autotune_pointwise` compiles its few
+candidates in parallel workers: 48 s for 6.38 it/s; neither: 25 s for 6.04 it/s. What the descent
+found beyond that was mostly the FP8 activation-quantisation reductions, which `compiler.quant`
+now does in one hand-written kernel.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ from dataclasses import dataclass, field
 #   inductor:   torch._inductor.config overrides (dotted names as in config)
 #   cudagraphs / low_precision / cudnn_benchmark / cache: switches read by compiler/__init__.py
 #   compile:    False for eager
+#   denoiser_only: the inductor settings apply to the denoiser's blocks, not to the text encoder / VAE
+#               (which run once per call: no tuning time spent there, and no lossy arithmetic)
 FLAGS: dict[str, dict] = {
     "none": {"compile": False},
-    "max-autotune": {"inductor": {"max_autotune": True, "coordinate_descent_tuning": True}},
-    "max-optimize": {"inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
-                                  "coordinate_descent_tuning": True}},
+    "max-autotune": {"denoiser_only": True, "inductor": {"max_autotune": True, "coordinate_descent_tuning": True}},
+    "max-optimize": {"denoiser_only": True, "inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
+                                  "max_autotune_pointwise": True}},
     "cudagraphs": {"cudagraphs": True},
     "freezing": {"inductor": {"freezing": True}},
-    "low-precision": {"low_precision": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},
+    "low-precision": {"low_precision": True, "denoiser_only": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},
     "cache-all": {"cache": True, "inductor": {"fx_graph_cache": True, "autotune_local_cache": True}},
     "benchmark": {"cudnn_benchmark": True, "inductor": {"benchmark_fusion": True}},
 }
@@ -94,7 +98,7 @@ class CompileOptions:
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
-    compile_vae: bool = False           # VAE decode is one call per image: off by default
+    compile_vae: bool = True            # fused GroupNorm+SiLU: less peak memory, faster decode
 
     def __hash__(self):  # the inductor field is a dict: hash the JSON of every field
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -111,11 +115,13 @@ class CompileOptions:
         """True if any flag turns on `switch` (a non-inductor key of FLAGS, e.g. "cudagraphs")."""
         return any(FLAGS[f].get(switch) for f in self.flags)
 
-    def inductor_config(self) -> dict:
-        """Every Inductor setting to apply: the flags' settings, then the user's overrides."""
+    def inductor_config(self, denoiser: bool = True) -> dict:
+        """Every Inductor setting to apply: the flags' settings, then the user's overrides.
+        `denoiser=False`: for the text encoder / VAE, without the `denoiser_only` flags' settings."""
         cfg: dict = {}
         for f in sorted(self.flags):
-            cfg.update(FLAGS[f].get("inductor", {}))
+            if denoiser or not FLAGS[f].get("denoiser_only"):
+                cfg.update(FLAGS[f].get("inductor", {}))
         cfg.update(self.inductor)
         return cfg
 

@@ -33,7 +33,7 @@ REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
     # text encoders / VAE decoder, compiled only when asked for
     "T5EncoderModel": ("T5Block",),
     "CLIPTextModel": ("CLIPEncoderLayer",),
-    "Decoder": ("ResnetBlock2D", "UNetMidBlock2D"),
+    "Decoder": ("ResnetBlock2D",),  # the mid-block attention specialises on its size under dynamic=True
 }
 
 # On CUDA: first backend that accepts the call wins (cuDNN ran PixArt's head-dim-72 attention 1.5x
@@ -90,6 +90,15 @@ def block_classes(module: nn.Module) -> tuple[str, ...]:
     return REPEATED_BLOCKS.get(name) or tuple(getattr(module, "_repeated_blocks", ()) or ())
 
 
+def _call_dense(fn, module, *args, **kwargs):
+    """Call a compiled block with its token tensors (3-D) contiguous. A DiT's first block gets
+    PatchEmbed's transposed view, the others contiguous tensors: without this the first block has
+    a graph of its own (a second compile of the whole block). No-op for contiguous inputs."""
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) and a.ndim == 3 else a for a in args)
+    kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) and v.ndim == 3 else v for k, v in kwargs.items()}
+    return fn(module, *args, **kwargs)
+
+
 def compile_blocks(module: nn.Module, compile_kwargs: dict) -> dict[str, int]:
     """Compile every repeated block of `module`; returns {class name: instances compiled}.
 
@@ -107,7 +116,7 @@ def compile_blocks(module: nn.Module, compile_kwargs: dict) -> dict[str, int]:
                     # One torch.compile wrapper per class: every instance runs the same code object
                     # with its own parameters as graph inputs, so they share one graph.
                     compiled_fns[cls] = torch.compile(cls.forward, **compile_kwargs)
-                child.forward = functools.partial(compiled_fns[cls], child)
+                child.forward = functools.partial(_call_dense, compiled_fns[cls], child)
                 counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
             else:
                 visit(child)
@@ -214,13 +223,21 @@ class FP8Linear(nn.Module):
         self.out_dtype = lin.weight.dtype
         self.in_features, self.out_features = lin.in_features, lin.out_features
 
+    @staticmethod
+    def quantize(x2):
+        """(M, K) half -> (M, K) e4m3 and (M, 1) fp32 row scales (traced: Inductor fuses it into
+        the kernel that produces x)."""
+        s = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
+        return (x2.float() / s).to(torch.float8_e4m3fn), s
+
+    def gemm(self, x8, s):
+        """(M, K) e4m3 with row scales -> (M, N) bf16, no bias. Row-wise scaled GEMM: bf16 output
+        is what every torch version supports for row-wise scales."""
+        return torch._scaled_mm(x8, self.w8.t(), scale_a=s, scale_b=self.w_scale, out_dtype=torch.bfloat16)
+
     def forward(self, x):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        s = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
-        x8 = (x2.float() / s).to(torch.float8_e4m3fn)
-        # row-wise scaled GEMM; bf16 output is what every torch version supports for row-wise scales
-        y = torch._scaled_mm(x8, self.w8.t(), scale_a=s, scale_b=self.w_scale, out_dtype=torch.bfloat16)
+        y = self.gemm(*self.quantize(x.reshape(-1, shape[-1])))
         if self.bias is not None:
             y = y + self.bias
         return y.to(self.out_dtype).view(*shape[:-1], self.out_features)

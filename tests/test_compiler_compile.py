@@ -47,7 +47,8 @@ def compiled(request):
 def test_compiled_matches_eager(compiled):
     preset, ref, pipe = compiled
     out = generate(pipe, preset)
-    assert pipe._compile_report["compiled_blocks"]["BasicTransformerBlock"] >= 2
+    assert sum(pipe._compile_report["compiled_blocks"].values()) >= 2
+    assert pipe._compile_report["vae_blocks"]  # compile_vae is on by default
     assert pipe._compile_report["fused_attention"] > 0
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)  # fp32 here; fp16 tolerance on GPU
 
@@ -60,11 +61,14 @@ def test_no_recompiles_across_steps(compiled):
 
 
 def test_blocks_of_one_type_share_graphs(compiled):
-    from torch._dynamo.utils import counters
+    from diffusers.models.attention import BasicTransformerBlock
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from compiler import latte
     preset, _, pipe = compiled
-    # 2 spatial (+2 temporal) blocks; Latte's first temporal block sees a strided input: at most
-    # one graph per shape and layout (spatial, temporal, strided temporal), never one per instance.
-    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    # Dynamo's graphs for the denoiser's compiled code: PixArt's 2 blocks share one graph; Latte's
+    # 2 (spatial, temporal) pairs share one graph of the pair function. Never one per instance.
+    code = (latte._pair if preset == "latte1" else BasicTransformerBlock.forward).__code__
+    assert len(_debug_get_cache_entry_list(code)) == 1
 
 
 @pytest.mark.parametrize("preset", ["latte1", "pixart_alpha_512", "sd21"])

@@ -46,6 +46,41 @@ def test_short_attention_kernel_matches_sdpa(n, s, heads, d):
     torch.testing.assert_close(short_attention(qkv[::2], heads).float(), ref[::2], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("m, n", [(8192, 4608), (7, 1152), (3, 100)])
+def test_gelu_quant_kernel_matches_reference(m, n):
+    from compiler.quant import _reference, gelu_quant
+    h = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.float16)
+    q, s = gelu_quant(h, b)
+    rq, rs = _reference(h, b)
+    torch.testing.assert_close(s, rs, rtol=1e-5, atol=0)
+    # fp32 GELU on both sides; a value on a rounding boundary may land one e4m3 step (1/8) away
+    assert ((q.float() - rq.float()).abs() <= rq.float().abs() / 8 + 1e-6).all()
+    assert (q.float() == rq.float()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("preset, kw", [
+    ("pixart_alpha_1024", dict(height=1024, width=1024, clean_caption=False, use_resolution_binning=False)),
+])
+def test_full_size_o3_close_to_eager_with_decode(preset, kw):
+    """O3 (FP8 blocks, FP8 feed-forwards, compiled VAE decoder): the decoded image stays close to
+    eager and nothing recompiles after the first call."""
+    pipe = build_pipeline(ModelSpec(preset, source="random", dtype="fp16", device="cuda"))
+    run = lambda: pipe(prompt="a red fox in the snow", num_inference_steps=4, output_type="pt",
+                       generator=torch.Generator("cuda").manual_seed(0), **kw).images.float()
+    ref = run()
+    report = compile_pipe(pipe, "O3")._compile_report
+    assert report["fp8_feedforwards"] == 28 and report["vae_blocks"]
+    run()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = run()
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= 0.1   # images in [0, 1]; the benchmark states the error
+
+
+for _m in gpu:
+    test_gelu_quant_kernel_matches_reference = _m(test_gelu_quant_kernel_matches_reference)
+    test_full_size_o3_close_to_eager_with_decode = _m(test_full_size_o3_close_to_eager_with_decode)
 for _m in gpu:
     test_short_attention_kernel_matches_sdpa = _m(test_short_attention_kernel_matches_sdpa)
 for _m in gpu:

@@ -63,3 +63,74 @@ def test_rewritten_blocks_still_share_one_graph_per_shape():
     # spatial and temporal shapes, plus the first temporal block's strided input: 3, whatever the depth
     assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def _tiny_latte(num_layers=4):
+    from diffusers import LatteTransformer3DModel
+    from runner.models import PRESETS, TINY_VIDEO_LENGTH, _dit_config
+    cfg = dict(_dit_config(PRESETS["latte1"], tiny=True), num_layers=num_layers)
+    den = LatteTransformer3DModel.from_config(cfg).eval()
+    x = torch.randn(2, 4, TINY_VIDEO_LENGTH, 8, 8)
+    kw = dict(encoder_hidden_states=torch.randn(2, 6, 32), timestep=torch.tensor([10, 10]), return_dict=False)
+    return den, x, kw
+
+
+def test_latte_pair_forward_is_diffusers_forward_in_eager():
+    from compiler.latte import compile_pairs
+    den, x, kw = _tiny_latte()
+    with torch.no_grad():
+        ref = den(x, **kw)[0]
+        assert compile_pairs(den, None) == {"LattePair": 4}
+        torch.testing.assert_close(den(x, **kw)[0], ref, atol=0, rtol=0)
+        # what it does not cover goes to diffusers' own forward
+        torch.testing.assert_close(den(x, enable_temporal_attentions=False, **kw)[0],
+                                   type(den).forward(den, x, enable_temporal_attentions=False, **kw)[0])
+
+
+def test_latte_pairs_compile_to_one_graph():
+    """All (spatial, temporal) pairs share one graph, with the layout changes inside it; the first
+    pair's temporal position embedding is an input (zeros for the others), not a second graph."""
+    from torch._dynamo.utils import counters
+    from compiler.latte import compile_pairs
+    den, x, kw = _tiny_latte(num_layers=6)
+    with torch.no_grad():
+        ref = den(x, **kw)[0]
+        fuse_qkv(den)
+        fuse_gelu(den)
+        torch._dynamo.reset()
+        counters.clear()
+        compile_pairs(den, dict(fullgraph=True, backend="aot_eager"))
+        out = den(x, **kw)[0]
+        den(x, **kw)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gelu_quant_dequantizes_to_gelu():
+    from compiler.quant import gelu_quant
+    h, b = (torch.randn(6, 300) * 4).to(torch.bfloat16), torch.randn(300).half()
+    q, s = gelu_quant(h, b)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (6, 300) and s.shape == (6, 1)
+    g = torch.nn.functional.gelu(h.float() + b.float(), approximate="tanh")
+    torch.testing.assert_close(s, g.abs().amax(1, keepdim=True) / 448.0)
+    # e4m3 keeps 3 mantissa bits: each value within 1/16 of its magnitude (+ a floor for tiny ones)
+    assert ((q.float() * s - g).abs() <= g.abs() / 16 + s).all()
+
+
+def test_fp8_feedforward_matches_fp8_linears_and_traces():
+    from compiler.quant import FP8FeedForward, fp8_feedforward
+    pipe = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
+    den = pipe.transformer
+    fuse_qkv(den)
+    to_fp8(den, ("BasicTransformerBlock",))
+    blk = den.transformer_blocks[0]
+    x = torch.randn(2, 10, blk.ff.net[0].proj.in_features)
+    with torch.no_grad():
+        ref = blk.ff(x)
+        assert fp8_feedforward(den) == 2
+        assert isinstance(blk.ff, FP8FeedForward)
+        out = blk.ff(x)
+        # same quantised GEMMs; only the hidden activation's rounding differs (fp32 GELU, no fp16 hop)
+        assert ((out - ref).abs().max() / ref.abs().max()) < 0.05
+        f = torch.compile(blk.ff, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(f(x), out)

@@ -1,0 +1,125 @@
+"""FP8 feed-forward (`low-precision`): bias + GELU(tanh) + per-row FP8 quantisation in one Triton pass.
+
+Contract:
+- `gelu_quant(h, bias) -> (q, scale)`, op `diffcompiler::gelu_quant`: h (M, N) the up-projection's
+  raw GEMM output (bf16/fp16), bias (N,). With g = GELU_tanh(h + bias) in fp32 per row:
+  scale (M, 1) fp32 = max(|g|) / 448 (at least 1e-12 / 448), q (M, N) float8_e4m3fn = g / scale.
+  CUDA runs one Triton kernel (one program per row, the row held in registers); CPU runs the same
+  arithmetic in torch (tests, and the reference the kernel is checked against).
+- `fp8_feedforward(module) -> int`: every diffusers `FeedForward` whose up-projection (GELU tanh)
+  and down-projection are already `FP8Linear` (see `transforms.to_fp8`) and whose dropouts are 0
+  becomes an `FP8FeedForward` (a module class: one Dynamo graph per block class). Returns how many.
+
+Why: after `to_fp8`, Inductor fuses bias + GELU + row amax + cast into one reduction over the
+4 x hidden-wide activation (4608 for PixArt/Latte) with a looped two-pass schedule whose default
+config ran at 0.56 ms per call on an H100 for Latte's 32768 x 4608 rows (0.41 ms after 10 s of
+coordinate descent), ~3-4x the 0.15 ms that reading 302 MB and writing 151 MB takes, 56 times a step.
+A row is 4608 values: one program keeps it in registers and reads it once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .transforms import FP8_MAX, FP8Linear
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def _reference(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = h.float() + bias.float()
+    g = 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    scale = g.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (g / scale).to(torch.float8_e4m3fn), scale
+
+
+@functools.cache
+def _triton_kernel():
+    """Built on first use: CPU-only installs have no Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gelu_quant_kernel(h, bias, q, scale, N, stride_h, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(h + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at +-inf, no libdevice needed
+        g = 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        g = tl.where(mask, g, 0.0)
+        s = tl.maximum(tl.max(tl.abs(g), axis=0), 1e-12) / FP8_MAX
+        tl.store(q + row * stride_q + cols, (g / s).to(q.dtype.element_ty), mask=mask)
+        tl.store(scale + row, s)
+
+    return gelu_quant_kernel
+
+
+@torch.library.custom_op("diffcompiler::gelu_quant", mutates_args=())
+def gelu_quant(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not h.is_cuda:
+        return _reference(h, bias)
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    m, n = h.shape
+    q = torch.empty(m, n, device=h.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
+    block = triton_next_pow2(n)
+    _triton_kernel()[(m,)](h, bias.contiguous(), q, scale, n, h.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block,
+                           num_warps=8 if block <= 4096 else 16)
+    return q, scale
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@gelu_quant.register_fake
+def _(h, bias):
+    m, n = h.shape
+    return h.new_empty(m, n, dtype=torch.float8_e4m3fn), h.new_empty(m, 1, dtype=torch.float32)
+
+
+class FP8FeedForward(nn.Module):
+    """Drop-in for diffusers' `FeedForward(activation_fn="gelu-approximate")` whose Linears are
+    FP8Linear: up-GEMM (bf16 out, no bias) -> gelu_quant -> down-GEMM, the hidden activation never
+    in half precision."""
+
+    def __init__(self, ff: nn.Module):
+        super().__init__()
+        self.up = ff.net[0].proj     # FP8Linear (in -> 4 x in)
+        self.down = ff.net[2]        # FP8Linear (4 x in -> out)
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x8, xs = self.up.quantize(hidden_states.reshape(-1, shape[-1]))
+        h = self.up.gemm(x8, xs)                                        # (M, 4C) bf16, no bias
+        h8, hs = gelu_quant(h, self.up.bias)
+        y = self.down.gemm(h8, hs)
+        if self.down.bias is not None:
+            y = y + self.down.bias
+        return y.to(self.down.out_dtype).view(*shape[:-1], self.down.out_features)
+
+
+def fp8_feedforward(module: nn.Module) -> int:
+    from diffusers.models.activations import GELU
+    from diffusers.models.attention import FeedForward
+    n = 0
+    for parent in list(module.modules()):
+        for name, ff in list(parent.named_children()):
+            if not isinstance(ff, FeedForward):
+                continue
+            net = list(ff.net)
+            up = net[0] if net else None
+            if (len(net) in (3, 4) and isinstance(up, GELU) and up.approximate == "tanh"
+                    and isinstance(up.proj, FP8Linear) and up.proj.bias is not None
+                    and isinstance(net[2], FP8Linear)
+                    and all(isinstance(m, nn.Dropout) and m.p == 0 for m in net[1::2])):
+                setattr(parent, name, FP8FeedForward(ff))
+                n += 1
+    return n
