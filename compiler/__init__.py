@@ -126,7 +126,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, aux_kw)
         # dynamic: the VAE's blocks specialise on sizes and strides and would recompile per
         # resolution, which `dynamic` promises not to do: the VAE stays eager there.
-        if opts.compile_vae and not opts.dynamic and getattr(pipe, "vae", None) is not None:
+        vae = opts.compile_vae if opts.compile_vae is not None else not latte.is_latte(den)
+        if vae and not opts.dynamic and getattr(pipe, "vae", None) is not None:
             report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, aux_kw)
         # the VAE's ResnetBlock2D shares its code object (and Dynamo's graph count) with the UNet's
         _raise_recompile_limit(sum(sum(report.get(k, {}).values())

@@ -48,7 +48,8 @@ def test_compiled_matches_eager(compiled):
     preset, ref, pipe = compiled
     out = generate(pipe, preset)
     assert sum(pipe._compile_report["compiled_blocks"].values()) >= 2
-    assert pipe._compile_report["vae_blocks"]  # compile_vae is on by default
+    # compile_vae's default: the VAE decoder is compiled for image pipelines, not for video
+    assert bool(pipe._compile_report.get("vae_blocks")) == (preset != "latte1")
     assert pipe._compile_report["fused_attention"] > 0
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)  # fp32 here; fp16 tolerance on GPU
 

@@ -65,3 +65,13 @@ def test_options_hashable_and_roundtrip():
     assert hash(o) == hash(parse_options(o.to_dict()))
     assert parse_options(o.to_dict()) == o
     assert isinstance(o, CompileOptions)
+
+
+def test_compile_vae_is_true_false_or_null_other_keys_strictly_bool():
+    assert parse_options("O2").compile_vae is None  # null: the compiler decides per pipeline
+    assert parse_options({"mode": "O2", "compile_vae": None}).compile_vae is None
+    assert parse_options({"mode": "O2", "compile_vae": False}).compile_vae is False
+    with pytest.raises(ValueError, match="compile_vae"):
+        parse_options({"compile_vae": "yes"})
+    with pytest.raises(ValueError, match="fuse_qkv"):
+        parse_options({"fuse_qkv": None})
