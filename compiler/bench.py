@@ -1,16 +1,17 @@
 """Benchmark: eager vs compiled, side by side in one run, as the seed tables report them.
 
     python -m compiler.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
-        [frames=16] [batch=1] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
+        [frames=16] [batch=1] [reps=3] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
         [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}']
 
 Builds `source=random` (published size, random weights) fp16 on CUDA and measures, in this order:
   1. matmul peak: a big fp16 and bf16 GEMM (TFLOP/s), for the "fraction of peak" column;
   2. FLOPs of one denoiser call (torch.utils.flop_counter, batch incl. classifier-free guidance);
-  3. eager: warm-up call, then one timed call: denoising it/s over steps 2..N from CUDA events
-     recorded in the step callback, E2E wall time of that call, peak memory (reset after warm-up);
+  3. eager: warm-up call, then `reps` timed calls (default 3): median denoising it/s over steps 2..N
+     from CUDA events recorded in the step callback, median E2E wall time of a call, peak memory
+     (reset after warm-up);
   4. compiled (`compile.mode`) on a fresh cache directory: warm-up with compilation (first call),
-     then the same timed call; max abs error of the output vs eager (same seed);
+     then the same timed calls; max abs error of the output vs eager (same seed);
   5. warm-up with cache: a second Python process on the filled cache directory (and the packed
      `save_cache_artifacts` artifact) times its first call;
   6. `extra=`: more modes on fresh copies of the denoiser, it/s only (ablations: what each part gives).
@@ -37,7 +38,7 @@ from .options import BOOL_KEYS
 
 def parse_argv(argv: list[str]) -> dict:
     a = dict(model="pixart_alpha_1024", steps=20, height=None, width=None, frames=16, batch=1, out=None,
-             extra="", profile=0, seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
+             extra="", profile=0, reps=3, seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
     comp: dict = {"mode": "O2"}
     for item in argv:
         if "=" not in item:
@@ -49,7 +50,7 @@ def parse_argv(argv: list[str]) -> dict:
         elif k == "compile":
             comp = json.loads(v)
         elif k in a:
-            a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width", "profile") else v
+            a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width", "profile", "reps") else v
         else:
             raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)} and compile.*")
     a["compile"] = parse_options(comp).to_dict()
@@ -135,6 +136,17 @@ def measure(pipe, spec, args, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     out, e2e, evs = run_call(pipe, spec, args, steps, events=True)
     return dict(its=its(evs), e2e_s=e2e, peak_mem_gib=max_mem_gib()), out
+
+
+def measure_reps(pipe, spec, args, steps: int) -> tuple[dict, torch.Tensor]:
+    """`reps` timed calls: median it/s and E2E (timings vary ~10 % call to call), max peak memory."""
+    runs, out = [], None
+    for _ in range(max(1, args["reps"])):
+        m, out = measure(pipe, spec, args, steps)
+        runs.append(m)
+    med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2]
+    return dict(its=med("its"), e2e_s=med("e2e_s"), peak_mem_gib=max(r["peak_mem_gib"] for r in runs),
+                its_runs=[r["its"] for r in runs]), out
 
 
 def matmul_peak(dtype, n: int = 8192, iters: int = 30) -> float:
@@ -240,7 +252,7 @@ def main(argv: list[str]) -> dict:
     t0 = time.perf_counter()
     run_call(pipe, spec, args, steps)
     res["eager_warmup_s"] = time.perf_counter() - t0
-    res["eager"], ref = measure(pipe, spec, args, steps)
+    res["eager"], ref = measure_reps(pipe, spec, args, steps)
     if args["profile"]:
         res["profile_eager"] = profile_table(pipe, spec, args)
         print(res["profile_eager"])
@@ -254,7 +266,7 @@ def main(argv: list[str]) -> dict:
         t0 = time.perf_counter()
         run_call(pipe, spec, args, steps)
         res["warmup_with_compile_s"] = time.perf_counter() - t0
-        res["compiled"], out = measure(pipe, spec, args, steps)
+        res["compiled"], out = measure_reps(pipe, spec, args, steps)
         out = out.float().cpu()
         res["max_abs_err_vs_eager"] = (out - ref).abs().max().item()
         res["output_finite"] = bool(torch.isfinite(ref).all() and torch.isfinite(out).all())
@@ -343,7 +355,8 @@ def table(r: dict) -> str:
              f"diffusers {r['versions']['diffusers']}, {r['date']}",
              "",
              "| metric | eager | compiled |", "| --- | --- | --- |",
-             f"| iteration speed (steps 2..N) | {e['its']:.2f} it/s | {c['its']:.2f} it/s ({r['speedup']:.2f}x) |",
+             f"| iteration speed (steps 2..N), median of {len(c.get('its_runs', [0]))} calls "
+             f"| {e['its']:.2f} it/s | {c['its']:.2f} it/s ({r['speedup']:.2f}x) |",
              f"| E2E, one call | {e['e2e_s']:.2f} s | {c['e2e_s']:.2f} s |",
              f"| max memory (after warm-up) | {e['peak_mem_gib']:.2f} GiB | {c['peak_mem_gib']:.2f} GiB |",
              f"| warm-up (first call) | {r['eager_warmup_s']:.1f} s | {r['warmup_with_compile_s']:.1f} s with compilation |",
