@@ -55,6 +55,10 @@ def forward(self, pair, hidden_states, timestep=None, encoder_hidden_states=None
     enc_spatial = encoder_hidden_states.repeat_interleave(
         num_frame, dim=0, output_size=encoder_hidden_states.shape[0] * num_frame
     ).view(-1, encoder_hidden_states.shape[-2], encoder_hidden_states.shape[-1])
+    # The text length varies per prompt when the pipeline trims the embeddings (LattePipeline's
+    # default mask_feature=True): a symbolic dim, so a job's prompts share one graph instead of one
+    # compile per token count (and Dynamo's recompile limit after a few dozen).
+    torch._dynamo.maybe_mark_dynamic(enc_spatial, 1)
     t_spatial = timestep.repeat_interleave(num_frame, dim=0, output_size=timestep.shape[0] * num_frame
                                            ).view(-1, timestep.shape[-1])
     t_temp = timestep.repeat_interleave(num_patches, dim=0, output_size=timestep.shape[0] * num_patches

@@ -134,3 +134,19 @@ def test_fp8_feedforward_matches_fp8_linears_and_traces():
         assert ((out - ref).abs().max() / ref.abs().max()) < 0.05
         f = torch.compile(blk.ff, backend="aot_eager", fullgraph=True)
         torch.testing.assert_close(f(x), out)
+
+
+def test_latte_pairs_serve_every_prompt_length_with_one_graph():
+    """LattePipeline trims the text embeddings to each prompt's token count: with static shapes
+    (dynamic=False, what the presets use) that must still not recompile per length."""
+    from compiler.latte import compile_pairs
+    den, x, kw = _tiny_latte(num_layers=2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        refs = {n: den(x, **{**kw, "encoder_hidden_states": torch.randn(2, n, 32, generator=torch.Generator().manual_seed(n))})[0]
+                for n in (6, 9, 13)}
+        compile_pairs(den, dict(fullgraph=True, backend="aot_eager", dynamic=False))
+        for n, ref in refs.items():
+            enc = torch.randn(2, n, 32, generator=torch.Generator().manual_seed(n))
+            with torch._dynamo.config.patch(error_on_recompile=n != 6):
+                torch.testing.assert_close(den(x, **{**kw, "encoder_hidden_states": enc})[0], ref, atol=1e-4, rtol=1e-4)
