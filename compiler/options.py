@@ -45,7 +45,7 @@ Why `max-optimize` uses `max_autotune_pointwise` rather than `coordinate_descent
 trials, 97 s of a 128 s first call, for 6.84 it/s; `max_autotune_pointwise` compiles its few
 candidates in parallel workers: 48 s for 6.38 it/s; neither: 25 s for 6.04 it/s. What the descent
 found beyond that was mostly the FP8 activation-quantisation reductions, which `compiler.quant`
-now does in one hand-written kernel.
+now does in one hand-written kernel: with it O3 runs Latte-1 at 7.2 it/s after a 33-35 s first call.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ config ran at 0.56 ms per call on an H100 for Latte's 32768 x 4608 rows (0.41 ms
 coordinate descent), ~3-4x the 0.15 ms that reading 302 MB and writing 151 MB takes, 56 times a step.
 A row is 4608 values: one program keeps it in registers and reads it once: 70 us for PixArt's
 8192 x 4608 and 263 us for Latte's 32768 x 4608 on an H100 (Inductor's default: 163 / 631 us;
-`python -m compiler.quant`, BENCHMARKS.md "third round"), still ~2x the HBM floor.
+BENCHMARKS.md "third round"; `python -m compiler.quant` times it), still ~2x the HBM floor.
 """
 
 from __future__ import annotations
