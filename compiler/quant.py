@@ -128,16 +128,8 @@ def fp8_feedforward(module: nn.Module) -> int:
 
 def _bench(reps: int = 50) -> None:
     """`python -m compiler.quant`: the kernel against Inductor's default code for the same math."""
-    def time_us(fn):
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps * 1e3
+    from .attn_probe import time_ms
+    time_us = lambda fn: time_ms(fn, iters=reps) * 1e3
     inductor = torch.compile(_reference)
     for m, n in [(8192, 4608), (32768, 4608)]:  # PixArt-α 1024², Latte-1 512² x 16 (batch 2, CFG)
         h = torch.randn(m, n, device="cuda").to(torch.bfloat16)
