@@ -80,7 +80,7 @@ def run(argv: list[str]) -> dict:
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
     slots, interrupted, t_start = [], False, time.perf_counter()
     t_ready = t_done = t_all_ready = None
-    n_ready = steady_items = 0       # workers ready; items finished once all of them were
+    n_ready, steady_items = 0, 0.0   # workers ready; items' worth of work done once all of them were
     if shards:
         import ray
         from .worker import Worker
@@ -111,7 +111,7 @@ def run(argv: list[str]) -> dict:
             results.add(rows)
             bar.update(len(rows))
             if t_all_ready is not None:
-                steady_items += len(rows)
+                steady_items += work_after(rows, time.perf_counter(), t_all_ready)
             if time.monotonic() - last_write >= out.results_every_s:
                 results.write_table(ids)
                 last_write = time.monotonic()
@@ -146,7 +146,8 @@ def run(argv: list[str]) -> dict:
                   generate_s=(t_done or t_start) - (t_ready or t_start))
     if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
         # Throughput once every worker serves: the figure that scales with workers (the ramp
-        # while later workers load and warm is in generate_s).
+        # while later workers load and warm is in generate_s). Items in flight when the last
+        # worker became ready count by the part of their run after that moment.
         timing.update(all_ready_s=t_all_ready - t_start,
                       steady_items_per_s=steady_items / (t_done - t_all_ready))
     summary = _summarize(job, items, table, slots, metrics, len(done), interrupted, timing)
@@ -247,10 +248,29 @@ def _ray_init(opts) -> None:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
-        # Embedded local Ray: enough CPU slots for the CPU workers even on a small machine.
+        # Embedded local Ray, always a new one ("local": never attach to a cluster that `ray start`
+        # left running; that takes ray.address=auto), with enough CPU slots for the CPU workers
+        # even on a small machine.
         need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  logging_level=logging.WARNING)
+
+
+def work_after(rows: list[dict], t_end: float, t_from: float) -> float:
+    """Items' worth of work in one shard's `rows` done after `t_from`: its batches ran back to back
+    (in row order) and the last one finished at `t_end`; a batch's `batch_size` rows share its
+    wall time `e2e_s`. Failed rows produced nothing and count 0."""
+    credit, end, k = 0.0, t_end, len(rows)
+    while k > 0:
+        b = max(1, min(rows[k - 1].get("batch_size") or 1, k))
+        batch, k = rows[k - b:k], k - b
+        dur = batch[-1].get("e2e_s")
+        if not dur or batch[-1].get("status") != "ok":
+            continue
+        done = sum(1 for r in batch if r.get("status") == "ok")
+        credit += done * min(1.0, max(0.0, (end - t_from) / dur))
+        end -= dur
+    return credit
 
 
 def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) -> dict:

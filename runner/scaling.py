@@ -2,7 +2,7 @@
 
     python -m runner.scaling job=pixart_batch workers=1,2 prompts=128 out=/tmp/scaling [key=value ...]
     python -m runner.scaling job=pixart_batch workers=1,2,4 prompts_per_worker=128 ...
-    python -m runner.scaling job=latte_batch workers=1,4 prompts=16,128 ...
+    python -m runner.scaling job=latte_batch workers=1+2+4,8 prompts_per_worker=16 ...
 
 For each worker count it runs `python -m runner` (its own local Ray) on `prompts` generated prompts
 (a list gives each run its own count; with `prompts_per_worker=N`, N x workers of them: weak
@@ -10,10 +10,15 @@ scaling, the same work per GPU),
 with a fresh compile cache per run (so each run shows who compiled and who loaded), then prints a
 markdown table and writes `scaling.json` and `scaling.svg` (throughput against workers) under `out`.
 Other `key=value` arguments go to every run unchanged (e.g. `model.source=random compile.mode=O2`).
+Runs joined by `+` start at the same time on disjoint GPUs (CUDA_VISIBLE_DEVICES): 1+2+4 fills 7
+GPUs of an 8-GPU machine in the time of one run. They share only the host (CPU cores, disk); the
+per-worker it/s column shows whether that slowed any of them. Row field `alongside` names them.
 
 Throughput figures per run: `items_per_s` from the first worker ready to the last item (includes
 the ramp while later workers wait for the compile artifact and warm up) and `steady_items_per_s`
-once every worker is serving. Efficiency is against the 1-worker run of the same figure.
+once every worker is serving (items in flight at that moment count by their part after it).
+Efficiency is against the 1-worker run of the same figure; `ready_ratio` is the time to all
+workers ready against the 1-worker run's.
 """
 
 from __future__ import annotations
@@ -77,50 +82,98 @@ def _svg(rows, path):
     write_text(path, "\n".join(parts) + "\n")
 
 
+def _plan(workers: str) -> list[list[int]]:
+    """`1,2,4` -> [[1], [2], [4]]: one run after another; `1+2+4,8` -> [[1, 2, 4], [8]]: the runs
+    of a `+` group start together, each on its own GPUs."""
+    try:
+        groups = [[int(x) for x in g.split("+")] for g in workers.split(",")]
+    except ValueError:
+        groups = []
+    if not groups or any(k < 1 for g in groups for k in g):
+        raise SystemExit(f"workers={workers!r}: give worker counts, e.g. 1,2,4,8 (or 1+2+4,8 to run "
+                         "the first three at once on disjoint GPUs)")
+    return groups
+
+
+def _gpu_slices(group: list[int]) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each run of a group: disjoint GPUs, so that runs started together
+    never share one; None (inherit) for a run alone or on a machine without GPUs."""
+    import torch
+    n = torch.cuda.device_count()
+    if len(group) == 1 or n == 0:
+        return [None] * len(group)
+    if sum(group) > n:
+        raise SystemExit(f"workers group {'+'.join(map(str, group))} needs {sum(group)} GPUs, this "
+                         f"machine has {n}: split the group (e.g. {','.join(map(str, group))})")
+    first = [sum(group[:i]) for i in range(len(group))]
+    return [",".join(str(g) for g in range(a, a + k)) for a, k in zip(first, group)]
+
+
 def main(argv: list[str]) -> list[dict]:
     opts, rest = _args(argv)
     out = os.path.abspath(opts["out"])
     os.makedirs(out, exist_ok=True)
-    counts = [int(x) for x in opts["workers"].split(",")]
+    groups = _plan(opts["workers"])
+    counts = [k for g in groups for k in g]
+    if len(set(counts)) != len(counts):
+        raise SystemExit(f"workers={opts['workers']!r}: each worker count once (runs are named w<count>)")
     per_worker = int(opts["prompts_per_worker"]) if opts["prompts_per_worker"] else None
-    words = "cat dog robot castle river forest city ocean mountain flower".split()
     sizes = [int(x) for x in opts["prompts"].split(",")]
     if not per_worker and len(sizes) not in (1, len(counts)):
         raise SystemExit(f"prompts={opts['prompts']!r}: give one count or one per worker count {counts}")
+    n_of = {k: per_worker * k if per_worker else sizes[i if len(sizes) > 1 else 0]
+            for i, k in enumerate(counts)}
+    slices = [_gpu_slices(g) for g in groups]   # checked before any run starts
     rows = []
-    for i, k in enumerate(counts):
-        name = f"w{k}"
-        n = per_worker * k if per_worker else sizes[i if len(sizes) > 1 else 0]
-        prompts = os.path.join(out, f"prompts-{n}.parquet")
-        pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
-                                 "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
-                                            for i in range(n)],
-                                 "seed": list(range(n))}), prompts)
-        cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
-               f"output.dir={out}", f"job.name={name}", f"ray.num_workers={k}",
-               f"compile.cache_dir={out}/cache-{name}", "output.overwrite=true", *rest]
-        print("$", " ".join(cmd), flush=True)
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd)
-        wall = time.perf_counter() - t0
-        if r.returncode not in (0, 1):
-            raise SystemExit(f"run with {k} workers failed ({r.returncode})")
-        s = json.load(open(os.path.join(out, name, "summary.json")))
-        ms = [json.load(open(p)) for p in glob.glob(os.path.join(out, name, "metrics", "*.json"))]
-        rows.append(dict(
-            workers=k, prompts=n, ok=s["ok"], failed=s["failed"], wall_s=wall, first_ready_s=s["startup_s"],
-            all_ready_s=s.get("all_ready_s"), generate_s=s["generate_s"],
-            items_per_s=s["items_per_s"], steady_items_per_s=s.get("steady_items_per_s"),
-            compiled=sum(1 for m in ms if m.get("cache_hit") is False),
-            loaded=sum(1 for m in ms if m.get("cache_hit") is True),
-            warmup_with_compile_s=max((m["warmup_with_compile_s"] for m in ms
-                                       if "warmup_with_compile_s" in m), default=None),
-            warmup_with_cache_s=max((m["warmup_with_cache_s"] for m in ms
-                                     if "warmup_with_cache_s" in m), default=None),
-            worker_it_s=[round(m["steady_it_s"] or 0, 2) for m in sorted(ms, key=lambda m: m["rank"])],
-            gpus=sorted({m.get("gpu_name") or "cpu" for m in ms})))
-        _summarize(rows, argv, out)   # after every run: a later run timing out loses nothing
+    for group, gpus in zip(groups, slices):
+        runs = []
+        for k, visible in zip(group, gpus):
+            cmd = _command(opts["job"], k, n_of[k], out, rest)
+            env = dict(os.environ)
+            if visible is not None:
+                env["CUDA_VISIBLE_DEVICES"] = visible
+            print("$", f"CUDA_VISIBLE_DEVICES={visible}" if visible else "", " ".join(cmd), flush=True)
+            runs.append((k, subprocess.Popen(cmd, env=env), time.perf_counter()))
+        for k, proc, t0 in runs:
+            rc = proc.wait()
+            wall = time.perf_counter() - t0
+            if rc not in (0, 1):
+                raise SystemExit(f"run with {k} workers failed ({rc})")
+            rows.append(_row(out, k, n_of[k], wall, [j for j in group if j != k]))
+        rows.sort(key=lambda r: r["workers"])
+        _summarize(rows, argv, out)   # after every group: a later run timing out loses nothing
     return rows
+
+
+def _command(job: str, k: int, n: int, out: str, rest: list[str]) -> list[str]:
+    words = "cat dog robot castle river forest city ocean mountain flower".split()
+    prompts = os.path.join(out, f"prompts-w{k}.parquet")   # per run: runs may start together
+    pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
+                             "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
+                                        for i in range(n)],
+                             "seed": list(range(n))}), prompts)
+    name = f"w{k}"
+    return [sys.executable, "-m", "runner", f"job={job}", f"prompts.path={prompts}",
+            f"output.dir={out}", f"job.name={name}", f"ray.num_workers={k}",
+            f"compile.cache_dir={out}/cache-{name}", "output.overwrite=true", *rest]
+
+
+def _row(out: str, k: int, n: int, wall: float, alongside: list[int]) -> dict:
+    name = f"w{k}"
+    s = json.load(open(os.path.join(out, name, "summary.json")))
+    ms = [json.load(open(p)) for p in glob.glob(os.path.join(out, name, "metrics", "*.json"))]
+    return dict(
+        workers=k, prompts=n, alongside=alongside, ok=s["ok"], failed=s["failed"], wall_s=wall,
+        first_ready_s=s["startup_s"], all_ready_s=s.get("all_ready_s"), generate_s=s["generate_s"],
+        items_per_s=s["items_per_s"], steady_items_per_s=s.get("steady_items_per_s"),
+        compiled=sum(1 for m in ms if m.get("cache_hit") is False),
+        loaded=sum(1 for m in ms if m.get("cache_hit") is True),
+        warmup_with_compile_s=max((m["warmup_with_compile_s"] for m in ms
+                                   if "warmup_with_compile_s" in m), default=None),
+        warmup_with_cache_s=max((m["warmup_with_cache_s"] for m in ms
+                                 if "warmup_with_cache_s" in m), default=None),
+        worker_it_s=[round(m["steady_it_s"] or 0, 2) for m in sorted(ms, key=lambda m: m["rank"])],
+        gpus=sorted({m.get("gpu_name") or "cpu" for m in ms}))
 
 
 def _summarize(rows, argv, out):
@@ -130,10 +183,12 @@ def _summarize(rows, argv, out):
             if r[key] and base[key]:
                 r[key.replace("items_per_s", "speedup")] = r[key] / base[key]
                 r[key.replace("items_per_s", "efficiency")] = (r[key] / base[key]) / (r["workers"] / base["workers"])
+        if r["all_ready_s"] and base["all_ready_s"]:
+            r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
     _svg(rows, os.path.join(out, "scaling.svg"))
-    print(format_table(rows, ["workers", "prompts", "ok", "compiled", "loaded", "first_ready_s", "all_ready_s",
-                              "generate_s", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
+    print(format_table(rows, ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
+                              "all_ready_s", "ready_ratio", "generate_s", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
                               "steady_speedup", "steady_efficiency", "warmup_with_compile_s",
                               "warmup_with_cache_s"]), flush=True)
 

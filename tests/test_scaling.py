@@ -12,15 +12,18 @@ pytestmark = pytest.mark.e2e
 
 
 def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
+    # 1+2: both jobs at once, each with its own local Ray (on a GPU machine, its own GPUs)
     out = tmp_path / "scaling"
-    r = subprocess.run([sys.executable, "-m", "runner.scaling", "job=demo_image", "workers=1,2",
+    r = subprocess.run([sys.executable, "-m", "runner.scaling", "job=demo_image", "workers=1+2",
                         "prompts_per_worker=3", f"out={out}", "ray.cpu_workers=2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=400,
                        env={**os.environ, "RUNNER_FAULTS": "slow:0.5"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.load(open(out / "scaling.json"))["rows"]
-    assert [(x["workers"], x["prompts"], x["ok"]) for x in rows] == [(1, 3, 3), (2, 6, 6)]
+    assert [(x["workers"], x["prompts"], x["ok"], x["alongside"]) for x in rows] == [
+        (1, 3, 3, [2]), (2, 6, 6, [1])]
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
+    assert rows[0]["ready_ratio"] == 1.0 and rows[1]["ready_ratio"] > 0
     # each run is a complete job of its own, on its own prompt file
     assert pq.read_table(out / "w2" / "results.parquet").num_rows == 6
     assert len(os.listdir(out / "w2" / "metrics")) == 2
@@ -35,3 +38,16 @@ def test_prompt_list_must_match_worker_counts(tmp_path):
                         "prompts=8,16", f"out={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "one per worker count [1, 2, 4]" in r.stderr
+
+
+def test_worker_groups_get_disjoint_gpus(monkeypatch):
+    import torch
+    from runner.scaling import _gpu_slices, _plan
+    assert _plan("1,2,4") == [[1], [2], [4]] and _plan("1+2+4,8") == [[1, 2, 4], [8]]
+    with pytest.raises(SystemExit, match="worker counts"):
+        _plan("1,two")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert _gpu_slices([1, 2, 4]) == ["0", "1,2", "3,4,5,6"]
+    assert _gpu_slices([8]) == [None]
+    with pytest.raises(SystemExit, match="needs 12 GPUs, this machine has 8"):
+        _gpu_slices([4, 8])

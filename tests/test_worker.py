@@ -122,3 +122,16 @@ def test_cli_exit_code_and_message_for_bad_input(tmp_path):
     assert r.returncode == 2
     assert "error: unknown config key 'generation.stepz'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready():
+    from runner.job import work_after
+    ok = lambda b, e2e: {"status": "ok", "batch_size": b, "e2e_s": e2e}
+    # three batches of one, 2 s each, back to back ending at t=10: [4,6] [6,8] [8,10]; from t=7
+    assert work_after([ok(1, 2.0)] * 3, 10.0, 7.0) == pytest.approx(1.5)
+    # one batch of two rows sharing 4 s, [6,10]: half of it after t=8 -> one item's worth
+    assert work_after([ok(2, 4.0)] * 2, 10.0, 8.0) == pytest.approx(1.0)
+    # a failed row produced nothing and took no recorded time
+    failed = {"status": "failed", "batch_size": 1, "e2e_s": None}
+    assert work_after([ok(1, 2.0), failed], 10.0, 9.0) == pytest.approx(0.5)
+    assert work_after([ok(1, 2.0)], 10.0, 0.0) == 1.0
