@@ -38,26 +38,30 @@ from .outputs import format_table, write_json, write_text
 
 def _args(argv):
     opts, rest = {"workers": "1,2", "prompts": "128", "prompts_per_worker": None, "out": "scaling",
-                  "job": None}, []
+                  "job": None, "replot": None}, []
     for a in argv:
         k, _, v = a.partition("=")
         if k in opts:
             opts[k] = v
         else:
             rest.append(a)
-    if not opts["job"]:
+    if not opts["job"] and not opts["replot"]:
         raise SystemExit("usage: python -m runner.scaling job=NAME [workers=1,2,4,8] [prompts=N | "
-                         "prompts_per_worker=N] [out=DIR] [key=value ...]")
+                         "prompts_per_worker=N] [out=DIR] [key=value ...]\n"
+                         "       python -m runner.scaling replot=DIR   (table and plots again from "
+                         "DIR/scaling.json)")
     return opts, rest
 
 
 def _svg(rows, path):
-    """Throughput against workers, with the ideal line: a dependency-free plot."""
+    """Throughput against workers (once all serve, and over the whole span), with the linear line
+    from the first run: a dependency-free plot."""
     w, h, pad = 480, 320, 50
     xs = [r["workers"] for r in rows]
     ys = [r["steady_items_per_s"] or r["items_per_s"] for r in rows]
+    span = [r["items_per_s"] for r in rows]
     ideal = [ys[0] * x / xs[0] for x in xs]
-    xmax, ymax = max(xs), max(ideal + ys) * 1.1
+    xmax, ymax = max(xs), max(ideal + ys + span) * 1.1
 
     def pt(x, y):
         return pad + (w - 2 * pad) * x / xmax, h - pad - (h - 2 * pad) * y / ymax
@@ -70,14 +74,16 @@ def _svg(rows, path):
              "<rect width='100%' height='100%' fill='white'/>",
              f"<line x1='{pad}' y1='{h - pad}' x2='{w - pad}' y2='{h - pad}' stroke='black'/>",
              f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{h - pad}' stroke='black'/>",
-             line(ideal, "stroke='gray' stroke-dasharray='4'"), line(ys, "stroke='blue' stroke-width='2'")]
+             line(ideal, "stroke='gray' stroke-dasharray='4'"),
+             line(span, "stroke='orange' stroke-width='2'"), line(ys, "stroke='blue' stroke-width='2'")]
     for x, y in zip(xs, ys):
         cx, cy = pt(x, y)
         parts += [f"<circle cx='{cx:.1f}' cy='{cy:.1f}' r='3' fill='blue'/>",
                   f"<text x='{cx:.1f}' y='{h - pad + 15}' text-anchor='middle'>{x}</text>",
                   f"<text x='{cx + 5:.1f}' y='{cy - 6:.1f}'>{y:.3g}</text>"]
     parts += [f"<text x='{w / 2}' y='{h - 10}' text-anchor='middle'>workers</text>",
-              f"<text x='12' y='{pad - 15}'>items/s (all workers serving); dashed: linear</text>",
+              f"<text x='12' y='{pad - 30}'>items/s: blue once all workers serve, orange whole span;</text>",
+              f"<text x='12' y='{pad - 15}'>dashed: linear from the first run</text>",
               "</svg>"]
     write_text(path, "\n".join(parts) + "\n")
 
@@ -109,8 +115,28 @@ def _gpu_slices(group: list[int]) -> list[str | None]:
     return [",".join(str(g) for g in range(a, a + k)) for a, k in zip(first, group)]
 
 
+def _text_plot(rows) -> str:
+    """The same plot as text, for a markdown record: one bar per run, measured against linear."""
+    base = rows[0]["steady_items_per_s"] or rows[0]["items_per_s"]
+    top = max(max(r["steady_items_per_s"] or r["items_per_s"], base * r["workers"] / rows[0]["workers"])
+              for r in rows)
+    lines = ["items/s once all workers serve (#), whole span (=), linear from the first run (|)"]
+    for r in rows:
+        steady, span = r["steady_items_per_s"] or r["items_per_s"], r["items_per_s"]
+        ideal = base * r["workers"] / rows[0]["workers"]
+        for mark, v in (("#", steady), ("=", span)):
+            bar = list(mark * round(50 * v / top) + " " * 52)
+            bar[round(50 * ideal / top)] = "|"
+            lines.append(f"{r['workers']:>3} {''.join(bar).rstrip():<52} {v:.3g}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> list[dict]:
     opts, rest = _args(argv)
+    if opts["replot"]:
+        d = json.load(open(os.path.join(opts["replot"], "scaling.json")))
+        _summarize(d["rows"], d["argv"], os.path.abspath(opts["replot"]))
+        return d["rows"]
     out = os.path.abspath(opts["out"])
     os.makedirs(out, exist_ok=True)
     groups = _plan(opts["workers"])
@@ -187,6 +213,8 @@ def _summarize(rows, argv, out):
             r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
     _svg(rows, os.path.join(out, "scaling.svg"))
+    write_text(os.path.join(out, "scaling.txt"), _text_plot(rows))
+    print(_text_plot(rows))
     print(format_table(rows, ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
                               "all_ready_s", "ready_ratio", "generate_s", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
                               "steady_speedup", "steady_efficiency", "warmup_with_compile_s",

@@ -29,6 +29,13 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     assert len(os.listdir(out / "w2" / "metrics")) == 2
     svg = (out / "scaling.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<circle") == 2
+    bars = (out / "scaling.txt").read_text().splitlines()[1:]
+    assert [b.split()[0] for b in bars] == ["1", "1", "2", "2"] and all("|" in b for b in bars)
+    # replot: the table and plots again from scaling.json, without running anything
+    (out / "scaling.txt").unlink()
+    r2 = subprocess.run([sys.executable, "-m", "runner.scaling", f"replot={out}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 0 and (out / "scaling.txt").exists() and "steady_efficiency" in r2.stdout
     header = [l for l in r.stdout.splitlines() if l.startswith("workers ")][-1]
     assert "efficiency" in header and "warmup_with_cache_s" in header
 
