@@ -91,7 +91,12 @@ def reuse_tuned_configs() -> bool:
         if "num_warps" not in saved or "num_stages" not in saved:
             return None
         kwargs = {k: v for k, v in saved.items() if k not in _NOT_CONFIG_KWARGS}
-        return Config(kwargs, num_warps=saved["num_warps"], num_stages=saved["num_stages"])
+        config = Config(kwargs, num_warps=saved["num_warps"], num_stages=saved["num_stages"])
+        # Marked as a tuned result, as Inductor marks coordinate descent's: torch 2.11 reads this
+        # attribute on every cached config (recheck_autotune_cache) and then compiles exactly this
+        # config instead of looking for it among the ones it compiled.
+        config.found_by_coordesc = True
+        return config
 
     load._diffcompiler = True
     ac._load_cached_autotuning = load

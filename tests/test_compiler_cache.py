@@ -146,6 +146,7 @@ def test_tuned_config_outside_the_starting_list_is_reused(monkeypatch):
                        "found_by_coordesc": False, "time_taken_ms": 0, "triton_cache_hash": None}
     got = ac._load_cached_autotuning(entry("h"), "h", [], {})
     assert (got.kwargs, got.num_warps, got.num_stages) == ({"XBLOCK": 8, "R0_BLOCK": 256}, 4, 1)
+    assert got.found_by_coordesc   # torch 2.11 reads it on every cached config (AttributeError without)
     # another kernel's candidates (configs hash differs), or no entry: benchmark as before
     assert ac._load_cached_autotuning(entry("other"), "h", [], {}) is None
     assert ac._load_cached_autotuning(None, "h", [], {}) is None
