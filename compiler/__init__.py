@@ -9,8 +9,7 @@ table). Nothing compiles until the first call. The result is recorded on `pipe._
 Lossless modes give the eager output within half-precision tolerance.
 
 Order of transforms (each later one wraps the earlier):
-  1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark),
-     and, when compiling, `cache.reuse_tuned_configs()` (tuned kernel configs found again);
+  1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark);
   2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
      then, CUDA only and when compiling: `low-precision` swaps the blocks' Linears for FP8Linear
      (compute capability >= 8.9) and their feed-forwards for FP8FeedForward (bias + GELU + FP8
@@ -35,7 +34,7 @@ import logging
 import torch
 
 from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
-from . import cache, latte, quant, transforms
+from . import latte, quant, transforms
 from .cudagraph import StepGraph, wrap_step
 from .short_attention import use_short_attention
 
@@ -96,8 +95,6 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     report: dict = {"options": opts.to_dict(), "device": device}
 
     _apply_switches(opts)
-    if opts.compile:
-        cache.reuse_tuned_configs()
 
     fused = fuse_qkv_projections and opts.fuse_qkv
     if fused:

@@ -15,10 +15,6 @@ Contract:
   Never raises, never loads unverified bytes.
 - `write_artifact(dir, key, blob)` (atomic: temp file + os.replace) and `read_artifact(dir, key)`.
 
-`reuse_tuned_configs()` (called by `compile_pipe`): a kernel's tuned config stored in Inductor's
-autotune cache is used again even when it is not one of the kernel's starting configs (torch
-before the upstream fix re-benchmarked such kernels in every new process; see the function).
-
 Header layout (big-endian): MAGIC (8 bytes) | version u16 | key length u16 | key (utf-8) |
 payload length u64 | sha256(payload) (32 bytes) | payload.
 """
@@ -52,55 +48,6 @@ def configure_cache_dir(path: str | os.PathLike) -> Path:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     return path
-
-
-# Keys land below; first, one fix to Inductor's own autotune cache.
-
-_NOT_CONFIG_KWARGS = {"num_warps", "num_stages", "configs_hash", "found_by_coordesc", "time_taken_ms",
-                      "triton_cache_hash", "extra_options", "num_consumer_groups", "num_buffers_warp_spec"}
-
-
-def reuse_tuned_configs() -> bool:
-    """Make Inductor's autotune cache return a stored best config that is not one of the kernel's
-    starting configs, instead of benchmarking the kernel again. Idempotent; returns True once
-    installed.
-
-    Why: Inductor stores each multi-config kernel's winner (`<hash>.best_config`, also inside the
-    portable artifacts) and, on a later compile of the same kernel, looks it up among the kernel's
-    starting configs. A looped reduction's winner is often a variant Inductor made while compiling
-    (R0_BLOCK scaled down for register pressure), which is in no starting list, so torch 2.11
-    found no match and re-benchmarked: on Latte-1 O3, 5 reduction kernels and ~2-3 s of every
-    warm start (BENCHMARKS.md). Newer torch rebuilds the config from the stored settings
-    (`_reconstruct_triton_config`); this does the same where the installed torch returns None. It
-    only acts when the entry's `configs_hash` matches the kernel's (same kernel source, same
-    candidates), so the config is exactly the one an earlier process measured fastest."""
-    try:
-        from torch._inductor.runtime import autotune_cache as ac
-        from torch._inductor.runtime.triton_compat import Config
-    except ImportError:
-        return False
-    orig = ac._load_cached_autotuning
-    if getattr(orig, "_diffcompiler", False):
-        return True
-
-    def load(best_config, configs_hash, configs, inductor_meta):
-        saved = dict(best_config) if best_config else None
-        found = orig(best_config, configs_hash, configs, inductor_meta)
-        if found is not None or not saved or saved.get("configs_hash") != configs_hash:
-            return found
-        if "num_warps" not in saved or "num_stages" not in saved:
-            return None
-        kwargs = {k: v for k, v in saved.items() if k not in _NOT_CONFIG_KWARGS}
-        config = Config(kwargs, num_warps=saved["num_warps"], num_stages=saved["num_stages"])
-        # Marked as a tuned result, as Inductor marks coordinate descent's: torch 2.11 reads this
-        # attribute on every cached config (recheck_autotune_cache) and then compiles exactly this
-        # config instead of looking for it among the ones it compiled.
-        config.found_by_coordesc = True
-        return config
-
-    load._diffcompiler = True
-    ac._load_cached_autotuning = load
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

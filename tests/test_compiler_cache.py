@@ -128,32 +128,3 @@ def test_not_bytes_and_failing_load_fall_back(artifact, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="compiler.cache"):
         assert cache.unpack_and_load(artifact, "k1") is False
     assert "incompatible" in caplog.text
-
-
-def test_tuned_config_outside_the_starting_list_is_reused(monkeypatch):
-    """torch 2.11 answers None for a stored winner that is in no starting list (a looped reduction
-    whose R0_BLOCK Inductor scaled down), so every new process benchmarked that kernel again."""
-    from torch._inductor.runtime import autotune_cache as ac, triton_compat
-
-    class FakeConfig:  # triton.Config's constructor (CPU installs have no Triton)
-        def __init__(self, kwargs, num_warps, num_stages):
-            self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
-
-    monkeypatch.setattr(triton_compat, "Config", FakeConfig)
-    monkeypatch.setattr(ac, "_load_cached_autotuning", lambda best, h, configs, meta: None)
-    assert cache.reuse_tuned_configs() and cache.reuse_tuned_configs()   # idempotent
-    entry = lambda h: {"XBLOCK": 8, "R0_BLOCK": 256, "num_warps": 4, "num_stages": 1, "configs_hash": h,
-                       "found_by_coordesc": False, "time_taken_ms": 0, "triton_cache_hash": None}
-    got = ac._load_cached_autotuning(entry("h"), "h", [], {})
-    assert (got.kwargs, got.num_warps, got.num_stages) == ({"XBLOCK": 8, "R0_BLOCK": 256}, 4, 1)
-    assert got.found_by_coordesc   # torch 2.11 reads it on every cached config (AttributeError without)
-    # another kernel's candidates (configs hash differs), or no entry: benchmark as before
-    assert ac._load_cached_autotuning(entry("other"), "h", [], {}) is None
-    assert ac._load_cached_autotuning(None, "h", [], {}) is None
-
-
-def test_a_match_among_the_starting_configs_is_left_to_inductor(monkeypatch):
-    from torch._inductor.runtime import autotune_cache as ac
-    monkeypatch.setattr(ac, "_load_cached_autotuning", lambda best, h, configs, meta: "inductor's own")
-    cache.reuse_tuned_configs()
-    assert ac._load_cached_autotuning({"configs_hash": "h"}, "h", [], {}) == "inductor's own"
