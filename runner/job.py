@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from omegaconf import OmegaConf
@@ -123,11 +125,14 @@ def run(argv: list[str]) -> dict:
             if n_ready == n:
                 t_all_ready = time.perf_counter()
 
+        interrupt = _InterruptFlag()
         try:
-            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
-                             inflight=INFLIGHT, max_retries=opts.max_shard_retries,
-                             max_restarts=job["ray"].max_worker_restarts,
-                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready)
+            with interrupt:
+                slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of,
+                                 on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                                 max_restarts=job["ray"].max_worker_restarts,
+                                 start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
+                                 stopping=interrupt.is_set)
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
@@ -254,6 +259,32 @@ def _ray_init(opts) -> None:
         need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  logging_level=logging.WARNING)
+
+
+class _InterruptFlag:
+    """Ctrl-C (SIGINT) during dispatch: raise KeyboardInterrupt as usual and also remember it, so the
+    dispatch loop stops at its next turn even if the exception is lost inside a library call it
+    interrupts. Main thread only; the previous handler is restored on exit."""
+
+    def __init__(self):
+        self._set, self._old = False, None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def _handler(self, signum, frame):
+        self._set = True
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
 
 
 def work_after(rows: list[dict], t_end: float, t_from: float) -> float:
