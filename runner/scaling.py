@@ -160,14 +160,19 @@ def main(argv: list[str]) -> list[dict]:
                 env["CUDA_VISIBLE_DEVICES"] = visible
             print("$", f"CUDA_VISIBLE_DEVICES={visible}" if visible else "", " ".join(cmd), flush=True)
             runs.append((k, subprocess.Popen(cmd, env=env), time.perf_counter()))
-        for k, proc, t0 in runs:
+        failed = []
+        for k, proc, t0 in runs:      # wait for every run of the group, also when one fails
             rc = proc.wait()
             wall = time.perf_counter() - t0
-            if rc not in (0, 1):
-                raise SystemExit(f"run with {k} workers failed ({rc})")
+            if rc not in (0, 1):      # 1: some items failed; the run still measured
+                failed.append(f"run with {k} workers failed ({rc})")
+                continue
             rows.append(_row(out, k, n_of[k], wall, [j for j in group if j != k]))
         rows.sort(key=lambda r: r["workers"])
-        _summarize(rows, argv, out)   # after every group: a later run timing out loses nothing
+        if rows:
+            _summarize(rows, argv, out)   # after every group: a later run failing loses nothing
+        if failed:
+            raise SystemExit("; ".join(failed))
     return rows
 
 
