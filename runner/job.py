@@ -135,12 +135,14 @@ def run(argv: list[str]) -> dict:
                                  stopping=interrupt.is_set)
         except KeyboardInterrupt:
             interrupted = True
-            log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
         except DispatchError as e:
             results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
             bar.close()
+        if interrupted or interrupt.is_set():   # also an interrupt whose exception was lost
+            interrupted = True
+            log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
         t_done = time.perf_counter()
 
     # 5. Summarize.
@@ -277,7 +279,10 @@ class _InterruptFlag:
         raise KeyboardInterrupt
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # Only over Python's default: a process started with SIGINT ignored (`job &` from a
+        # script) or with its own handler keeps it.
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._old = signal.signal(signal.SIGINT, self._handler)
         return self
 

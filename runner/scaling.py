@@ -12,13 +12,16 @@ markdown table and writes `scaling.json` and `scaling.svg` (throughput against w
 Other `key=value` arguments go to every run unchanged (e.g. `model.source=random compile.mode=O2`).
 Runs joined by `+` start at the same time on disjoint GPUs (CUDA_VISIBLE_DEVICES): 1+2+4 fills 7
 GPUs of an 8-GPU machine in the time of one run. They share only the host (CPU cores, disk); the
-per-worker it/s column shows whether that slowed any of them. Row field `alongside` names them.
+per-worker it/s (`worker_it_s` in scaling.json) shows whether that slowed any of them. Row field
+`alongside` names them. Each run starts from nothing (its output and compile-cache directories
+under `out` are removed first) and with its own local Ray (RAY_ADDRESS is not passed on).
 
 Throughput figures per run: `items_per_s` from the first worker ready to the last item (includes
 the ramp while later workers wait for the compile artifact and warm up) and `steady_items_per_s`
 once every worker is serving (items in flight at that moment count by their part after it).
-Efficiency is against the 1-worker run of the same figure; `ready_ratio` is the time to all
-workers ready against the 1-worker run's.
+Efficiency is against the run with the fewest workers (`base_workers`, normally 1) of the same
+figure; `ready_ratio` is the time to all workers ready against that run's.
+`python -m runner.scaling replot=DIR` prints the table and rewrites the plots from DIR/scaling.json.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,10 +62,10 @@ def _svg(rows, path):
     from the first run: a dependency-free plot."""
     w, h, pad = 480, 320, 50
     xs = [r["workers"] for r in rows]
-    ys = [r["steady_items_per_s"] or r["items_per_s"] for r in rows]
-    span = [r["items_per_s"] for r in rows]
+    ys = [_figure(r, "steady_items_per_s") for r in rows]
+    span = [_figure(r, "items_per_s") for r in rows]
     ideal = [ys[0] * x / xs[0] for x in xs]
-    xmax, ymax = max(xs), max(ideal + ys + span) * 1.1
+    xmax, ymax = max(xs), (max(ideal + ys + span) * 1.1) or 1.0
 
     def pt(x, y):
         return pad + (w - 2 * pad) * x / xmax, h - pad - (h - 2 * pad) * y / ymax
@@ -101,40 +105,64 @@ def _plan(workers: str) -> list[list[int]]:
     return groups
 
 
-def _gpu_slices(group: list[int]) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each run of a group: disjoint GPUs, so that runs started together
-    never share one; None (inherit) for a run alone or on a machine without GPUs."""
+def _gpu_slices(group: list[int], cpu: bool = False) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each run of a group: disjoint GPUs (taken from the GPUs this process
+    may use), so that runs started together never share one; None (inherit) for a run alone, a
+    CPU run or a machine without GPUs."""
     import torch
     n = torch.cuda.device_count()
-    if len(group) == 1 or n == 0:
+    if len(group) == 1 or n == 0 or cpu:
         return [None] * len(group)
     if sum(group) > n:
         raise SystemExit(f"workers group {'+'.join(map(str, group))} needs {sum(group)} GPUs, this "
                          f"machine has {n}: split the group (e.g. {','.join(map(str, group))})")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",")][:n] if visible else [str(i) for i in range(n)]
     first = [sum(group[:i]) for i in range(len(group))]
-    return [",".join(str(g) for g in range(a, a + k)) for a, k in zip(first, group)]
+    return [",".join(ids[a:a + k]) for a, k in zip(first, group)]
+
+
+def _figure(r: dict, key: str) -> float:
+    """A run's items/s for the plots: `items_per_s` (whole span) or `steady_items_per_s` (falling
+    back to the whole span); 0 when the run has none."""
+    v = r.get(key) if key == "items_per_s" else (r.get(key) or r.get("items_per_s"))
+    return v or 0.0
 
 
 def _text_plot(rows) -> str:
     """The same plot as text, for a markdown record: one bar per run, measured against linear."""
-    base = rows[0]["steady_items_per_s"] or rows[0]["items_per_s"]
-    top = max(max(r["steady_items_per_s"] or r["items_per_s"], base * r["workers"] / rows[0]["workers"])
-              for r in rows)
+    base = _figure(rows[0], "steady_items_per_s")
+    ideal = {r["workers"]: base * r["workers"] / rows[0]["workers"] for r in rows}
+    top = max([_figure(r, k) for r in rows for k in ("steady_items_per_s", "items_per_s")]
+              + list(ideal.values())) or 1.0
     lines = ["items/s once all workers serve (#), whole span (=), linear from the first run (|)"]
     for r in rows:
-        steady, span = r["steady_items_per_s"] or r["items_per_s"], r["items_per_s"]
-        ideal = base * r["workers"] / rows[0]["workers"]
-        for mark, v in (("#", steady), ("=", span)):
+        for mark, v in (("#", _figure(r, "steady_items_per_s")), ("=", _figure(r, "items_per_s"))):
             bar = list(mark * round(50 * v / top) + " " * 52)
-            bar[round(50 * ideal / top)] = "|"
+            bar[round(50 * ideal[r["workers"]] / top)] = "|"
             lines.append(f"{r['workers']:>3} {''.join(bar).rstrip():<52} {v:.3g}")
     return "\n".join(lines) + "\n"
+
+
+def _wait_all(procs: list) -> list[tuple[int, float]]:
+    """(exit status, end time) of each process, each taken when that process ends."""
+    done: dict[int, tuple[int, float]] = {}
+    while len(done) < len(procs):
+        for i, p in enumerate(procs):
+            if i not in done and p.poll() is not None:
+                done[i] = (p.returncode, time.perf_counter())
+        time.sleep(0.2)
+    return [done[i] for i in range(len(procs))]
 
 
 def main(argv: list[str]) -> list[dict]:
     opts, rest = _args(argv)
     if opts["replot"]:
-        d = json.load(open(os.path.join(opts["replot"], "scaling.json")))
+        path = os.path.join(opts["replot"], "scaling.json")
+        if not os.path.exists(path):
+            raise SystemExit(f"replot={opts['replot']!r}: no scaling.json there (give the out=... "
+                             "directory of a scaling run)")
+        d = json.load(open(path))
         _summarize(d["rows"], d["argv"], os.path.abspath(opts["replot"]))
         return d["rows"]
     out = os.path.abspath(opts["out"])
@@ -149,25 +177,27 @@ def main(argv: list[str]) -> list[dict]:
         raise SystemExit(f"prompts={opts['prompts']!r}: give one count or one per worker count {counts}")
     n_of = {k: per_worker * k if per_worker else sizes[i if len(sizes) > 1 else 0]
             for i, k in enumerate(counts)}
-    slices = [_gpu_slices(g) for g in groups]   # checked before any run starts
+    slices = [_gpu_slices(g, cpu="model.device=cpu" in rest) for g in groups]  # before any run
     rows = []
     for group, gpus in zip(groups, slices):
         runs = []
         for k, visible in zip(group, gpus):
+            for old in (f"w{k}", f"cache-w{k}"):   # every run from nothing, its compile cache too
+                shutil.rmtree(os.path.join(out, old), ignore_errors=True)
             cmd = _command(opts["job"], k, n_of[k], out, rest)
-            env = dict(os.environ)
+            env = {key: v for key, v in os.environ.items() if key != "RAY_ADDRESS"}  # own local Ray
             if visible is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible
-            print("$", f"CUDA_VISIBLE_DEVICES={visible}" if visible else "", " ".join(cmd), flush=True)
+            print("$", *([f"CUDA_VISIBLE_DEVICES={visible}"] if visible else []), *cmd, flush=True)
             runs.append((k, subprocess.Popen(cmd, env=env), time.perf_counter()))
         failed = []
-        for k, proc, t0 in runs:      # wait for every run of the group, also when one fails
-            rc = proc.wait()
-            wall = time.perf_counter() - t0
-            if rc not in (0, 1):      # 1: some items failed; the run still measured
-                failed.append(f"run with {k} workers failed ({rc})")
-                continue
-            rows.append(_row(out, k, n_of[k], wall, [j for j in group if j != k]))
+        for (k, _, t0), (rc, t1) in zip(runs, _wait_all([p for _, p, _ in runs])):
+            try:                      # exit status 1: some items failed; the run still measured
+                if rc not in (0, 1):
+                    raise RuntimeError(f"exit status {rc}")
+                rows.append(_row(out, k, n_of[k], t1 - t0, [j for j in group if j != k]))
+            except (RuntimeError, OSError, ValueError, KeyError) as e:
+                failed.append(f"run with {k} workers failed ({e})")
         rows.sort(key=lambda r: r["workers"])
         if rows:
             _summarize(rows, argv, out)   # after every group: a later run failing loses nothing
@@ -208,22 +238,25 @@ def _row(out: str, k: int, n: int, wall: float, alongside: list[int]) -> dict:
 
 
 def _summarize(rows, argv, out):
-    base = rows[0]
+    base = rows[0]   # the fewest workers that ran (normally 1): what speed-up and efficiency are against
     for r in rows:
+        for key in ("speedup", "efficiency", "steady_speedup", "steady_efficiency", "ready_ratio"):
+            r.pop(key, None)   # recomputed against the current base
+        r["base_workers"] = base["workers"]
         for key in ("items_per_s", "steady_items_per_s"):
-            if r[key] and base[key]:
+            if r.get(key) and base.get(key):
                 r[key.replace("items_per_s", "speedup")] = r[key] / base[key]
                 r[key.replace("items_per_s", "efficiency")] = (r[key] / base[key]) / (r["workers"] / base["workers"])
-        if r["all_ready_s"] and base["all_ready_s"]:
+        if r.get("all_ready_s") and base.get("all_ready_s"):
             r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
     _svg(rows, os.path.join(out, "scaling.svg"))
     write_text(os.path.join(out, "scaling.txt"), _text_plot(rows))
     print(_text_plot(rows))
     print(format_table(rows, ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
-                              "all_ready_s", "ready_ratio", "generate_s", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
-                              "steady_speedup", "steady_efficiency", "warmup_with_compile_s",
-                              "warmup_with_cache_s"]), flush=True)
+                              "all_ready_s", "ready_ratio", "generate_s", "items_per_s", "speedup",
+                              "efficiency", "steady_items_per_s", "steady_speedup", "steady_efficiency",
+                              "warmup_with_compile_s", "warmup_with_cache_s"]), flush=True)
 
 
 if __name__ == "__main__":

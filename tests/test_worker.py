@@ -146,7 +146,7 @@ def test_an_interrupt_stops_dispatch_even_if_its_exception_was_lost():
         class warmup:
             remote = staticmethod(lambda: object())
 
-    flag = _InterruptFlag()
+    flag, old = _InterruptFlag(), signal.signal(signal.SIGINT, signal.default_int_handler)
     with flag:
         assert signal.getsignal(signal.SIGINT) == flag._handler
         with pytest.raises(KeyboardInterrupt):
@@ -154,4 +154,8 @@ def test_an_interrupt_stops_dispatch_even_if_its_exception_was_lost():
         with pytest.raises(KeyboardInterrupt):     # the loop still stops at its next turn
             dispatch(lambda k: Actor(), 1, [Shard(0, "f", 0, 1)], lambda s: [], lambda rows: None,
                      stopping=flag.is_set)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # started with Ctrl-C ignored: left alone
+    with _InterruptFlag():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    signal.signal(signal.SIGINT, old)
