@@ -12,9 +12,6 @@ Contract of `dispatch(...)`:
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
-- `stopping()` (optional) is asked before every wait: once it is true, dispatch raises
-  KeyboardInterrupt, so an interrupt stops the job even if its exception was swallowed on the way
-  (the caller's SIGINT handler sets the flag as well as raising).
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ def _is_task_error(e: Exception) -> bool:
 def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
              items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
              inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
-             stopping: Callable[[], bool] | None = None) -> list[Slot]:
+             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None) -> list[Slot]:
     import ray
 
     queue = deque(shards)
@@ -141,8 +137,6 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
             log.warning("worker %d lost (%s); not restarted", slot.rank, error.splitlines()[0][:200])
 
     while queue or refs:
-        if stopping is not None and stopping():
-            raise KeyboardInterrupt
         waiting = {s.warm_ref: s for s in slots if s.state == "starting"}
         live = [s for s in slots if s.state != "dead"]
         if not live:

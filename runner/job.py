@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 
 from omegaconf import OmegaConf
@@ -82,7 +80,7 @@ def run(argv: list[str]) -> dict:
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
     slots, interrupted, t_start = [], False, time.perf_counter()
     t_ready = t_done = t_all_ready = None
-    n_ready, steady_items = 0, 0.0   # workers ready; items' worth of work done once all of them were
+    ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
     if shards:
         import ray
         from .worker import Worker
@@ -119,30 +117,25 @@ def run(argv: list[str]) -> dict:
                 last_write = time.monotonic()
 
         def on_ready(slot):
-            nonlocal t_ready, t_all_ready, n_ready
+            nonlocal t_ready, t_all_ready
             t_ready = t_ready or time.perf_counter()
-            n_ready += 1
-            if n_ready == n:
+            ready_ranks.add(slot.rank)   # a replacement of a slot that was ready adds nothing
+            if len(ready_ranks) == n and t_all_ready is None:
                 t_all_ready = time.perf_counter()
 
-        interrupt = _InterruptFlag()
         try:
-            with interrupt:
-                slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of,
-                                 on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
-                                 max_restarts=job["ray"].max_worker_restarts,
-                                 start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
-                                 stopping=interrupt.is_set)
+            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
+                             inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                             max_restarts=job["ray"].max_worker_restarts,
+                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready)
         except KeyboardInterrupt:
             interrupted = True
+            log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
         except DispatchError as e:
             results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
             bar.close()
-        if interrupted or interrupt.is_set():   # also an interrupt whose exception was lost
-            interrupted = True
-            log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
         t_done = time.perf_counter()
 
     # 5. Summarize.
@@ -261,35 +254,6 @@ def _ray_init(opts) -> None:
         need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  logging_level=logging.WARNING)
-
-
-class _InterruptFlag:
-    """Ctrl-C (SIGINT) during dispatch: raise KeyboardInterrupt as usual and also remember it, so the
-    dispatch loop stops at its next turn even if the exception is lost inside a library call it
-    interrupts. Main thread only; the previous handler is restored on exit."""
-
-    def __init__(self):
-        self._set, self._old = False, None
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def _handler(self, signum, frame):
-        self._set = True
-        raise KeyboardInterrupt
-
-    def __enter__(self):
-        # Only over Python's default: a process started with SIGINT ignored (`job &` from a
-        # script) or with its own handler keeps it.
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-        return False
 
 
 def work_after(rows: list[dict], t_end: float, t_from: float) -> float:

@@ -28,8 +28,11 @@ def job(tmp_path, write_prompts):
 
 def cli(args, faults="", wait=True, **env):
     e = {**os.environ, "RUNNER_FAULTS": faults, **env}
+    # SIGINT back to its default in the child: a test run started in the background (`... &`)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all.
     p = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, env=e, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if not wait:
         return p
     out, err = p.communicate(timeout=300)

@@ -136,26 +136,3 @@ def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready(
     assert work_after([ok(1, 2.0), failed], 10.0, 9.0) == pytest.approx(0.5)
     assert work_after([ok(1, 2.0)], 10.0, 0.0) == 1.0
 
-
-def test_an_interrupt_stops_dispatch_even_if_its_exception_was_lost():
-    import signal
-    from runner.dispatch import dispatch
-    from runner.job import _InterruptFlag
-
-    class Actor:                      # never becomes ready: only the stop flag can end the loop
-        class warmup:
-            remote = staticmethod(lambda: object())
-
-    flag, old = _InterruptFlag(), signal.signal(signal.SIGINT, signal.default_int_handler)
-    with flag:
-        assert signal.getsignal(signal.SIGINT) == flag._handler
-        with pytest.raises(KeyboardInterrupt):
-            flag._handler(signal.SIGINT, None)     # what Ctrl-C does; say its exception got swallowed
-        with pytest.raises(KeyboardInterrupt):     # the loop still stops at its next turn
-            dispatch(lambda k: Actor(), 1, [Shard(0, "f", 0, 1)], lambda s: [], lambda rows: None,
-                     stopping=flag.is_set)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
-    signal.signal(signal.SIGINT, signal.SIG_IGN)        # started with Ctrl-C ignored: left alone
-    with _InterruptFlag():
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    signal.signal(signal.SIGINT, old)
