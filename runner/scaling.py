@@ -62,8 +62,8 @@ def _svg(rows, path):
     from the first run: a dependency-free plot."""
     w, h, pad = 480, 320, 50
     xs = [r["workers"] for r in rows]
-    ys = [_figure(r, "steady_items_per_s") for r in rows]
-    span = [_figure(r, "items_per_s") for r in rows]
+    ys = [_steady(r) for r in rows]
+    span = [_span(r) for r in rows]
     ideal = [ys[0] * x / xs[0] for x in xs]
     xmax, ymax = max(xs), (max(ideal + ys + span) * 1.1) or 1.0
 
@@ -122,22 +122,24 @@ def _gpu_slices(group: list[int], cpu: bool = False) -> list[str | None]:
     return [",".join(ids[a:a + k]) for a, k in zip(first, group)]
 
 
-def _figure(r: dict, key: str) -> float:
-    """A run's items/s for the plots: `items_per_s` (whole span) or `steady_items_per_s` (falling
-    back to the whole span); 0 when the run has none."""
-    v = r.get(key) if key == "items_per_s" else (r.get(key) or r.get("items_per_s"))
-    return v or 0.0
+def _span(r: dict) -> float:
+    """A run's items/s over the whole span, for the plots (0 when it has none)."""
+    return r.get("items_per_s") or 0.0
+
+
+def _steady(r: dict) -> float:
+    """A run's items/s once all workers serve, else over the whole span, for the plots."""
+    return r.get("steady_items_per_s") or _span(r)
 
 
 def _text_plot(rows) -> str:
     """The same plot as text, for a markdown record: one bar per run, measured against linear."""
-    base = _figure(rows[0], "steady_items_per_s")
+    base = _steady(rows[0])
     ideal = {r["workers"]: base * r["workers"] / rows[0]["workers"] for r in rows}
-    top = max([_figure(r, k) for r in rows for k in ("steady_items_per_s", "items_per_s")]
-              + list(ideal.values())) or 1.0
+    top = max([f(r) for r in rows for f in (_steady, _span)] + list(ideal.values())) or 1.0
     lines = ["items/s once all workers serve (#), whole span (=), linear from the first run (|)"]
     for r in rows:
-        for mark, v in (("#", _figure(r, "steady_items_per_s")), ("=", _figure(r, "items_per_s"))):
+        for mark, v in (("#", _steady(r)), ("=", _span(r))):
             bar = list(mark * round(50 * v / top) + " " * 52)
             bar[round(50 * ideal[r["workers"]] / top)] = "|"
             lines.append(f"{r['workers']:>3} {''.join(bar).rstrip():<52} {v:.3g}")
@@ -251,8 +253,9 @@ def _summarize(rows, argv, out):
             r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
     _svg(rows, os.path.join(out, "scaling.svg"))
-    write_text(os.path.join(out, "scaling.txt"), _text_plot(rows))
-    print(_text_plot(rows))
+    plot = _text_plot(rows)
+    write_text(os.path.join(out, "scaling.txt"), plot)
+    print(plot)
     print(format_table(rows, ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
                               "all_ready_s", "ready_ratio", "generate_s", "items_per_s", "speedup",
                               "efficiency", "steady_items_per_s", "steady_speedup", "steady_efficiency",
