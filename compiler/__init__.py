@@ -103,7 +103,7 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     if opts.compile and device == "cuda":
         blocks = transforms.block_classes(den)
         if opts.has("low_precision") and transforms.fp8_supported(den):
-            report["fp8_linears"] = transforms.to_fp8(den, blocks)
+            report["fp8_linears"] = transforms.to_fp8(den, blocks, attn_out=opts.fp8_attn_out)
             report["fp8_feedforwards"] = quant.fp8_feedforward(den)
         if opts.fuse_gelu:
             report["fused_gelu"] = transforms.fuse_gelu(den)

@@ -1,7 +1,7 @@
 """Benchmark: eager vs compiled, side by side in one run, as the seed tables report them.
 
     python -m compiler.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
-        [frames=16] [batch=1] [reps=3] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
+        [frames=16] [batch=1] [reps=3] [profile=0|1|2] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
         [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}']
 
 Builds `source=random` (published size, random weights) fp16 on CUDA and measures, in this order:
@@ -15,6 +15,8 @@ Builds `source=random` (published size, random weights) fp16 on CUDA and measure
   5. warm-up with cache: a second Python process on the filled cache directory (and the packed
      `save_cache_artifacts` artifact) times its first call;
   6. `extra=`: more modes on fresh copies of the denoiser, it/s only (ablations: what each part gives).
+`profile=1`: torch.profiler kernel tables of a 4-step eager and compiled call; `profile=2` also a
+cProfile of the second process's first call (where a warm start's CPU time goes).
 Prints a markdown table and writes JSON (`out=`).
 """
 
@@ -85,8 +87,9 @@ def call_kwargs(pipe, spec, args, steps: int) -> dict:
     return kw
 
 
-def run_call(pipe, spec, args, steps: int, events: bool = False):
-    """One full call; returns (output, e2e seconds, per-step CUDA events or None)."""
+def run_call(pipe, spec, args, steps: int, events: bool = False, start: list | None = None):
+    """One full call; returns (output, e2e seconds, per-step CUDA events or None). `start`: a list
+    that gets a mark (CUDA event) recorded just before the call, to time step 1 against."""
     kw = call_kwargs(pipe, spec, args, steps)
     evs: list = []
     if events:
@@ -108,6 +111,10 @@ def run_call(pipe, spec, args, steps: int, events: bool = False):
     g = torch.Generator(args["device"]).manual_seed(args["seed"])
     sync()
     t0 = time.perf_counter()
+    if start is not None:
+        start.append(torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else t0)
+        if torch.cuda.is_available():
+            start[-1].record()
     out = pipe(**kw, generator=g)
     sync()
     e2e = time.perf_counter() - t0
@@ -214,14 +221,34 @@ def child(args) -> dict:
     hit = blob is not None and cache.unpack_and_load(blob, key)
     t_loaded = time.perf_counter()
     compile_pipe(pipe, args["compile"])
-    _, first_call, _ = run_call(pipe, spec, args, args["steps"])
+    start: list = []
+    if args["profile"] >= 2:  # where the warm first call's CPU time goes (Python profile)
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    _, first_call, evs = run_call(pipe, spec, args, args["steps"], events=True, start=start)
+    warm_profile = None
+    if args["profile"] >= 2:
+        import io
+        import pstats
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+        warm_profile = "\n".join(line[:220] for line in buf.getvalue().splitlines())
+    # Where the first call goes: until the end of denoising step 1 (text encoding, graph loading and
+    # tracing, CUDA-graph capture, step 1), steps 2..N, and after the last step (VAE decode).
+    to_step1 = (evs[0] - start[0] if isinstance(evs[0], float) else start[0].elapsed_time(evs[0]) / 1e3)
     from torch._dynamo.utils import counters
     ind = counters["inductor"]   # a warm start should hit and benchmark nothing
     return dict(warmup_with_cache_s=first_call, artifact_hit=bool(hit), artifact_load_s=t_loaded - t_built,
+                first_call_to_step1_s=to_step1,
+                first_call_steps_s=(len(evs) - 1) / its(evs) if len(evs) > 1 else 0.0,
+                first_call_its=its(evs) if len(evs) > 1 else float("nan"),
                 build_s=t_built - t_start, process_ready_s=time.perf_counter() - t_start,
                 fxgraph_cache_hit=ind["fxgraph_cache_hit"], fxgraph_cache_miss=ind["fxgraph_cache_miss"],
                 kernel_benchmarks=sum(v for k, v in ind.items()   # whichever benchmarker class ran
-                                      if k.startswith("benchmarking.") and k.endswith(".benchmark_gpu")))
+                                      if k.startswith("benchmarking.") and k.endswith(".benchmark_gpu")),
+                warm_profile=warm_profile)
 
 
 def shape_dict(args) -> dict:
@@ -297,12 +324,14 @@ def main(argv: list[str]) -> dict:
     # extra variants (ablations), it/s only, on fresh copies of the eager denoiser
     res["extra"] = {}
     for mode in [m for m in args["extra"].split(",") if m]:
-        # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority / GELU epilogue /
-        # short-sequence attention kernel
-        name, opts = mode, {**args["compile"], "fuse_qkv": "-nofuse" not in mode,
-                            "sdpa_priority": "-nosdpa" not in mode, "fuse_gelu": "-nogelu" not in mode,
-                            "short_attention": "-noshort" not in mode}
-        opts["mode"] = mode.replace("-nofuse", "").replace("-nosdpa", "").replace("-nogelu", "").replace("-noshort", "")
+        # "MODE[-nofuse][-nosdpa][-nogelu][-noshort][-nofp8out]": ablate QKV fusion / SDPA priority /
+        # GELU epilogue / short-sequence attention kernel / FP8 attention output projections
+        off = {"-nofuse": "fuse_qkv", "-nosdpa": "sdpa_priority", "-nogelu": "fuse_gelu",
+               "-noshort": "short_attention", "-nofp8out": "fp8_attn_out"}
+        name, opts = mode, {**args["compile"], **{key: suffix not in mode for suffix, key in off.items()}}
+        opts["mode"] = mode
+        for suffix in off:
+            opts["mode"] = opts["mode"].replace(suffix, "")
         torch._dynamo.reset()
         setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
         # The denoiser is a fresh eager copy: the pipeline may be compiled again. (compile_pipe
@@ -366,7 +395,9 @@ def table(r: dict) -> str:
              f"| max memory (after warm-up) | {e['peak_mem_gib']:.2f} GiB | {c['peak_mem_gib']:.2f} GiB |",
              f"| warm-up (first call) | {r['eager_warmup_s']:.1f} s | {r['warmup_with_compile_s']:.1f} s with compilation |",
              f"| warm-up with cache (2nd process) | | {r.get('warmup_with_cache_s', float('nan')):.1f} s "
-             f"(artifact hit: {r.get('cache_process', {}).get('artifact_hit')}) |",
+             f"(artifact hit: {r.get('cache_process', {}).get('artifact_hit')}; to the end of step 1 "
+             f"{r.get('cache_process', {}).get('first_call_to_step1_s', float('nan')):.1f} s, steps 2..N "
+             f"{r.get('cache_process', {}).get('first_call_steps_s', float('nan')):.1f} s) |",
              f"| fraction of measured matmul peak ({r['matmul_tflops']['fp16']:.0f} TFLOP/s fp16) "
              f"| {e['frac_of_matmul_peak']:.1%} | {c['frac_of_matmul_peak']:.1%} |",
              f"| max abs error vs eager (output in [0,1]) | | {r['max_abs_err_vs_eager']:.2e} |"]

@@ -6,7 +6,7 @@ dict nexfort takes::
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
      "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "short_attention": true,
-     "compile_text_encoder": false, "compile_vae": null}
+     "fp8_attn_out": true, "compile_text_encoder": false, "compile_vae": null}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -32,6 +32,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
 | key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
+| key `fp8_attn_out` (default true) | `low-precision`: the attention output projections in FP8 too (false: half precision; their input comes straight from the attention kernel, so its quantisation is a pass of its own) |
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
@@ -80,8 +81,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
 # The boolean keys' defaults are CompileOptions' field defaults.
-BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder",
-             "compile_vae")
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "fp8_attn_out",
+             "compile_text_encoder", "compile_vae")
 NULLABLE_KEYS = ("compile_vae",)  # null: the compiler decides per pipeline
 TOP_LEVEL_KEYS = ("mode", "memory_format", "options", *BOOL_KEYS)
 
@@ -98,6 +99,7 @@ class CompileOptions:
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
+    fp8_attn_out: bool = True           # low-precision: attention output projections in FP8 too
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
     compile_vae: bool | None = None     # None: image pipelines yes, video no (see the table)
 
@@ -133,7 +135,7 @@ class CompileOptions:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
                 "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv, "sdpa_priority": self.sdpa_priority,
-                "fuse_gelu": self.fuse_gelu, "short_attention": self.short_attention,
+                "fuse_gelu": self.fuse_gelu, "short_attention": self.short_attention, "fp8_attn_out": self.fp8_attn_out,
                 "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
 
 
