@@ -30,6 +30,7 @@ Order of transforms (each later one wraps the earlier):
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -38,7 +39,7 @@ from . import latte, quant, transforms
 from .cudagraph import StepGraph, wrap_step
 from .short_attention import use_short_attention
 
-__all__ = ["compile_pipe", "parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD",
+__all__ = ["compile_pipe", "prewarm", "parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD",
            "denoiser_of", "StepGraph"]
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,33 @@ def denoiser_of(pipe) -> torch.nn.Module:
     if den is None:
         raise ValueError(f"{type(pipe).__name__} has neither .transformer nor .unet to compile")
     return den
+
+
+def prewarm() -> threading.Thread:
+    """Start importing what a compiled call needs (Dynamo, Inductor with its lowerings and kernel
+    templates, the Triton runtime) and the torch source hash Inductor's caches are keyed on, in a
+    daemon thread, so that this overlaps with loading the model instead of adding to the first call.
+
+    Why: Inductor is imported lazily by the first compiled call, even when every graph comes from
+    the cache: 2-3 s of a warm start (more where Python cannot keep bytecode, e.g. under
+    PYTHONDONTWRITEBYTECODE). Purely an optimisation: any failure is logged and ignored (the
+    first call imports whatever is missing as it would anyway).
+    """
+    def work():
+        import importlib
+        try:
+            for name in ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.lowering",
+                         "torch._inductor.kernel", "torch._inductor.select_algorithm",
+                         "torch._inductor.runtime.triton_heuristics", "triton.compiler"):
+                importlib.import_module(name)
+            from torch._inductor import codecache
+            codecache.torch_key()   # hash of torch's own sources (cached per process)
+        except Exception as e:
+            log.debug("prewarm stopped early: %s: %s", type(e).__name__, e)
+
+    t = threading.Thread(target=work, name="compiler-prewarm", daemon=True)
+    t.start()
+    return t
 
 
 def _device_type(module: torch.nn.Module) -> str:
@@ -103,7 +131,7 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     if opts.compile and device == "cuda":
         blocks = transforms.block_classes(den)
         if opts.has("low_precision") and transforms.fp8_supported(den):
-            report["fp8_linears"] = transforms.to_fp8(den, blocks, attn_out=opts.fp8_attn_out)
+            report["fp8_linears"] = transforms.to_fp8(den, blocks)
             report["fp8_feedforwards"] = quant.fp8_feedforward(den)
         if opts.fuse_gelu:
             report["fused_gelu"] = transforms.fuse_gelu(den)

@@ -6,7 +6,7 @@ dict nexfort takes::
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
      "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "short_attention": true,
-     "fp8_attn_out": true, "compile_text_encoder": false, "compile_vae": null}
+     "compile_text_encoder": false, "compile_vae": null}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -21,7 +21,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | --- | --- |
 | `none` | eager: nothing is compiled (baselines); QKV fusion still applies unless `fuse_qkv: false` |
 | `max-autotune` | denoiser blocks: Inductor `max_autotune` (GEMM templates benchmarked per shape) and `coordinate_descent_tuning`; slow first compile |
-| `max-optimize` | denoiser blocks: Inductor `aggressive_fusion`, `epilogue_fusion`, `max_autotune_pointwise` (more fusion; a few configs of every pointwise/reduction kernel compiled in parallel and timed once) |
+| `max-optimize` | denoiser blocks: Inductor `aggressive_fusion`, `epilogue_fusion`, `max_autotune_pointwise` (more fusion; a few configs of every pointwise/reduction kernel compiled in parallel and timed once), without `dynamic_scale_rblock` (so the tuned configs come back from the cache in a warm start) |
 | `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
 | `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
 | `low-precision` | lossy, denoiser blocks: their Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
@@ -32,7 +32,6 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
 | key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
-| key `fp8_attn_out` (default true) | `low-precision`: the attention output projections in FP8 too (false: half precision; their input comes straight from the attention kernel, so its quantisation is a pass of its own) |
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
@@ -63,8 +62,10 @@ from dataclasses import dataclass, field
 FLAGS: dict[str, dict] = {
     "none": {"compile": False},
     "max-autotune": {"denoiser_only": True, "inductor": {"max_autotune": True, "coordinate_descent_tuning": True}},
+    # dynamic_scale_rblock off: torch 2.11's autotune cache cannot restore a reduction config that
+    # was scaled down after tuning, so every warm start re-benchmarked (and re-built) those kernels.
     "max-optimize": {"denoiser_only": True, "inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
-                                  "max_autotune_pointwise": True}},
+                                  "max_autotune_pointwise": True, "dynamic_scale_rblock": False}},
     "cudagraphs": {"cudagraphs": True},
     "freezing": {"inductor": {"freezing": True}},
     "low-precision": {"low_precision": True, "denoiser_only": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},
@@ -81,8 +82,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
 # The boolean keys' defaults are CompileOptions' field defaults.
-BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "fp8_attn_out",
-             "compile_text_encoder", "compile_vae")
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder",
+             "compile_vae")
 NULLABLE_KEYS = ("compile_vae",)  # null: the compiler decides per pipeline
 TOP_LEVEL_KEYS = ("mode", "memory_format", "options", *BOOL_KEYS)
 
@@ -99,7 +100,6 @@ class CompileOptions:
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
-    fp8_attn_out: bool = True           # low-precision: attention output projections in FP8 too
     compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
     compile_vae: bool | None = None     # None: image pipelines yes, video no (see the table)
 
@@ -135,7 +135,7 @@ class CompileOptions:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
                 "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv, "sdpa_priority": self.sdpa_priority,
-                "fuse_gelu": self.fuse_gelu, "short_attention": self.short_attention, "fp8_attn_out": self.fp8_attn_out,
+                "fuse_gelu": self.fuse_gelu, "short_attention": self.short_attention,
                 "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
 
 

@@ -249,22 +249,18 @@ def fp8_supported(module: nn.Module) -> bool:
             and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"))
 
 
-def to_fp8(module: nn.Module, block_names: tuple[str, ...], attn_out: bool = True) -> int:
-    """Swap the Linear layers inside the repeated blocks for FP8Linear. Returns how many.
-    `attn_out=False`: the attention output projections stay in half precision (their input comes
-    straight from the attention kernel, so quantising it is a pass of its own)."""
-    from diffusers.models.attention_processor import Attention
+def to_fp8(module: nn.Module, block_names: tuple[str, ...]) -> int:
+    """Swap the Linear layers inside the repeated blocks for FP8Linear. Returns how many."""
     n = 0
     for blk in module.modules():
         if type(blk).__name__ not in block_names:
             continue
-        keep = set() if attn_out else {id(a.to_out[0]) for a in blk.modules() if isinstance(a, Attention)}
         for parent in list(blk.modules()):
             for name, child in list(parent.named_children()):
                 # projections superseded by a fused QKV/KV linear are unused: leave them
                 unused = getattr(parent, "fused_projections", False) and (
                     name in ("to_k", "to_v") or (name == "to_q" and hasattr(parent, "to_qkv")))
-                if type(child) is nn.Linear and not unused and id(child) not in keep and child.in_features % 16 == 0 \
+                if type(child) is nn.Linear and not unused and child.in_features % 16 == 0 \
                         and child.out_features % 16 == 0:
                     setattr(parent, name, FP8Linear(child))
                     n += 1

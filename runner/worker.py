@@ -163,6 +163,9 @@ class Worker:
         self.ext = "mp4" if self.spec.info["kind"] == "video" else "png"
         self.media_dir = os.path.join(cfg.job_dir, "media")
         os.makedirs(self.media_dir, exist_ok=True)
+        if cfg.compile.enabled:  # Inductor's imports overlap with loading the model
+            import compiler
+            compiler.prewarm()
         t0 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
         self._sync()

@@ -38,14 +38,6 @@ def test_fp8_linear_error_is_small_and_only_used_linears_convert():
     assert n == 2 * 7
     attn1 = den.transformer_blocks[0].attn1
     assert type(attn1.to_q) is torch.nn.Linear and isinstance(attn1.to_qkv, FP8Linear)
-    assert isinstance(attn1.to_out[0], FP8Linear)
-    # attn_out=False: both attentions' output projections stay half precision, the rest converts
-    den = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")).transformer
-    fuse_qkv(den)
-    assert to_fp8(den, ("BasicTransformerBlock",), attn_out=False) == 2 * 5
-    blk = den.transformer_blocks[0]
-    assert type(blk.attn1.to_out[0]) is torch.nn.Linear and type(blk.attn2.to_out[0]) is torch.nn.Linear
-    assert isinstance(blk.attn2.to_q, FP8Linear) and isinstance(blk.ff.net[2], FP8Linear)
 
 
 def test_rewritten_blocks_still_share_one_graph_per_shape():
