@@ -128,3 +128,17 @@ def test_not_bytes_and_failing_load_fall_back(artifact, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="compiler.cache"):
         assert cache.unpack_and_load(artifact, "k1") is False
     assert "incompatible" in caplog.text
+
+
+def test_prewarm_imports_inductor_in_the_background():
+    """A fresh interpreter: after prewarm's thread ends, Inductor's modules are loaded, so a warm
+    first call does not pay for importing them."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, compiler\n"
+            "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+            "t = compiler.prewarm(); t.join(300); assert not t.is_alive()\n"
+            "assert 'torch._inductor.lowering' in sys.modules and 'torch._inductor.compile_fx' in sys.modules\n"
+            "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
