@@ -240,7 +240,7 @@ def child(args) -> dict:
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
         warm_profile = "\n".join(line[:220] for line in buf.getvalue().splitlines())
     # Where the first call goes: until the end of denoising step 1 (text encoding, graph loading and
-    # tracing, CUDA-graph capture, step 1), steps 2..N, and after the last step (VAE decode).
+    # tracing, CUDA-graph capture, step 1) and steps 2..N; the rest of the call is the decode.
     to_step1 = (evs[0] - start[0] if isinstance(evs[0], float) else start[0].elapsed_time(evs[0]) / 1e3)
     from torch._dynamo.utils import counters
     ind = counters["inductor"]   # a warm start should hit and benchmark nothing

@@ -45,7 +45,10 @@ Why `max-optimize` uses `max_autotune_pointwise` rather than `coordinate_descent
 trials, 97 s of a 128 s first call, for 6.84 it/s; `max_autotune_pointwise` compiles its few
 candidates in parallel workers: 48 s for 6.38 it/s; neither: 25 s for 6.04 it/s. What the descent
 found beyond that was mostly the FP8 activation-quantisation reductions, which `compiler.quant`
-now does in one hand-written kernel: with it O3 runs Latte-1 at 7.2 it/s after a 33-35 s first call.
+now does in one hand-written kernel: with it O3 runs Latte-1 at 7.1 it/s after a 27 s first call.
+Without `dynamic_scale_rblock` (BENCHMARKS.md, "fifth round"): with it Latte-1 ran 3 % faster, but
+torch 2.11 re-benchmarked and rebuilt the scaled-down reduction configs in every warm start (Latte's
+warm-up with cache 16.2 s against 10.8 s without).
 """
 
 from __future__ import annotations
