@@ -242,12 +242,13 @@ def child(args) -> dict:
     # Where the first call goes: until the end of denoising step 1 (text encoding, graph loading and
     # tracing, CUDA-graph capture, step 1) and steps 2..N; the rest of the call is the decode.
     to_step1 = (evs[0] - start[0] if isinstance(evs[0], float) else start[0].elapsed_time(evs[0]) / 1e3)
+    steps_its = its(evs) if len(evs) > 1 else float("nan")
     from torch._dynamo.utils import counters
     ind = counters["inductor"]   # a warm start should hit and benchmark nothing
     return dict(warmup_with_cache_s=first_call, artifact_hit=bool(hit), artifact_load_s=t_loaded - t_built,
                 first_call_to_step1_s=to_step1,
-                first_call_steps_s=(len(evs) - 1) / its(evs) if len(evs) > 1 else 0.0,
-                first_call_its=its(evs) if len(evs) > 1 else float("nan"),
+                first_call_steps_s=(len(evs) - 1) / steps_its if len(evs) > 1 else 0.0,
+                first_call_its=steps_its,
                 build_s=t_built - t_start, process_ready_s=time.perf_counter() - t_start,
                 fxgraph_cache_hit=ind["fxgraph_cache_hit"], fxgraph_cache_miss=ind["fxgraph_cache_miss"],
                 kernel_benchmarks=sum(v for k, v in ind.items()   # whichever benchmarker class ran
@@ -327,11 +328,11 @@ def main(argv: list[str]) -> dict:
 
     # extra variants (ablations), it/s only, on fresh copies of the eager denoiser
     res["extra"] = {}
+    # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority /
+    # GELU epilogue / short-sequence attention kernel
+    off = {"-nofuse": "fuse_qkv", "-nosdpa": "sdpa_priority", "-nogelu": "fuse_gelu",
+           "-noshort": "short_attention"}
     for mode in [m for m in args["extra"].split(",") if m]:
-        # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority /
-        # GELU epilogue / short-sequence attention kernel
-        off = {"-nofuse": "fuse_qkv", "-nosdpa": "sdpa_priority", "-nogelu": "fuse_gelu",
-               "-noshort": "short_attention"}
         name, opts = mode, {**args["compile"], **{key: suffix not in mode for suffix, key in off.items()}}
         opts["mode"] = mode
         for suffix in off:

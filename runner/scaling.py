@@ -186,7 +186,7 @@ def main(argv: list[str]) -> list[dict]:
         for k, visible in zip(group, gpus):
             for old in (f"w{k}", f"cache-w{k}"):   # every run from nothing, its compile cache too
                 shutil.rmtree(os.path.join(out, old), ignore_errors=True)
-            cmd = _command(opts["job"], k, n_of[k], out, rest)
+            cmd = _command(opts["job"], k, _write_prompts(out, k, n_of[k]), out, rest)
             env = {key: v for key, v in os.environ.items() if key != "RAY_ADDRESS"}  # own local Ray
             if visible is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible
@@ -208,13 +208,18 @@ def main(argv: list[str]) -> list[dict]:
     return rows
 
 
-def _command(job: str, k: int, n: int, out: str, rest: list[str]) -> list[str]:
+def _write_prompts(out: str, k: int, n: int) -> str:
+    """`n` generated prompts for the run with `k` workers; returns the Parquet path."""
     words = "cat dog robot castle river forest city ocean mountain flower".split()
     prompts = os.path.join(out, f"prompts-w{k}.parquet")   # per run: runs may start together
     pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
                              "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
                                         for i in range(n)],
                              "seed": list(range(n))}), prompts)
+    return prompts
+
+
+def _command(job: str, k: int, prompts: str, out: str, rest: list[str]) -> list[str]:
     name = f"w{k}"
     return [sys.executable, "-m", "runner", f"job={job}", f"prompts.path={prompts}",
             f"output.dir={out}", f"job.name={name}", f"ray.num_workers={k}",
