@@ -38,6 +38,24 @@ def test_fp8_linear_error_is_small_and_only_used_linears_convert():
     assert n == 2 * 7
     attn1 = den.transformer_blocks[0].attn1
     assert type(attn1.to_q) is torch.nn.Linear and isinstance(attn1.to_qkv, FP8Linear)
+    # the projections feeding attention add their bias in the GEMM; the others leave it to Inductor
+    blk = den.transformer_blocks[0]
+    assert attn1.to_qkv.bias_in_gemm and blk.attn2.to_q.bias_in_gemm and blk.attn2.to_kv.bias_in_gemm
+    assert not attn1.to_out[0].bias_in_gemm and not blk.ff.net[2].bias_in_gemm
+
+
+def test_fp8_linear_bias_in_gemm_matches_bias_after():
+    """Same weights and quantisation, bias added by the GEMM vs after it: same result to the
+    output dtype's rounding, in the layer's own dtype either way."""
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    lin.bias.data.normal_(0, 4)   # a bias that matters next to the product
+    x = torch.randn(3, 7, 64, dtype=torch.bfloat16)
+    inside, after = FP8Linear(lin, bias_in_gemm=True), FP8Linear(lin)
+    assert inside.bias_in_gemm and not after.bias_in_gemm
+    y = inside(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 7, 48)
+    torch.testing.assert_close(y, after(x), atol=0.05, rtol=0.02)
+    assert (y - lin(x)).abs().max() > 0  # FP8 is lossy: the check above compared the two FP8 paths
 
 
 def test_rewritten_blocks_still_share_one_graph_per_shape():
