@@ -9,7 +9,8 @@ table). Nothing compiles until the first call. The result is recorded on `pipe._
 Lossless modes give the eager output within half-precision tolerance.
 
 Order of transforms (each later one wraps the earlier):
-  1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark);
+  1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark,
+     Inductor's single-pass row-reduction limit: `compiler/heuristics.py`);
   2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
      then, CUDA only and when compiling: `low-precision` swaps the blocks' Linears for FP8Linear
      (compute capability >= 8.9) and their feed-forwards for FP8FeedForward (bias + GELU + FP8
@@ -30,6 +31,7 @@ Order of transforms (each later one wraps the earlier):
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 import torch
@@ -86,7 +88,12 @@ def _device_type(module: torch.nn.Module) -> str:
 
 
 def _apply_switches(opts: CompileOptions) -> None:
-    """Process-wide backend switches (not Inductor config: that is passed per compile)."""
+    """Process-wide backend switches (not Inductor config: that is passed per compile), and the
+    one Inductor heuristic that is not a config setting (`persistent_rows`, set for every compile)."""
+    rows = max((FLAGS[f].get("persistent_rows", 0) for f in opts.flags), default=0)
+    if opts.compile and (rows or "torch._inductor.virtualized" in sys.modules):  # else nothing to reset
+        from . import heuristics   # imports Inductor
+        heuristics.set_persistent_rows(rows)
     if opts.has("low_precision"):
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True

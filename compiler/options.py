@@ -21,7 +21,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | --- | --- |
 | `none` | eager: nothing is compiled (baselines); QKV fusion still applies unless `fuse_qkv: false` |
 | `max-autotune` | denoiser blocks: Inductor `max_autotune` (GEMM templates benchmarked per shape) and `coordinate_descent_tuning`; slow first compile |
-| `max-optimize` | denoiser blocks: Inductor `aggressive_fusion`, `epilogue_fusion`, `max_autotune_pointwise` (more fusion; a few configs of every pointwise/reduction kernel compiled in parallel and timed once), without `dynamic_scale_rblock` (so the tuned configs come back from the cache in a warm start) |
+| `max-optimize` | denoiser blocks: Inductor `aggressive_fusion`, `epilogue_fusion`, `max_autotune_pointwise` (more fusion; a few configs of every pointwise/reduction kernel compiled in parallel and timed once), without `dynamic_scale_rblock` (so the tuned configs come back from the cache in a warm start); and, process-wide, row reductions up to 2048 wide in a single pass (Inductor stops at 1024; DiT rows are 1152 wide; `compiler/heuristics.py`) |
 | `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
 | `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
 | `low-precision` | lossy, denoiser blocks: their Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
@@ -67,7 +67,9 @@ FLAGS: dict[str, dict] = {
     "max-autotune": {"denoiser_only": True, "inductor": {"max_autotune": True, "coordinate_descent_tuning": True}},
     # dynamic_scale_rblock off: torch 2.11's autotune cache cannot restore a reduction config that
     # was scaled down after tuning, so every warm start re-benchmarked (and re-built) those kernels.
-    "max-optimize": {"denoiser_only": True, "inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
+    # persistent_rows: row reductions up to 2048 wide in one pass (compiler/heuristics.py; process-wide)
+    "max-optimize": {"denoiser_only": True, "persistent_rows": 2048,
+                     "inductor": {"aggressive_fusion": True, "epilogue_fusion": True,
                                   "max_autotune_pointwise": True, "dynamic_scale_rblock": False}},
     "cudagraphs": {"cudagraphs": True},
     "freezing": {"inductor": {"freezing": True}},

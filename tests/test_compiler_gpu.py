@@ -79,6 +79,29 @@ def test_full_size_o3_close_to_eager_with_decode(preset, kw):
     assert (out - ref).abs().max().item() <= 0.1   # images in [0, 1]; the benchmark states the error
 
 
+def test_max_optimize_rows_of_1152_compile_to_one_pass():
+    """The rule reaches Inductor's codegen: a LayerNorm over 1152 (a DiT row) becomes a persistent
+    kernel under `persistent_rows`, a looped one under Inductor's own rule."""
+    from torch._inductor.utils import run_and_get_code
+    from compiler import heuristics
+    x = torch.randn(4096, 1152, device="cuda", dtype=torch.float16)
+    f = lambda x: torch.nn.functional.layer_norm(x, (1152,)) * 2
+    codes = {}
+    try:
+        for rows in (0, 2048):
+            heuristics.set_persistent_rows(rows)
+            torch._dynamo.reset()
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                out, (code, *_) = run_and_get_code(torch.compile(f), x)
+            torch.testing.assert_close(out, f(x), atol=2e-2, rtol=1e-2)
+            codes[rows] = code
+    finally:
+        heuristics.set_persistent_rows(0)
+        torch._dynamo.reset()
+    assert "triton_per_" in codes[2048] and "triton_red_" not in codes[2048]
+    assert "triton_red_" in codes[0]
+
+
 for _m in gpu:
     test_gelu_quant_kernel_matches_reference = _m(test_gelu_quant_kernel_matches_reference)
     test_full_size_o3_close_to_eager_with_decode = _m(test_full_size_o3_close_to_eager_with_decode)
@@ -86,3 +109,5 @@ for _m in gpu:
     test_short_attention_kernel_matches_sdpa = _m(test_short_attention_kernel_matches_sdpa)
 for _m in gpu:
     test_full_size_lossless_matches_eager = _m(test_full_size_lossless_matches_eager)
+for _m in gpu:
+    test_max_optimize_rows_of_1152_compile_to_one_pass = _m(test_max_optimize_rows_of_1152_compile_to_one_pass)

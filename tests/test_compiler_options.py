@@ -75,3 +75,37 @@ def test_compile_vae_is_true_false_or_null_other_keys_strictly_bool():
         parse_options({"compile_vae": "yes"})
     with pytest.raises(ValueError, match="fuse_qkv"):
         parse_options({"fuse_qkv": None})
+
+
+def test_max_optimize_sets_single_pass_rows_and_other_modes_reset_them(monkeypatch):
+    """`persistent_rows` is process-wide (Inductor's heuristics handler): each compile_pipe sets it
+    from its own flags, so an O2 pipeline after an O3 one compiles with Inductor's rule."""
+    import sympy
+    from torch._inductor.runtime.hints import ReductionHint
+    from compiler import compile_pipe, heuristics
+    from runner.models import ModelSpec, build_pipeline
+
+    class Rows:  # the two things the rule reads of Inductor's kernel features
+        def __init__(self, n, hint=ReductionHint.INNER):
+            self.reduction_numel, self.hint = n, hint
+
+        def get_reduction_hint(self):
+            return self.hint
+
+    try:
+        compile_pipe(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")), "max-optimize")
+        assert heuristics.persistent_rows() == FLAGS["max-optimize"]["persistent_rows"] == 2048
+        # everything but a static inner row of <= 2048 goes to Inductor's own rule
+        monkeypatch.setattr(heuristics.InductorChoices, "should_use_persistent_reduction",
+                            staticmethod(lambda features, cooperative: "inductor"))
+        choose = heuristics.V.choices.should_use_persistent_reduction
+        assert choose(Rows(sympy.Integer(1152)), False) is True        # a DiT row: 1152 > Inductor's 1024
+        assert choose(Rows(sympy.Integer(4096)), False) == "inductor"
+        assert choose(Rows(sympy.Symbol("s0", positive=True, integer=True)), False) == "inductor"  # dynamic
+        assert choose(Rows(sympy.Integer(1152), ReductionHint.OUTER), False) == "inductor"
+        assert choose(Rows(sympy.Integer(1152)), True) == "inductor"    # cooperative
+        monkeypatch.undo()
+        compile_pipe(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")), "O2")
+        assert heuristics.persistent_rows() == 0
+    finally:
+        heuristics.set_persistent_rows(0)
