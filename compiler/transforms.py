@@ -15,7 +15,8 @@
   the list only pins that choice across torch versions; the one shape where another backend wins
   is Latte's 16-token temporal attention (flash 0.60 ms vs cuDNN 0.68 ms), not exploited yet.
 - `fuse_gelu(module)`: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue (custom op).
-- `to_fp8(module, blocks)`: the blocks' Linears as FP8Linear (`low-precision`, lossy).
+- `to_fp8(module, blocks)`: the blocks' Linears as FP8Linear (`low-precision`, lossy); the projections
+  feeding attention (ATTENTION_INPUTS) add their bias in the GEMM and write the model's dtype.
 """
 
 from __future__ import annotations
