@@ -230,7 +230,7 @@ def _rowwise_out_ok(dtype: torch.dtype, device_type: str) -> bool:
         torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one.t().contiguous(),
                          bias=torch.zeros(16, device=device_type, dtype=dtype), out_dtype=dtype)
         return True
-    except (RuntimeError, NotImplementedError):
+    except Exception:   # whatever a build without it raises: keep the bf16 path, which every build has
         return False
 
 
