@@ -140,7 +140,9 @@ def test_rerun_skips_done_work_and_config_change_is_refused(job):
 
 
 def test_ctrl_c_stops_cleanly_and_writes_the_summary(job):
-    p = cli(job["args"], faults="slow:0.5", wait=False)
+    # 2 s before each batch: the interrupt lands while the second round of batches still sleeps,
+    # even on a loaded 2-core machine (with 0.5 s the job could finish between poll and kill)
+    p = cli(job["args"], faults="slow:2", wait=False)
     wait_for_journal(job["dir"], 2)
     os.kill(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
