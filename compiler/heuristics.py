@@ -2,8 +2,9 @@
 
 Contract: `set_persistent_rows(n)` makes every later Inductor compile in this process generate
 single-pass ("persistent": the whole row in registers, read once) code for inner reductions over at
-most `n` static elements; `n = 0` restores Inductor's own rule. `compile_pipe` calls it with the
-flags' `persistent_rows` (`max-optimize`: 2048), or 0. Process-wide, like the other backend switches
+most `n` static elements; `n = 0` restores Inductor's own rule (a handler someone else installed
+is left alone). `compile_pipe` calls it with the flags' `persistent_rows` (`max-optimize`: 2048),
+or 0. Process-wide, like the other backend switches
 (`torch.backends...`): Inductor keeps its heuristics in one handler per thread (`V.choices`), set
 here for the calling thread and, through `config.inductor_choices_class`, for threads that compile
 later. Only codegen changes; results are the same up to reduction order.
@@ -54,9 +55,16 @@ class PersistentRowChoices(InductorChoices):
 
 
 def set_persistent_rows(max_row: int) -> None:
-    V.set_choices_handler(PersistentRowChoices(max_row) if max_row else InductorChoices())
-    if hasattr(config, "inductor_choices_class"):
-        config.inductor_choices_class = functools.partial(PersistentRowChoices, max_row) if max_row else None
+    """`max_row = 0` undoes only this module's handler: one the user installed stays."""
+    if max_row:
+        V.set_choices_handler(PersistentRowChoices(max_row))
+        if hasattr(config, "inductor_choices_class"):
+            config.inductor_choices_class = functools.partial(PersistentRowChoices, max_row)
+        return
+    if isinstance(V.choices, PersistentRowChoices):
+        V.set_choices_handler(InductorChoices())
+    if getattr(getattr(config, "inductor_choices_class", None), "func", None) is PersistentRowChoices:
+        config.inductor_choices_class = None
 
 
 def persistent_rows() -> int:

@@ -256,17 +256,16 @@ class FP8Linear(nn.Module):
         s = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
         return (x2.float() / s).to(torch.float8_e4m3fn), s
 
-    def gemm(self, x8, s):
-        """(M, K) e4m3 with row scales -> (M, N) bf16, no bias. Row-wise scaled GEMM: bf16 output
-        is what every torch version supports for row-wise scales."""
-        return torch._scaled_mm(x8, self.w8.t(), scale_a=s, scale_b=self.w_scale, out_dtype=torch.bfloat16)
+    def gemm(self, x8, s, bias=None, out_dtype=torch.bfloat16):
+        """(M, K) e4m3 with row scales -> (M, N) `out_dtype` (+ `bias` in the epilogue). Row-wise
+        scaled GEMM: bf16 output, no bias, is what every torch version supports for row-wise scales."""
+        return torch._scaled_mm(x8, self.w8.t(), scale_a=s, scale_b=self.w_scale, bias=bias, out_dtype=out_dtype)
 
     def forward(self, x):
         shape = x.shape
         x8, s = self.quantize(x.reshape(-1, shape[-1]))
         if self.bias_in_gemm:   # (M, N) in the layer's dtype, bias added in the GEMM's epilogue
-            y = torch._scaled_mm(x8, self.w8.t(), scale_a=s, scale_b=self.w_scale, bias=self.bias,
-                                 out_dtype=self.out_dtype)
+            y = self.gemm(x8, s, self.bias, self.out_dtype)
         else:
             y = self.gemm(x8, s)
             if self.bias is not None:

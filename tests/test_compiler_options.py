@@ -107,5 +107,11 @@ def test_max_optimize_sets_single_pass_rows_and_other_modes_reset_them(monkeypat
         monkeypatch.undo()
         compile_pipe(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")), "O2")
         assert heuristics.persistent_rows() == 0
+        # a handler someone else installed survives the reset
+        mine = heuristics.InductorChoices()
+        heuristics.V.set_choices_handler(mine)
+        compile_pipe(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")), "O2")
+        assert heuristics.V.choices is mine
     finally:
         heuristics.set_persistent_rows(0)
+        heuristics.V.set_choices_handler(heuristics.InductorChoices())

@@ -135,4 +135,3 @@ def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready(
     failed = {"status": "failed", "batch_size": 1, "e2e_s": None}
     assert work_after([ok(1, 2.0), failed], 10.0, 9.0) == pytest.approx(0.5)
     assert work_after([ok(1, 2.0)], 10.0, 0.0) == 1.0
-
