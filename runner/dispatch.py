@@ -2,11 +2,21 @@
 
 Contract of `dispatch(...)`:
 - Each worker slot holds at most `inflight` shards; when one finishes, the slot takes the next from
-  the queue (dynamic, not a static split). Rows go to `on_rows` as each shard finishes.
+  the queue (dynamic, not a static split). A shard travels with its validated items as two calls
+  on the (threaded) actor: `start_shard(seq, items)`, done when its GPU work is, and
+  `finish_shard(seq)`, its rows once written; `seq` numbers the slot's shards so the worker runs
+  them in order while it writes one shard and generates the next. Rows go to `on_rows` as each
+  shard finishes.
 - A worker that dies (process killed, node lost, CUDA error: any Ray error that is not an exception
-  raised inside `run_shard`) loses only its queued shards: they go back to the front of the queue.
-  The slot gets a new actor (at most `max_restarts` times per slot), which warms up like the first.
-- The shard that was running when a worker died, or that raised, is charged one attempt. A failing
+  raised inside the worker's methods) loses only its unfinished shards: they go back to the front
+  of the queue. The slot gets a new actor (at most `max_restarts` times per slot), which warms up
+  like the first.
+- Which shard killed a worker: the one whose GPU work had not finished (`start_shard` had not
+  returned). If there was exactly one, or a shard raised, it is charged one attempt. If several
+  were unfinished (the last reply may not have reached the driver), the death is ambiguous: none is
+  charged. Either way the unfinished shards come back as suspects: split into single rows and run
+  isolated (alone on their worker), so the next death is attributed exactly. Shards that were only
+  being written are requeued as they were. A failing
   shard of several rows is split into single rows, so one poison prompt cannot take its neighbours
   down; a row that fails more than `max_retries` times is recorded as failed and the job goes on.
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
@@ -40,7 +50,8 @@ class Slot:
     started: float
     state: str = "starting"          # starting | ready | dead
     restarts: int = 0
-    running: list = field(default_factory=list)   # refs in submission order (Ray runs them in order)
+    running: list = field(default_factory=list)   # finish refs in submission order
+    next_seq: int = 0                                 # the next shard number for this actor
     ready_info: dict | None = None
     last_error: str | None = None
 
@@ -49,6 +60,17 @@ def _is_task_error(e: Exception) -> bool:
     """An exception raised by our code inside the actor (the actor lives on)."""
     import ray
     return isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e, ray.exceptions.RayActorError)
+
+
+def _value(ref):
+    """The result of a finished task, or None (still running, or failed)."""
+    import ray
+    if not ray.wait([ref], timeout=0)[0]:
+        return None
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:
+        return None
 
 
 def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
@@ -60,7 +82,7 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
     queue = deque(shards)
     attempts: dict[int, int] = {}
     next_index = max((s.index for s in shards), default=-1) + 1
-    refs: dict[Any, tuple[Slot, Shard]] = {}
+    refs: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish ref -> (slot, shard, start ref)
 
     def start(slot: Slot | None, rank: int) -> Slot:
         actor = make_actor(rank)
@@ -71,59 +93,64 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
 
     slots = [start(None, k) for k in range(n_workers)]
 
+    suspects: set[int] = set()      # shard indices that run isolated (see the module docstring)
+
     def fill(slot: Slot):
         while slot.state == "ready" and queue and len(slot.running) < inflight:
+            if slot.running and (queue[0].index in suspects
+                                 or any(refs[r][1].index in suspects for r in slot.running)):
+                break
             shard = queue.popleft()
-            ref = slot.actor.run_shard.remote(shard)
+            started = slot.actor.start_shard.remote(slot.next_seq, items_of(shard))
+            ref = slot.actor.finish_shard.remote(slot.next_seq)
+            slot.next_seq += 1
             slot.running.append(ref)
-            refs[ref] = (slot, shard)
+            refs[ref] = (slot, shard, started)
 
-    def charge(shard: Shard, error: str):
-        """One more failed attempt of `shard`: split it, retry it, or record its rows as failed."""
+    def retry(shard: Shard, error: str, count: bool = True):
+        """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which a
+        single row over `max_retries` is recorded failed. A shard of several rows is split."""
         nonlocal next_index
-        n = attempts.get(shard.index, 0) + 1
-        attempts[shard.index] = n
+        n = attempts.get(shard.index, 0) + int(count)
         items = items_of(shard)
         if len(items) > 1:
             log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
                         shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
-            singles = []
-            for it in items:
-                s = Shard(next_index, shard.file, it.row, it.row + 1)
-                attempts[next_index] = n
-                next_index += 1
-                singles.append(s)
+            singles = [Shard(next_index + k, shard.file, it.row, it.row + 1)
+                       for k, it in enumerate(items)]
+            next_index += len(singles)
+            for s in singles:
+                attempts[s.index] = n
+                suspects.add(s.index)
             queue.extendleft(reversed(singles))
         elif n > max_retries:
             log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
                       error.splitlines()[0][:300])
             on_rows([failed_row(it, f"failed {n} times: {error}") for it in items])
         elif items:
+            attempts[shard.index] = n
+            suspects.add(shard.index)
             queue.appendleft(shard)
 
     def lose(slot: Slot, error: str):
         """The slot's actor is gone: keep what it finished, requeue the rest, restart it if allowed.
-        Its tasks ran in submission order, so the oldest unfinished one is the one it died in,
-        whichever error Ray happened to report first."""
+        Which shard it died of: see the module docstring."""
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
-        charged = False
+        unfinished, written = [], []
         for ref in slot.running:
-            _, shard = refs.pop(ref)
-            rows = None
-            if ray.wait([ref], timeout=0)[0]:
-                try:
-                    rows = ray.get(ref)
-                except ray.exceptions.RayError:
-                    pass
+            _, shard, started = refs.pop(ref)
+            rows = _value(ref)
             if rows is not None:
                 on_rows(rows)                # finished before the worker died
-            elif not charged:
-                charge(shard, error)         # the one it was running
-                charged = True
+            elif _value(started) is None:
+                unfinished.append(shard)     # its GPU work had not finished
             else:
-                queue.appendleft(shard)      # only queued behind it: no attempt charged
+                written.append(shard)        # only its files were being written
+        queue.extendleft(reversed(written))
+        for shard in reversed(unfinished):
+            retry(shard, error, count=len(unfinished) == 1)
         slot.running = []
         try:
             ray.kill(slot.actor, no_restart=True)
@@ -166,14 +193,14 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
                     on_ready(slot)
                 fill(slot)
             elif ref in refs:
-                slot, shard = refs[ref]
+                slot, shard, _ = refs[ref]
                 try:
                     rows = ray.get(ref)
                 except ray.exceptions.RayError as e:
                     if _is_task_error(e):
                         refs.pop(ref)
                         slot.running.remove(ref)
-                        charge(shard, str(e))
+                        retry(shard, str(e))
                     else:
                         lose(slot, str(e))
                     continue

@@ -88,16 +88,15 @@ def run(argv: list[str]) -> dict:
         gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
         n = job["ray"].num_workers or (gpus or job["ray"].cpu_workers)
         actor_opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=job["ray"].cpus_per_worker)
-        faults = {k: v for k, v in os.environ.items() if k == "RUNNER_FAULTS"}
-        if faults:
-            actor_opts["runtime_env"] = {"env_vars": faults}
         broker = None
         if "cache-all" in compile_flags:
             from .compile_cache import CacheBroker
             broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
         wcfg = worker_config(job, limits, on_gpu=bool(gpus))
+        # Threaded: a shard's two calls (start_shard, finish_shard) for each shard in flight, and
+        # metrics(); the worker orders the GPU work itself.
         RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
-                                                  **actor_opts)
+                                                  max_concurrency=2 * INFLIGHT + 1, **actor_opts)
         log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
 
         # 4. Stream: dynamic hand-out, each shard's rows journaled as they arrive.
@@ -293,13 +292,14 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) 
         workers_detail=[{k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items",
                                                 "failed", "restarts", "model_load_s", "warmup_s",
                                                 "steady_it_s", "e2e_mean_s", "e2e_p95_s",
-                                                "peak_mem_gb", "busy_fraction")} for m in metrics],
+                                                "peak_mem_gb", "busy_fraction", "gpu_busy_fraction",
+                                                "gpu_util", "serving_s", "time_s")} for m in metrics],
     )
     write_json(os.path.join(out.job_dir, "summary.json"), summary)
     table_txt = format_table(summary["workers_detail"],
                              ["rank", "host", "items", "failed", "restarts", "model_load_s",
                               "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
-                              "busy_fraction"])
+                              "busy_fraction", "gpu_busy_fraction", "gpu_util"])
     rate = f"{summary['items_per_s']:.3g} items/s" if summary["items_per_s"] else "-"
     text = (f"job {summary['job']}: {summary['ok']}/{summary['items']} ok, {summary['failed']} failed"
             f", {summary['not_run']} not run ({resumed} done by an earlier run)"
@@ -309,6 +309,10 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) 
             f"{startup_s:.1f} s; generated in {gen_s:.1f} s = {rate}"
             + (f"; all ready at {timing['all_ready_s']:.1f} s, then {timing['steady_items_per_s']:.3g} items/s"
                if "steady_items_per_s" in timing else "") + f"\n\n{table_txt}\n")
+    if metrics:   # where each worker's serving seconds went
+        stages = list(metrics[0]["time_s"])
+        text += "\nseconds per stage:\n" + format_table(
+            [{"rank": m["rank"], **m["time_s"]} for m in metrics], ["rank", *stages]) + "\n"
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
     write_text(os.path.join(out.job_dir, "summary.txt"), text)

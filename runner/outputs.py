@@ -46,19 +46,21 @@ def write_json(path, obj) -> None:
 
 
 def to_uint8(x: np.ndarray) -> np.ndarray:
-    """[0, 1] floats (diffusers' output_type="np") -> uint8."""
+    """[0, 1] floats (diffusers' output_type="np") -> uint8; uint8 (the worker's) passes through."""
+    if x.dtype == np.uint8:
+        return x
     return (np.clip(x, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def write_png(path, image: np.ndarray) -> None:
-    """image: (H, W, 3) floats in [0, 1]."""
+    """image: (H, W, 3) uint8, or floats in [0, 1]."""
     import imageio.v3 as iio
     with atomic_path(path) as tmp:
         iio.imwrite(tmp, to_uint8(image), extension=".png")
 
 
 def write_mp4(path, frames: np.ndarray, fps: int) -> None:
-    """frames: (F, H, W, 3) floats in [0, 1] -> H.264 yuv420p mp4."""
+    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4."""
     import imageio_ffmpeg
     frames = to_uint8(frames)
     _, h, w, _ = frames.shape

@@ -9,10 +9,9 @@ Contract:
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another.
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
-  would fail later (before any model is built). Workers call `read_items` on their own shard: the
-  same normalization, so both sides agree on ids and parameters.
-- A shard is `(file, start, stop)` over raw rows, planned over the rows still to do; prompts
-  never travel through the driver.
+  would fail later (before any model is built).
+- A shard is `(file, start, stop)` over raw rows, planned over the rows still to do. The driver
+  sends each shard's validated items with it, so workers never read the Parquet files.
 """
 
 from __future__ import annotations
@@ -223,9 +222,3 @@ def plan_shards(items: list[Item], shard_size: int, done: set[str] = frozenset()
         file, start, prev = it.file, it.row, it.row
     close()
     return shards
-
-
-def read_items(shard: Shard, gen: GenerationDefaults, limits: Constraints, on_empty: str) -> list[Item]:
-    """A worker's view of its shard: the same normalization `check_prompts` applied."""
-    table = _read_table(shard.file).slice(shard.start, len(shard))
-    return _items_from_table(table, shard.file, shard.start, gen, limits, on_empty)

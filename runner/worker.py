@@ -1,20 +1,37 @@
-"""One worker: loads a pipeline once, compiles and warms it, then serves shards.
+"""One worker: loads a pipeline once, compiles and warms it, then serves shards as a pipeline.
 
 Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load time measured);
 `warmup()` compiles it through `compiler` and runs one short call at the job's default shape;
-`run_shard(shard)` reads its rows from Parquet itself, generates them in batches of equal shape,
-writes each output atomically to `media/<id>.<ext>` and returns one result row per item;
+`submit(items)` queues a shard's items and returns at once; `run_shard(items)` waits for their rows;
 `metrics()` returns the worker's performance figures. The class is plain Python: the driver wraps it
-in `ray.remote` (one actor per GPU), and tests can also use it in-process. Nothing here mutates
-state shared with other workers; outputs are named by prompt id, so a rerun rewrites the same files.
+in `ray.remote` (one actor per GPU, threaded: see `start_shard`), and tests also use it in-process.
+
+Three stages, so the GPU never waits for the host:
+    prepare   the driver sends each shard's validated items with it (no Parquet reads here); items
+              are grouped into batches of equal shape;
+    generate  one thread, `gpu`, runs every model call in submission order: text encoding,
+              denoising, VAE decode, then uint8 conversion and the finiteness check on the device
+              and one non-blocking copy of the uint8 result into pinned host memory;
+    finish    `HOST_THREADS` threads wait for a batch's copy, encode PNG/mp4 (zlib and ffmpeg
+              release the GIL) and write each file atomically under `media/<id>.<ext>`; a row is
+              returned only after its file is complete under its final name.
+While the GPU generates batch k+1, batch k is encoded and written. Queues are bounded by the shards
+the driver has in flight per worker (`runner.job.INFLIGHT`), so host memory stays flat. Seeds and
+per-item generators are as before, and the uint8 rounding equals `outputs.to_uint8` on diffusers'
+float32 output, so files are byte-identical to the sequential path's.
+
+Nothing here mutates state shared with other workers; outputs are named by prompt id, so a rerun
+rewrites the same files. Where each second goes: `runner.timing`.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,8 +39,12 @@ import torch
 from .config import CompileConfig, GenerationDefaults
 from .models import ModelSpec, build_pipeline
 from .outputs import write_mp4, write_png
-from .prompts import Constraints, Item, Shard, read_items
+from .prompts import Constraints, Item
 from .results import failed_row
+from .timing import Marks, UtilSampler, instrument
+
+HOST_THREADS = 2   # encode/write threads: one batch's files while the next batch's arrive
+STAGES = ("text_encode", "denoise", "decode", "to_host", "write", "wait")
 
 
 @dataclass(frozen=True)
@@ -41,41 +62,18 @@ class WorkerConfig:
     cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
 
-class StepClock:
-    """Marks the end of each denoising step; the rate over steps 2..N excludes step 1's one-off
-    costs. On CUDA the marks are events (no sync inside the loop)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.marks = cuda, []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> tuple[int, float]:
-        """(steps, seconds) from the end of step 1 to the end of step N."""
-        if len(self.marks) < 2:
-            return 0, 0.0
-        if self.cuda:
-            torch.cuda.synchronize()
-            return len(self.marks) - 1, self.marks[0].elapsed_time(self.marks[-1]) / 1e3
-        return len(self.marks) - 1, self.marks[-1] - self.marks[0]
-
-
-def generate(pipe, family: str, items: list[Item], device: str, clock: StepClock | None = None,
-             mask_feature: bool = True) -> np.ndarray:
-    """One pipeline call for items of equal shape. Returns (B, H, W, 3) or (B, F, H, W, 3) in [0, 1].
+def generate(pipe, family: str, items: list[Item], device: str, clock=None,
+             mask_feature: bool = True, output_type: str = "np"):
+    """One pipeline call for items of equal shape. `output_type="np"`: (B, H, W, 3) or (B, F, H, W, 3)
+    float32 on the host; `"pt"`: (B, 3, H, W) or (B, F, 3, H, W) on the device, in the model dtype;
+    both in [0, 1]. `clock.step()` is called at the end of each denoising step.
     One generator per item: an item's output depends on its seed, not on its batch-mates."""
     first = items[0]
     kw = dict(prompt=[i.prompt for i in items], negative_prompt=[i.negative_prompt for i in items],
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
-              guidance_scale=first.guidance_scale, output_type="np",
+              guidance_scale=first.guidance_scale, output_type=output_type,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
-    on_step = (lambda *a: clock.mark()) if clock else None
+    on_step = (lambda *a: clock.step()) if clock else None
     step_end = (lambda p, i, t, d: (on_step(), d)[1]) if clock else None   # the newer callback API
     if family == "latte":
         # LattePipeline takes one negative prompt string for the whole batch.
@@ -85,17 +83,37 @@ def generate(pipe, family: str, items: list[Item], device: str, clock: StepClock
                   mask_feature=mask_feature)
         if step_end:
             kw["callback_on_step_end"] = step_end
-        return np.asarray(pipe(**kw).frames)
+        return _out(pipe(**kw).frames)
     if family.startswith("pixart"):
         # Resolution binning and the size conditions only apply to the 128-latent (1024) checkpoints.
         kw.update(clean_caption=False,
                   use_resolution_binning=pipe.transformer.config.sample_size in (32, 64, 128))
         if on_step:
             kw.update(callback=on_step, callback_steps=1)
-        return np.asarray(pipe(**kw).images)
+        return _out(pipe(**kw).images)
     if step_end:
         kw["callback_on_step_end"] = step_end
-    return np.asarray(pipe(**kw).images)
+    return _out(pipe(**kw).images)
+
+
+def _out(x):
+    return x if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def to_host_uint8(x: torch.Tensor, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 3, H, W) or (B, F, 3, H, W) in [0, 1] on the device -> uint8 (B, H, W, 3) or
+    (B, F, H, W, 3) and per-item finite flags (B,), copied to the host without blocking (pinned
+    memory on CUDA: wait for the copy before reading). Float32 math and round-half-even, exactly
+    `outputs.to_uint8` on the float32 array diffusers' `output_type="np"` would have returned."""
+    finite = torch.isfinite(x.flatten(1)).all(1)
+    u8 = (x.float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).movedim(-3, -1).contiguous()
+    if not pin:
+        return u8, finite
+    host_u8 = torch.empty(u8.shape, dtype=torch.uint8, pin_memory=True)
+    host_finite = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+    host_u8.copy_(u8, non_blocking=True)
+    host_finite.copy_(finite, non_blocking=True)
+    return host_u8, host_finite
 
 
 def batches(items: list[Item], batch_size: int, family: str) -> list[list[Item]]:
@@ -115,7 +133,7 @@ def _node_id() -> str | None:
         return None
 
 
-def _fatal(e: Exception) -> bool:
+def _fatal(e: BaseException) -> bool:
     """Errors after which this process cannot go on: a CUDA error other than out-of-memory poisons
     the context. The worker exits and the driver starts a replacement."""
     if isinstance(e, torch.cuda.OutOfMemoryError):
@@ -125,31 +143,30 @@ def _fatal(e: Exception) -> bool:
     return isinstance(e, (KeyboardInterrupt, SystemExit))
 
 
-def _free_memory(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.empty_cache()
+@dataclass
+class Generated:
+    """The GPU stage's result for one pipeline call (or the error of an item that failed alone)."""
+    items: list[Item]
+    t_start: float                         # host clock when the call began
+    media: torch.Tensor | None = None      # uint8 (B, H, W, 3) | (B, F, H, W, 3), host memory
+    finite: torch.Tensor | None = None     # (B,) bool
+    marks: Marks | None = None
+    error: str | None = None
 
 
-def _faults() -> list[str]:
-    """Fault injection for the failure tests, from RUNNER_FAULTS (comma-separated):
-    crash:<id> (the worker process dies at that item, every time), crash_once:<id> (only the first
-    time), nan:<id> (the output is NaN), slow:<seconds> (sleep before each batch)."""
-    return [f for f in os.environ.get("RUNNER_FAULTS", "").split(",") if f]
+@dataclass
+class ShardRun:
+    """Futures of one submitted shard: `gpu` per batch (done when its copy is queued), `rows` per
+    batch (done when its files are written)."""
+    gpu: list[Future] = field(default_factory=list)
+    rows: list[Future] = field(default_factory=list)
 
+    def wait_gpu(self) -> None:
+        for f in self.gpu:
+            f.result()
 
-def _inject_faults(batch: list[Item], job_dir: str) -> None:
-    for f in _faults():
-        kind, _, arg = f.partition(":")
-        if kind == "slow":
-            time.sleep(float(arg))
-        for it in batch:
-            if kind == "crash" and arg == it.id:
-                os._exit(71)
-            if kind == "crash_once" and arg == it.id:
-                marker = os.path.join(job_dir, f".fault-{it.id}")
-                if not os.path.exists(marker):
-                    open(marker, "w").close()
-                    os._exit(71)
+    def wait_rows(self) -> list[dict]:
+        return [row for f in self.rows for row in f.result()]
 
 
 class Worker:
@@ -163,26 +180,44 @@ class Worker:
         self.ext = "mp4" if self.spec.info["kind"] == "video" else "png"
         self.media_dir = os.path.join(cfg.job_dir, "media")
         os.makedirs(self.media_dir, exist_ok=True)
+        # Every model call (compile and warm-up included) runs on this one thread, in submission
+        # order: Inductor's per-thread state and the CUDA graphs stay with one thread.
+        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="gpu")
+        self._host = ThreadPoolExecutor(HOST_THREADS, thread_name_prefix="write")
+        self._marks: Marks | None = None      # the batch the gpu thread is running, for `instrument`
+        self._lock = threading.Lock()         # metrics, written by the host threads
+        self._turn = threading.Condition()    # start_shard's ordering
+        self._next_seq, self._runs = 0, {}
         if cfg.compile.enabled:  # Inductor's imports overlap with loading the model
             import compiler
             compiler.prewarm()
         t0 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
         self._sync()
+        instrument(self.pipe, lambda: self._marks)   # brackets text encoding and decoding
         self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(), node_id=_node_id(),
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
                       model_load_s=time.perf_counter() - t0, items=0, failed=0, steps=0,
-                      denoise_s=0.0, e2e=[], busy_s=0.0)
+                      steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0), gpu_span_s=0.0)
         self.ready_at = None
+        self._window = [None, None]           # first batch start, last batch on the host
+        self._gpu_idle_since = time.perf_counter()
+        self._wait_in_window = 0.0
+        self._util = None
 
     def _sync(self):
         if self.cuda:
             torch.cuda.synchronize()
 
+    # -- start-up ------------------------------------------------------------------------------
+
     def warmup(self) -> dict:
         """Compile (if configured; from the shared cache when it has this model), then one short
         call at the default shape and batch size, so serving starts with compiled graphs."""
+        return self._gpu.submit(self._warmup).result()
+
+    def _warmup(self) -> dict:
         t0 = time.perf_counter()
         opts = self.cfg.compile
         cache = None
@@ -211,25 +246,27 @@ class Worker:
         self.m["compile_mode"] = opts.options.get("mode", "none")
         self.m["warmup_s"] = t_end - t0
         if opts.enabled:
-            # Warm-up from the moment compiling (or loading the artifact) starts; waiting for the
-            # compiling worker to publish is reported apart, as cache_wait_s.
-            wait = cache["cache_wait_s"] if cache else 0.0
-            warm = t_end - t0 - wait
-            hit = bool(cache and cache["cache_hit"])
-            self.m["warmup_with_cache_s" if hit else "warmup_with_compile_s"] = warm
-            self.m.update(cache_hit=hit, cache_wait_s=wait,
-                          cache_source=cache and cache["cache_source"],
-                          compile_call_s=t_end - t_compile)
-            if cache and cache["role"] == "compile":
-                from .compile_cache import publish
-                publish(self.broker, cache, opts.cache_dir)
-                self.m["artifact_bytes"] = cache.get("artifact_bytes")
+            self._record_compile(cache, t0, t_compile, t_end)
         if self.cuda:  # peak memory of serving, not of loading/compiling
             torch.cuda.reset_peak_memory_stats()
-        self.ready_at = time.perf_counter()
+        self._util = UtilSampler.start(self.cuda)
+        self.ready_at = self._gpu_idle_since = time.perf_counter()
         keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
                 "warmup_with_cache_s", "cache_hit", "cache_wait_s")
         return {k: self.m[k] for k in keys if k in self.m}
+
+    def _record_compile(self, cache, t0: float, t_compile: float, t_end: float) -> None:
+        # Warm-up from the moment compiling (or loading the artifact) starts; waiting for the
+        # compiling worker to publish is reported apart, as cache_wait_s.
+        wait = cache["cache_wait_s"] if cache else 0.0
+        hit = bool(cache and cache["cache_hit"])
+        self.m["warmup_with_cache_s" if hit else "warmup_with_compile_s"] = t_end - t0 - wait
+        self.m.update(cache_hit=hit, cache_wait_s=wait, cache_source=cache and cache["cache_source"],
+                      compile_call_s=t_end - t_compile)
+        if cache and cache["role"] == "compile":
+            from .compile_cache import publish
+            publish(self.broker, cache, self.cfg.compile.cache_dir)
+            self.m["artifact_bytes"] = cache.get("artifact_bytes")
 
     def _warmup_shape(self) -> dict:
         g = self.cfg.generation
@@ -245,72 +282,169 @@ class Worker:
                       guidance_scale=g.guidance_scale,
                       num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
                       file="warmup", row=k) for k in range(self.cfg.batch_size)]
-        with torch.inference_mode():
-            generate(self.pipe, self.family, items, self.spec.device,
-                     mask_feature=self.spec.mask_feature)
+        with torch.inference_mode():   # the serving path, conversion and copy included
+            x = generate(self.pipe, self.family, items, self.spec.device,
+                         mask_feature=self.spec.mask_feature, output_type="pt")
+            to_host_uint8(x, pin=self.cuda)
 
-    def run_shard(self, shard: Shard) -> list[dict]:
-        items = read_items(shard, self.cfg.generation, self.cfg.limits, self.cfg.on_empty)
-        return [row for batch in batches(items, self.cfg.batch_size, self.family)
-                for row in self._run_or_split(batch)]
+    # -- serving -------------------------------------------------------------------------------
 
-    def _run_or_split(self, batch: list[Item]) -> list[dict]:
-        """One bad item (NaN, out of memory at one size, ...) must not fail its batch-mates: a
-        failing batch is retried item by item, and an item that fails alone is recorded failed."""
+    def submit(self, items: list[Item]) -> ShardRun:
+        """Queue a shard's items: each batch on the gpu thread, its finishing on a host thread."""
+        run = ShardRun()
+        for batch in batches(items, self.cfg.batch_size, self.family):
+            gen = self._gpu.submit(self._generate, batch)
+            run.gpu.append(gen)
+            run.rows.append(self._host.submit(self._finish, gen))
+        return run
+
+    def run_shard(self, items: list[Item]) -> list[dict]:
+        """All of a shard's rows, once its files are written (in-process use and tests)."""
+        return self.submit(items).wait_rows()
+
+    def start_shard(self, seq: int, items: list[Item]) -> int:
+        """Ray entry, part 1. The driver numbers its shards for this worker 0, 1, 2, ... and calls
+        `start_shard` then `finish_shard` for each; the actor is threaded, so calls may arrive on
+        different threads, and this turnstile queues the GPU work in `seq` order. Returns once the
+        shard's GPU work is done: a worker that dies after that did not die of this shard's
+        prompts (see dispatch.py)."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_seq == seq)
+            run = self._runs[seq] = self.submit(items)
+            self._next_seq += 1
+            self._turn.notify_all()
+        run.wait_gpu()
+        return len(items)
+
+    def finish_shard(self, seq: int) -> list[dict]:
+        """Ray entry, part 2: the shard's rows, once every file is complete under its final name."""
+        with self._turn:
+            self._turn.wait_for(lambda: seq in self._runs)
+            run = self._runs[seq]
         try:
-            return self._run_batch(batch)
+            return run.wait_rows()
+        finally:
+            with self._turn:
+                del self._runs[seq]
+
+    def _generate(self, batch: list[Item]) -> list[Generated]:
+        """gpu thread. One bad item (out of memory at one size, ...) must not fail its batch-mates:
+        a failing batch is retried item by item, and an item that fails alone is recorded failed."""
+        try:
+            return [self._call(batch)]
         except Exception as e:
             if _fatal(e):
                 raise
-            _free_memory(self.cuda)
+            if self.cuda:
+                torch.cuda.empty_cache()
             if len(batch) > 1:
-                return [row for item in batch for row in self._run_or_split([item])]
-            self.m["failed"] += 1
-            return [failed_row(batch[0], f"{type(e).__name__}: {e}", worker=self.rank)]
+                return [g for item in batch for g in self._generate([item])]
+            return [Generated(batch, time.perf_counter(), error=f"{type(e).__name__}: {e}")]
 
-    def _run_batch(self, batch: list[Item]) -> list[dict]:
-        _inject_faults(batch, self.cfg.job_dir)
+    def _call(self, batch: list[Item]) -> Generated:
+        """gpu thread: one pipeline call, conversion and copy queued; returns without waiting."""
         t0 = time.perf_counter()
-        clock = StepClock(self.cuda)
-        with torch.inference_mode():
-            out = generate(self.pipe, self.family, batch, self.spec.device, clock,
-                           mask_feature=self.spec.mask_feature)
-        if any(f"nan:{it.id}" in _faults() for it in batch):
-            out = out * np.nan
-        steps, denoise_s = clock.seconds()
-        for item, media in zip(batch, out):
-            if not np.isfinite(media).all():
-                raise FloatingPointError(f"non-finite values in the output of {item.id!r}")
+        with self._lock:
+            idle = t0 - self._gpu_idle_since
+            self.m["time_s"]["wait"] += idle       # since ready: the driver had no work here
+            if self._window[0] is None:
+                self._window[0] = t0
+            else:
+                self._wait_in_window += idle
+        marks = self._marks = Marks(self.cuda)
+        try:
+            marks.mark("start")
+            with torch.inference_mode():
+                x = generate(self.pipe, self.family, batch, self.spec.device, marks,
+                             mask_feature=self.spec.mask_feature, output_type="pt")
+                marks.mark("to_host_start")
+                media, finite = to_host_uint8(x, pin=self.cuda)
+                marks.mark("to_host_end")
+        finally:
+            self._marks = None
+            self._gpu_idle_since = time.perf_counter()
+        return Generated(batch, t0, media, finite, marks)
+
+    def _finish(self, gen: Future) -> list[dict]:
+        """host thread: wait for the batch's copy, then encode and write each item."""
         rows = []
-        for item, media in zip(batch, out):
+        for g in gen.result():
+            if g.error is not None:
+                rows += [failed_row(it, g.error, worker=self.rank) for it in g.items]
+                with self._lock:
+                    self.m["failed"] += len(g.items)
+            else:
+                rows += self._write(g)
+        return rows
+
+    def _write(self, g: Generated) -> list[dict]:
+        g.marks.wait("to_host_end")
+        t_landed = time.perf_counter()
+        steps, steady_s = g.marks.steady_steps()
+        rows, write_s = [], 0.0
+        for item, media, finite in zip(g.items, g.media.numpy(), g.finite.tolist()):
+            if not finite:
+                rows.append(failed_row(item, f"FloatingPointError: non-finite values in the output "
+                                             f"of {item.id!r}", worker=self.rank))
+                continue
+            t = time.perf_counter()
             path = os.path.join(self.media_dir, f"{item.id}.{self.ext}")
             if self.ext == "mp4":
                 write_mp4(path, media, self.cfg.fps)
             else:
                 write_png(path, media)
+            write_s += time.perf_counter() - t
             rows.append({**item.params(), "status": "ok", "error": None,
                          "output": os.path.relpath(path, self.cfg.job_dir), "worker": self.rank,
-                         "node_id": self.m["node_id"],
-                         "batch_size": len(batch), "denoise_it_s": steps / denoise_s if denoise_s else None})
-        e2e = time.perf_counter() - t0
+                         "node_id": self.m["node_id"], "batch_size": len(g.items),
+                         "denoise_it_s": steps / steady_s if steady_s else None})
+        t_end = time.perf_counter()
         for r in rows:
-            r["e2e_s"] = e2e
-        self.m["items"] += len(batch)
-        self.m["steps"] += steps
-        self.m["denoise_s"] += denoise_s
-        self.m["busy_s"] += e2e
-        self.m["e2e"].append(e2e)
+            if r["status"] == "ok":
+                r["e2e_s"] = t_end - g.t_start   # call start to the last file of its batch written
+        self._account(g, rows, steps, steady_s, write_s, t_landed, t_end)
         return rows
 
+    def _account(self, g: Generated, rows, steps, steady_s, write_s, t_landed, t_end) -> None:
+        mk = g.marks
+        stages = dict(text_encode=mk.seconds("text_encode_start", "text_encode_end"),
+                      denoise=mk.seconds("text_encode_end", "decode_start"),
+                      decode=mk.seconds("decode_start", "decode_end"),
+                      to_host=mk.seconds("to_host_start", "to_host_end"), write=write_s)
+        ok = sum(r["status"] == "ok" for r in rows)
+        with self._lock:
+            for k, v in stages.items():
+                self.m["time_s"][k] += v or 0.0
+            self.m["items"] += ok
+            self.m["failed"] += len(rows) - ok
+            self.m["steps"] += steps
+            self.m["steady_s"] += steady_s
+            self.m["e2e"].append(t_end - g.t_start)
+            if self.cuda:
+                self.m["gpu_span_s"] += mk.seconds("start", "to_host_end") or 0.0
+            self._window[1] = max(self._window[1] or 0.0, t_landed)
+
+    # -- figures -------------------------------------------------------------------------------
+
     def metrics(self) -> dict:
-        m = {k: v for k, v in self.m.items() if k != "e2e"}
-        e2e = np.array(self.m["e2e"]) if self.m["e2e"] else None
-        # A batch's E2E is the wall time of the call that produced its items.
+        with self._lock:
+            m = {k: v for k, v in self.m.items() if k not in ("e2e", "gpu_span_s")}
+            m["time_s"] = dict(self.m["time_s"])
+            e2e = np.array(self.m["e2e"]) if self.m["e2e"] else None
+            t0, t1 = self._window
+        # A batch's E2E: from the start of its pipeline call to its last file written.
         m["e2e_mean_s"] = float(e2e.mean()) if e2e is not None else None
         m["e2e_p95_s"] = float(np.percentile(e2e, 95)) if e2e is not None else None
         m["batches"] = len(self.m["e2e"])
-        m["steady_it_s"] = self.m["steps"] / self.m["denoise_s"] if self.m["denoise_s"] else None
+        m["steady_it_s"] = self.m["steps"] / self.m["steady_s"] if self.m["steady_s"] else None
         m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
-        span = time.perf_counter() - self.ready_at if self.ready_at else None
-        m["busy_fraction"] = self.m["busy_s"] / span if span else None
+        # The serving window: the first pipeline call's start to the last batch on the host.
+        span = t1 - t0 if t0 is not None and t1 is not None and t1 > t0 else None
+        m["serving_s"] = span
+        # Model thread busy: the share of the window it was not waiting for work (host view).
+        m["busy_fraction"] = min(1.0, 1 - self._wait_in_window / span) if span else None
+        # GPU busy, device view: batch spans on the stream (CUDA events) / the window; and NVML's
+        # utilisation over the window (what nvidia-smi shows). Both null on CPU.
+        m["gpu_busy_fraction"] = min(1.0, self.m["gpu_span_s"] / span) if span and self.cuda else None
+        m["gpu_util"] = self._util.mean(t0, t1) if self._util and span else None
         return m

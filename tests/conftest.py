@@ -1,5 +1,6 @@
 """Shared fixtures. GPU tests (`@pytest.mark.gpu`) are skipped, with the reason shown, without CUDA."""
 import os
+import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -8,6 +9,18 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never touch the network
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+FAULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+def fault_env(faults: str) -> dict:
+    """Environment for a CLI run with injected faults: RUNNER_FAULTS and tests/faults first on
+    PYTHONPATH, whose sitecustomize.py wraps the worker's functions in every process of the job;
+    RUNNER_FAULT_DIR, a fresh directory for the markers of `crash_once` faults."""
+    path = os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "RUNNER_FAULTS": faults, "PYTHONPATH": path,
+            "RUNNER_FAULT_DIR": tempfile.mkdtemp(prefix="runner-faults-")}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -45,8 +46,9 @@ def ray_cluster():
 
 
 def test_ray_job_submit_on_a_multi_node_cluster(ray_cluster, tmp_path):
+    # Paced (tests/faults, relative to the job's working directory), so both nodes get work.
     runtime_env = {"excludes": [".venv", "outputs", ".git"],
-                   "env_vars": {"RUNNER_FAULTS": "slow:1.0"}}     # paced, so both nodes get work
+                   "env_vars": {"RUNNER_FAULTS": "slow:1.0", "PYTHONPATH": "tests/faults"}}
     r = sh([*RAY, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ROOT,
             "--runtime-env-json", json.dumps(runtime_env), "--",
             "python", "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
@@ -62,10 +64,12 @@ def test_ray_job_submit_on_a_multi_node_cluster(ray_cluster, tmp_path):
     assert summary["workers"] == 2 and len({w["node_id"] for w in summary["workers_detail"]}) == 2
 
 
-def test_worker_node_removed_mid_job(tmp_path, write_prompts):
+def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
     import ray
     from ray.cluster_utils import Cluster
-    os.environ.update(RAY_AUTH_MODE="disabled")
+    # The nodes' processes inherit this environment: auth off, and paced workers (tests/faults).
+    for k, v in {**fault_env("slow:0.5"), "RAY_AUTH_MODE": "disabled"}.items():
+        monkeypatch.setenv(k, v)
     ids = [f"q{i:02d}" for i in range(12)]
     prompts = write_prompts({"prompt": [f"p {i}" for i in range(12)], "id": ids})
     cluster = Cluster(initialize_head=True, head_node_args=dict(
@@ -79,7 +83,7 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts):
             [sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
              f"output.dir={tmp_path}", f"ray.address={cluster.address}", "run.shard_size=1",
              "generation.num_inference_steps=2", "ray.worker_start_timeout_s=20"],
-            cwd=ROOT, env={**ENV, "RUNNER_FAULTS": "slow:0.5"}, text=True,
+            cwd=ROOT, env={**ENV, **fault_env("slow:0.5")}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         journal = job_dir / "journal.jsonl"
         t0 = time.time()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 def cli(*args, faults=""):
     r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", *args], cwd=ROOT,
-                       env={**os.environ, "RUNNER_FAULTS": faults}, capture_output=True, text=True,
+                       env=fault_env(faults), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r

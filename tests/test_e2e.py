@@ -8,6 +8,7 @@ import imageio.v3 as iio
 import imageio_ffmpeg
 import pyarrow.parquet as pq
 import pytest
+from conftest import fault_env
 from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,7 @@ def runner(*args, timeout=300):
     # Paced (1 s per batch): tiny models finish 8 prompts in under a second, sooner than a second
     # worker may start, and every check below expects both workers to have served.
     r = subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, "RUNNER_FAULTS": "slow:1.0"})
+                       text=True, timeout=timeout, env=fault_env("slow:1.0"))
     assert r.returncode == 0, f"runner failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
 

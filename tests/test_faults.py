@@ -1,5 +1,5 @@
 """Failure and resume behaviour of the real CLI on a local Ray (tiny models, CPU workers).
-Faults are injected with RUNNER_FAULTS (see runner/worker.py) or by killing processes."""
+Faults are injected from outside the runner (tests/faults/sitecustomize.py) or by killing processes."""
 import json
 import os
 import signal
@@ -7,8 +7,10 @@ import subprocess
 import sys
 import time
 
+import imageio.v3 as iio
 import pyarrow.parquet as pq
 import pytest
+from conftest import fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -27,7 +29,7 @@ def job(tmp_path, write_prompts):
 
 
 def cli(args, faults="", wait=True, **env):
-    e = {**os.environ, "RUNNER_FAULTS": faults, **env}
+    e = {**fault_env(faults), **env}
     # SIGINT back to its default in the child: a test run started in the background (`... &`)
     # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all.
     p = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=ROOT, env=e, text=True,
@@ -102,6 +104,26 @@ def test_nan_output_fails_only_that_item(job):
     assert rc == 1
     table = assert_complete(job["dir"], failed={"p02"})
     assert "non-finite" in next(r for r in table if r["id"] == "p02")["error"]
+
+
+def test_worker_killed_while_writing_leaves_no_partial_output_and_the_rerun_does_the_rest(job):
+    rc, out, err = cli(job["args"] + ["ray.cpu_workers=1", "ray.max_worker_restarts=0"],
+                       faults="crash_write:p07")
+    assert rc == 2 and "every worker is gone" in err, err[-3000:]
+    media = job["dir"] / "media"
+    assert not (media / "p07.png").exists()                  # never under its final name
+    assert any(f.startswith(".tmp-") for f in os.listdir(media))   # the kill left its temp file
+    journal = job["dir"] / "journal.jsonl"
+    done = {json.loads(line)["id"] for line in open(journal)} if journal.exists() else set()
+    assert "p07" not in done
+    for i in done:                                           # what is journalled is complete
+        assert iio.imread(media / f"{i}.png").shape == (64, 64, 3)
+    mtimes = {i: (media / f"{i}.png").stat().st_mtime_ns for i in done}
+    rc, out, err = cli(job["args"])
+    assert rc == 0, err[-3000:]
+    assert_complete(job["dir"])                              # temp file gone, every prompt once
+    assert json.load(open(job["dir"] / "summary.json"))["resumed"] == len(done)
+    assert {i: (media / f"{i}.png").stat().st_mtime_ns for i in done} == mtimes   # not redone
 
 
 def test_every_worker_gone_stops_with_a_clear_error(job):

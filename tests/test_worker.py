@@ -1,31 +1,40 @@
 import json
 import os
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from runner.config import GenerationDefaults
 from runner.job import JobError, run
 from runner.models import ModelSpec
-from runner.outputs import atomic_path, write_png
-from runner.prompts import Constraints, PromptError, Shard
-from runner.worker import Worker, WorkerConfig, batches
+from runner.outputs import atomic_path, write_mp4, write_png
+from runner.prompts import Constraints, Item, PromptError
+from runner.worker import Worker, WorkerConfig, batches, generate
 
 
-def make_worker(tmp_path, batch_size=2, preset="pixart_alpha_1024"):
+def make_worker(tmp_path, batch_size=2, preset="pixart_alpha_1024", size=64, video_length=None):
     cfg = WorkerConfig(model=ModelSpec(preset, source="tiny"),
-                       generation=GenerationDefaults(height=64, width=64, num_inference_steps=3),
-                       limits=Constraints(size_factor=16, min_steps=2), on_empty="error",
-                       job_dir=str(tmp_path / "job"), batch_size=batch_size, warmup_steps=2)
+                       generation=GenerationDefaults(height=size, width=size, num_inference_steps=3,
+                                                     num_frames=video_length or 16),
+                       limits=Constraints(size_factor=16, min_steps=2, video_length=video_length),
+                       on_empty="error", job_dir=str(tmp_path / "job"), batch_size=batch_size,
+                       warmup_steps=2)
     return Worker(0, cfg)
 
 
-def test_worker_serves_a_shard_in_batches_of_equal_shape(tmp_path, write_prompts):
-    p = write_prompts({"prompt": list("abcde"), "id": list("abcde"),
-                       "height": [64, 64, 128, 64, 128]})
+def items(ids, seeds=None, heights=None, frames=None, size=64):
+    return [Item(id=i, prompt=f"a photo of {i}", negative_prompt="", seed=(seeds or {}).get(i, k),
+                 height=(heights or {}).get(i, size), width=size, num_frames=frames,
+                 num_inference_steps=3, guidance_scale=4.5, file="p.parquet", row=k)
+            for k, i in enumerate(ids)]
+
+
+def test_worker_serves_a_shard_in_batches_of_equal_shape(tmp_path):
     w = make_worker(tmp_path)
     assert w.warmup()["warmup_s"] > 0
-    rows = w.run_shard(Shard(0, p, 0, 5))
+    rows = w.run_shard(items("abcde", heights={"c": 128, "e": 128}))
     assert [r["id"] for r in rows] == ["a", "b", "d", "c", "e"]       # grouped by shape
     assert [r["batch_size"] for r in rows] == [2, 2, 1, 2, 2]
     for r in rows:
@@ -38,14 +47,102 @@ def test_worker_serves_a_shard_in_batches_of_equal_shape(tmp_path, write_prompts
     assert m["e2e_p95_s"] >= m["e2e_mean_s"] * 0.5 and m["model_load_s"] > 0
 
 
-def test_rerun_writes_the_same_files(tmp_path, write_prompts):
-    p = write_prompts({"prompt": ["a cat"], "id": ["cat"], "seed": [4]})
+def test_metrics_break_the_serving_time_into_stages(tmp_path):
+    w = make_worker(tmp_path, batch_size=1)
+    w.warmup()
+    w.run_shard(items("abc"))
+    m = w.metrics()
+    t = m["time_s"]
+    assert set(t) == {"text_encode", "denoise", "decode", "to_host", "write", "wait"}
+    for stage in ("text_encode", "denoise", "decode", "to_host", "write"):
+        assert t[stage] > 0, stage                         # each measured, on CPU by the clock
+    assert t["denoise"] > t["to_host"]
+    assert m["serving_s"] > 0 and t["wait"] >= 0
+    assert m["gpu_busy_fraction"] is None and m["gpu_util"] is None   # no GPU: null, not made up
+    json.dumps(m)                                          # what metrics/worker-*.json holds
+
+
+def _sequential_reference(w, batch, out_dir, fps=8):
+    """Today's sequential path, written out by hand: diffusers' float32 numpy output on the host,
+    then outputs.to_uint8 inside write_png / write_mp4."""
+    with torch.inference_mode():
+        x = generate(w.pipe, w.family, batch, "cpu")
+    for it, media in zip(batch, x):
+        if w.ext == "mp4":
+            write_mp4(out_dir / f"{it.id}.mp4", media, fps)
+        else:
+            write_png(out_dir / f"{it.id}.png", media)
+
+
+@pytest.mark.parametrize("preset,frames", [("pixart_alpha_1024", None), ("latte1", 4)])
+def test_pipelined_outputs_are_byte_identical_to_the_sequential_path(tmp_path, preset, frames):
+    w = make_worker(tmp_path, batch_size=2, preset=preset, video_length=frames)
+    w.warmup()
+    shard1, shard2 = items("abc", seeds={"a": 7, "b": 8, "c": 9}, frames=frames), \
+        items("de", seeds={"d": 10, "e": 11}, frames=frames)
+    runs = [w.submit(shard1), w.submit(shard2)]            # both in flight, as in a job
+    rows = [r for run in runs for r in run.wait_rows()]
+    assert [r["status"] for r in rows] == ["ok"] * 5
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for batch in (shard1[:2], shard1[2:], shard2):         # the same batches, one after another
+        _sequential_reference(w, batch, ref)
+    for it in shard1 + shard2:
+        name = f"{it.id}.{w.ext}"
+        assert (tmp_path / "job" / "media" / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_gpu_stage_runs_ahead_of_the_writes(tmp_path, monkeypatch):
+    """While a batch's file is being written, the next batch is already generating."""
+    import runner.worker as worker
+    w = make_worker(tmp_path, batch_size=1)
+    w.warmup()
+    events, write = [], worker.write_png
+
+    def slow_write(path, media):
+        events.append(("write", os.path.basename(str(path))))
+        time.sleep(0.5)
+        write(path, media)
+    generate_ = worker.generate
+
+    def logged_generate(pipe, family, batch, *a, **k):
+        events.append(("generate", batch[0].id + ".png"))
+        return generate_(pipe, family, batch, *a, **k)
+    monkeypatch.setattr(worker, "write_png", slow_write)
+    monkeypatch.setattr(worker, "generate", logged_generate)
+    w.run_shard(items("abc"))
+    # b's generation starts before a's slow write has finished (the write sleeps 0.5 s; a tiny
+    # call takes less)
+    assert events.index(("generate", "b.png")) < events.index(("write", "b.png"))
+    assert events.index(("generate", "c.png")) < events.index(("write", "b.png")) + 2
+
+
+def test_rerun_writes_the_same_files(tmp_path):
     w = make_worker(tmp_path)
-    w.run_shard(Shard(0, p, 0, 1))
+    w.run_shard(items(["cat"], seeds={"cat": 4}))
     first = (tmp_path / "job" / "media" / "cat.png").read_bytes()
-    w.run_shard(Shard(0, p, 0, 1))
+    w.run_shard(items(["cat"], seeds={"cat": 4}))
     assert (tmp_path / "job" / "media" / "cat.png").read_bytes() == first
     assert os.listdir(tmp_path / "job" / "media") == ["cat.png"]          # no temp leftovers
+
+
+def test_start_and_finish_shard_run_in_seq_order_from_any_thread(tmp_path):
+    """The Ray entry points: calls may arrive on different threads, out of order; the GPU work
+    follows seq."""
+    import threading
+    w = make_worker(tmp_path, batch_size=1)
+    order = []
+    submit = w.submit
+    w.submit = lambda its: (order.append(its[0].id), submit(its))[1]
+    later = threading.Thread(target=w.start_shard, args=(1, items(["second"])))
+    later.start()
+    time.sleep(0.3)
+    assert order == []                                     # seq 1 waits for seq 0
+    assert w.start_shard(0, items(["first"])) == 1
+    later.join(60)
+    assert order == ["first", "second"]
+    assert [r["id"] for r in w.finish_shard(1)] == ["second"]
+    assert [r["id"] for r in w.finish_shard(0)] == ["first"]
 
 
 def test_batches_split_by_shape_and_size():

@@ -1,0 +1,154 @@
+"""The runner against what users would run instead, side by side in one command on one GPU.
+
+    python -m runner.vs_loop job=pixart_batch model.source=random prompts=40 modes=none,O3 \
+        [arms=loop,loop_compile,job] [out=DIR] [key=value ...]
+
+The same generated prompts (ids, seeds) go through:
+  loop          a plain diffusers loop, eager: `pipe(prompt, generator=...)` then `.save()` (PIL PNG)
+                or `export_to_video` per prompt, as the diffusers docs write it;
+  loop_compile  the same loop after `pipe.<denoiser> = torch.compile(pipe.<denoiser>)`;
+  job           `python -m runner` with each `compile.mode` of `modes` (its own process and
+                local Ray, one worker on the GPU).
+Items/s are steady figures: a loop's from the end of its first item (warm-up, compilation) to
+the end of its last; the job's once its worker serves (`steady_items_per_s` of summary.json).
+GPU busy is NVML's utilisation over the same windows (what nvidia-smi shows; the job's comes from
+its worker's metrics); null on CPU. Other `key=value` arguments go to the job and decide the
+loop's model and sizes too (`model.*`, `generation.*`). Prints a markdown table, writes
+`vs_loop.json` under `out`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .outputs import format_table, write_json
+
+ARMS = ("loop", "loop_compile", "job")
+
+
+def _args(argv: list[str]) -> tuple[dict, list[str]]:
+    opts, rest = {"job": None, "prompts": "40", "modes": "none,O3", "arms": ",".join(ARMS),
+                  "out": "vs_loop"}, []
+    for a in argv:
+        k, _, v = a.partition("=")
+        if k in opts:
+            opts[k] = v
+        else:
+            rest.append(a)
+    bad = set(opts["arms"].split(",")) - set(ARMS)
+    if not opts["job"] or bad:
+        raise SystemExit(f"usage: python -m runner.vs_loop job=NAME [prompts=N] [modes=none,O3] "
+                         f"[arms={','.join(ARMS)}] [out=DIR] [key=value ...]"
+                         + (f"\nunknown arms {sorted(bad)}" if bad else ""))
+    return opts, rest
+
+
+def _write_prompts(out: str, n: int) -> str:
+    words = "cat dog robot castle river forest city ocean mountain flower".split()
+    path = os.path.join(out, "prompts.parquet")
+    pq.write_table(pa.table({"id": [f"v{i:05d}" for i in range(n)],
+                             "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
+                                        for i in range(n)],
+                             "seed": list(range(n))}), path)
+    return path
+
+
+def run_loop(job: dict, prompts: list[dict], out: str, compiled: bool) -> dict:
+    """The ten-line script a user writes instead of the runner."""
+    import torch
+    from diffusers.utils import export_to_video
+
+    from .models import build_pipeline
+    from .timing import UtilSampler
+    spec, g = job["model"].resolved(), job["generation"]
+    pipe = build_pipeline(spec)
+    if compiled:
+        name = "unet" if hasattr(pipe, "unet") else "transformer"
+        setattr(pipe, name, torch.compile(getattr(pipe, name)))
+    video = spec.info["kind"] == "video"
+    extra = dict(video_length=g.num_frames) if video else {}
+    if spec.info["family"] != "sd21":
+        extra["clean_caption"] = False
+    if spec.info["family"].startswith("pixart"):   # diffusers' default (true) fits the 1024 models
+        extra["use_resolution_binning"] = pipe.transformer.config.sample_size in (32, 64, 128)
+    os.makedirs(out, exist_ok=True)
+    util = UtilSampler.start(spec.device.startswith("cuda"))
+    ends = []
+    for p in prompts:
+        result = pipe(p["prompt"], height=g.height, width=g.width,
+                      num_inference_steps=g.num_inference_steps, guidance_scale=g.guidance_scale,
+                      generator=torch.Generator(spec.device).manual_seed(p["seed"]), **extra)
+        if video:
+            export_to_video(result.frames[0], os.path.join(out, f"{p['id']}.mp4"), fps=8)
+        else:
+            result.images[0].save(os.path.join(out, f"{p['id']}.png"))
+        ends.append(time.perf_counter())
+    del pipe
+    if spec.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    window = (ends[0], ends[-1]) if len(ends) > 1 else None
+    return dict(items=len(ends),
+                items_per_s=(len(ends) - 1) / (window[1] - window[0]) if window else None,
+                gpu_util=util.mean(*window) if util and window else None)
+
+
+def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
+    name = f"job-{mode.replace(':', '_')}"
+    cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
+           f"output.dir={opts['out']}", f"job.name={name}", f"compile.mode={mode}",
+           "ray.num_workers=1", f"compile.cache_dir={opts['out']}/cache-{name}",
+           "output.overwrite=true", *rest]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}   # always its own local Ray
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    job_dir = os.path.join(opts["out"], name)
+    s = json.load(open(os.path.join(job_dir, "summary.json")))
+    ms = [json.load(open(p)) for p in glob.glob(os.path.join(job_dir, "metrics", "*.json"))]
+    return dict(items=s["ok"], items_per_s=s.get("steady_items_per_s") or s["items_per_s"],
+                gpu_util=ms[0].get("gpu_util") if ms else None,
+                gpu_busy_fraction=ms[0].get("gpu_busy_fraction") if ms else None,
+                time_s=ms[0].get("time_s") if ms else None)
+
+
+def main(argv: list[str]) -> list[dict]:
+    from omegaconf import OmegaConf
+
+    from .config import load_config, split
+    opts, rest = _args(argv)
+    os.makedirs(opts["out"], exist_ok=True)
+    # The job's config decides the loop's model and sizes; its prompts are the generated ones.
+    cfg = load_config([f"job={opts['job']}", *rest, "prompts.path=generated"])
+    job = split(cfg)
+    path = _write_prompts(opts["out"], int(opts["prompts"]))
+    prompts = pq.read_table(path).to_pylist()
+    arms = opts["arms"].split(",")
+    rows = []
+    for arm in ("loop", "loop_compile"):
+        if arm in arms:
+            r = run_loop(job, prompts, os.path.join(opts["out"], arm), compiled=arm == "loop_compile")
+            rows.append(dict(arm=arm, mode="torch.compile" if arm == "loop_compile" else "eager", **r))
+    if "job" in arms:
+        for mode in opts["modes"].split(","):
+            rows.append(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode)))
+    base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
+    for r in rows:
+        for arm, rate in base.items():
+            r[f"x_{arm}"] = r["items_per_s"] / rate if rate and r["items_per_s"] else None
+    write_json(os.path.join(opts["out"], "vs_loop.json"),
+               dict(argv=argv, config=OmegaConf.to_container(cfg), rows=rows))
+    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "gpu_util",
+                              "gpu_busy_fraction", *[f"x_{a}" for a in base]]))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

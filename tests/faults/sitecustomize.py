@@ -1,0 +1,85 @@
+"""Fault injection for the failure tests, from outside the runner's code.
+
+Tests that set RUNNER_FAULTS also put this directory first on PYTHONPATH (`tests/conftest.py`'s
+`fault_env`), so every Python process of the job, the driver and Ray's worker processes alike,
+imports this module at start-up. It changes nothing until `runner.worker` is imported, then wraps
+two of that module's functions. Faults, comma-separated:
+    crash:<id>        the worker process dies when it starts generating <id>, every time
+    crash_once:<id>   only the first time (a marker file in RUNNER_FAULT_DIR remembers)
+    nan:<id>          the output of <id> is NaN (on the device, before the finiteness check)
+    slow:<seconds>    sleep before each pipeline call (warm-up excluded)
+    crash_write:<id>  the worker dies half-way through writing <id>'s file (a partial temp file
+                      is left behind, as a kill mid-write would)
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+
+FAULTS = [f.partition(":")[::2] for f in os.environ.get("RUNNER_FAULTS", "").split(",") if f]
+
+
+def _generate_with_faults(generate):
+    def wrapped(pipe, family, items, *args, **kwargs):
+        if items[0].file != "warmup":
+            for kind, arg in FAULTS:
+                if kind == "slow":
+                    time.sleep(float(arg))
+                for it in items:
+                    if kind == "crash" and arg == it.id:
+                        os._exit(71)
+                    if kind == "crash_once" and arg == it.id:
+                        marker = os.path.join(os.environ["RUNNER_FAULT_DIR"], f"fault-{it.id}")
+                        if not os.path.exists(marker):
+                            open(marker, "w").close()
+                            os._exit(71)
+        out = generate(pipe, family, items, *args, **kwargs)
+        for k, it in enumerate(items):
+            if ("nan", it.id) in FAULTS:
+                out[k] = float("nan")
+        return out
+    return wrapped
+
+
+def _write_with_faults(write, atomic_path):
+    def wrapped(path, media, *args):
+        stem = os.path.basename(str(path)).rsplit(".", 1)[0]
+        if ("crash_write", stem) in FAULTS:
+            with atomic_path(path) as tmp:
+                open(tmp, "wb").write(b"\x89PNG half a file")
+                os._exit(71)
+        return write(path, media, *args)
+    return wrapped
+
+
+def _patch(worker):
+    # Module functions only: Ray ships an actor class's methods from the driver by value, so a
+    # patched method would run the driver's copy.
+    worker.generate = _generate_with_faults(worker.generate)
+    from runner.outputs import atomic_path
+    worker.write_png = _write_with_faults(worker.write_png, atomic_path)
+    worker.write_mp4 = _write_with_faults(worker.write_mp4, atomic_path)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "runner.worker":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if FAULTS:
+    sys.meta_path.insert(0, _PatchOnImport())
