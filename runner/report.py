@@ -340,7 +340,7 @@ h2{font-size:17px;margin:28px 0 10px}
 .stat{flex:1 1 80px;background:#fff;border-radius:8px;padding:10px 12px;box-shadow:0 1px 2px #0002}
 .stat b{display:block;font-size:20px}.stat span{color:#5b6475;font-size:12px}
 .stat.bad b{color:#b3261e}
-.plots{display:flex;flex-wrap:wrap;gap:12px}
+.plots{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}
 .plot{flex:1 1 420px;margin:0;background:#fff;border-radius:8px;padding:8px;box-shadow:0 1px 2px #0002}
 .plot img{display:block;width:100%}
 .gallery{display:grid;grid-template-columns:repeat(auto-fill,minmax(180px,1fr));gap:12px}
