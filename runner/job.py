@@ -118,7 +118,7 @@ def run(argv: list[str]) -> dict:
                 steady_items += work_after(rows, time.perf_counter(), t_all_ready)
             if time.monotonic() - last_write >= out.results_every_s:
                 _report(out.job_dir, results.write_table(ids), dict(job=job["name"], items=len(items)),
-                        timeline=timeline)
+                        timeline=timeline, thumb_budget_s=5)
                 last_write = time.monotonic()
 
         def on_ready(slot):

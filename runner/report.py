@@ -12,7 +12,9 @@ Contract:
   `MAX_GALLERY // 2` and every failure (up to `MAX_GALLERY` of them), and says how many are hidden.
 - Thumbnails are made once per output (again only when the media file is newer), so the periodic
   rewrites while the job runs stay cheap. Images: a JPEG at most `THUMB` px; videos: an animated
-  GIF of up to `PREVIEW_FRAMES` frames, linking to the mp4.
+  WebP (GIF if Pillow lacks WebP) of up to `PREVIEW_FRAMES` frames, linking to the mp4. While the
+  job runs (`thumb_budget_s`), making them stops after that many seconds per rewrite (the rest
+  say "preview pending" until the next), so the driver is never held up for long.
 - Plots are matplotlib PNGs: throughput over time and each worker's time breakdown (whatever
   numeric breakdown a worker reports, see `time_breakdown`).
 
@@ -42,7 +44,7 @@ ASSETS = "report"       # sub-directory of the job directory for the page's pict
 
 def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
                  metrics: list[dict] = (), timeline: list | None = None,
-                 config_yaml: str | None = None) -> str:
+                 config_yaml: str | None = None, thumb_budget_s: float | None = None) -> str:
     """Writes `<job_dir>/report.html` (see the module docstring); returns its path."""
     assets = os.path.join(job_dir, ASSETS)
     os.makedirs(assets, exist_ok=True)
@@ -50,15 +52,16 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
     if config_yaml is None:
         config_yaml = _read(os.path.join(job_dir, "config.yaml"))
     shown, hidden = sample_gallery(rows, MAX_GALLERY)
+    deadline = None if thumb_budget_s is None else time.monotonic() + thumb_budget_s
     plots = [p for p in (throughput_plot(timeline, summary or {}, os.path.join(assets, "throughput.png")),
                          workers_plot(metrics, os.path.join(assets, "workers.png"))) if p]
     page = PAGE.format(
         title=html.escape(f"{(summary or {}).get('job') or os.path.basename(os.path.abspath(job_dir))}"),
-        css=CSS, header=_header(rows, summary or {}, metrics),
+        css=CSS, header=_header(rows, summary or {}, metrics), files=_files(job_dir),
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics), failures=_failure_list(rows),
-        gallery="\n".join(_entry(job_dir, r) for r in shown),
+        gallery="\n".join(_entry(job_dir, r, deadline) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
                 f"<a href='media/'>media/</a> and <code>results.parquet</code>.</p>" if hidden else ""),
@@ -174,17 +177,26 @@ def workers_plot(metrics: list[dict], path: str) -> str | None:
 
 # ------------------------------------------------------------------------------- thumbnails
 
-def thumbnail(job_dir: str, row: dict) -> str | None:
-    """Relative path of the row's thumbnail (made if missing or older than its media file)."""
+def thumbnail(job_dir: str, row: dict, deadline: float | None = None) -> str | None:
+    """Relative path of the row's thumbnail (made if missing or older than its media file; None
+    if it would have to be made after `deadline`, a time.monotonic())."""
     media = row.get("output")
     if not media or not os.path.isfile(os.path.join(job_dir, media)):
         return None
     video = media.endswith(".mp4")
-    rel = f"{ASSETS}/thumbs/{os.path.splitext(os.path.basename(media))[0]}.{'gif' if video else 'jpg'}"
+    rel = f"{ASSETS}/thumbs/{os.path.splitext(os.path.basename(media))[0]}.{_video_ext() if video else 'jpg'}"
     src, dst = os.path.join(job_dir, media), os.path.join(job_dir, rel)
     if not (os.path.exists(dst) and os.path.getmtime(dst) >= os.path.getmtime(src)):
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         (_video_preview if video else _image_thumb)(src, dst)
     return rel
+
+
+def _video_ext() -> str:
+    # Animated WebP is ~10x smaller than GIF for the same preview; Pillow's wheels have it.
+    from PIL import features
+    return "webp" if features.check("webp") else "gif"
 
 
 def _image_thumb(src: str, dst: str) -> None:
@@ -197,7 +209,8 @@ def _image_thumb(src: str, dst: str) -> None:
 
 
 def _video_preview(src: str, dst: str) -> None:
-    """An animated GIF of up to PREVIEW_FRAMES frames spread over the video, at the mp4's fps."""
+    """An animated WebP/GIF (by `dst`'s suffix) of up to PREVIEW_FRAMES frames spread over the
+    video, at the mp4's fps."""
     import imageio_ffmpeg
     from PIL import Image
     reader = imageio_ffmpeg.read_frames(src)
@@ -211,13 +224,13 @@ def _video_preview(src: str, dst: str) -> None:
         im.thumbnail((THUMB, THUMB))
         ims.append(im)
     with atomic_path(dst) as tmp:
-        ims[0].save(tmp, format="GIF", save_all=True, append_images=ims[1:], loop=0,
-                    duration=int(1000 * step / fps))
+        ims[0].save(tmp, format=dst.rsplit(".", 1)[-1].upper(), save_all=True, append_images=ims[1:],
+                    loop=0, duration=int(1000 * step / fps), **({"quality": 75} if dst.endswith(".webp") else {}))
 
 
 # -------------------------------------------------------------------------------------- html
 
-def _entry(job_dir: str, r: dict) -> str:
+def _entry(job_dir: str, r: dict, deadline: float | None) -> str:
     ok = r.get("status") == "ok"
     prompt = str(r.get("prompt") or "")
     short = prompt if len(prompt) <= 90 else prompt[:87] + "..."
@@ -227,7 +240,7 @@ def _entry(job_dir: str, r: dict) -> str:
     if ok and r.get("e2e_s"):
         meta.append(f"{r['e2e_s']:.2g} s")
     try:
-        thumb = thumbnail(job_dir, r) if ok else None
+        thumb = thumbnail(job_dir, r, deadline) if ok else None
     except Exception as e:            # an unreadable file: the entry stays, without a picture
         log.warning("report: no thumbnail of %s: %s", r.get("output"), e)
         thumb = None
@@ -235,7 +248,7 @@ def _entry(job_dir: str, r: dict) -> str:
         pic = (f"<a href='{_url(r['output'])}'><img src='{_url(thumb)}' loading='lazy' "
                f"alt='{html.escape(r['id'], True)}'></a>")
     else:
-        pic = f"<div class='nopic'>{'failed' if not ok else 'no preview'}</div>"
+        pic = f"<div class='nopic'>{'failed' if not ok else 'preview pending'}</div>"
     video = "<span class='badge'>video</span>" if str(r.get("output") or "").endswith(".mp4") else ""
     err = "" if ok else f"<pre class='error'>{html.escape(str(r.get('error') or '?'))}</pre>"
     return (f"<figure class='item {'ok' if ok else 'failed'}' id='item-{html.escape(r['id'], True)}'>"
@@ -274,6 +287,12 @@ def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
                     f"</b><span>{k}</span></div>" for k, v in stats)
     return (f"<span class='state {state}'>{state}</span><p class='sub'>{line}</p>"
             f"<div class='stats'>{cards}</div>")
+
+
+def _files(job_dir: str) -> str:
+    names = [n for n in ("summary.txt", "results.parquet", "journal.jsonl", "config.yaml", "metrics/", "media/")
+             if os.path.exists(os.path.join(job_dir, n))]
+    return "<p class='files'>files: " + " &middot; ".join(f"<a href='{n}'>{n}</a>" for n in names) + "</p>"
 
 
 def _num(v, unit="") -> str:
@@ -356,6 +375,7 @@ figcaption{padding:6px 8px 8px}
 .error{color:#b3261e;white-space:pre-wrap;font-size:11px;margin:4px 0 0;max-height:6em;overflow:auto}
 .failures code{color:#b3261e}
 .note{color:#5b6475}
+.files{font-size:12px;color:#5b6475;margin:10px 0 14px}.files a{color:#1f6fd1}
 table{border-collapse:collapse;background:#fff;font-size:13px}
 th,td{padding:4px 10px;text-align:right;border-bottom:1px solid #e6e8ec}
 th{background:#eef0f4}
@@ -369,6 +389,7 @@ PAGE = """<!doctype html>
 <title>{title}: runner report</title><style>{css}</style></head>
 <body><main>
 <header><h1>{title}</h1>{header}</header>
+{files}
 <section class="plots">{plots}</section>
 {workers}
 {failures}

@@ -31,6 +31,7 @@ def run_job(tmp_path, job, *args):
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "RUNNER_FAULTS": "nan:broken"})
     assert r.returncode == 1, f"runner ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert "report.html not written" not in r.stderr, r.stderr[-5000:]
     return tmp_path / "j"
 
 
@@ -89,7 +90,7 @@ def check_page(job_dir, dom):
 
 @pytest.mark.e2e
 def test_image_job_report_renders_in_chromium(tmp_path):
-    job_dir = run_job(tmp_path, "demo_image")
+    job_dir = run_job(tmp_path, "demo_image", "output.results_every_s=0")   # + rewrites while running
     dom = render(job_dir, tmp_path)
     check_page(job_dir, dom)
     for i in ("red-fox", "cat-window", "river"):
@@ -103,9 +104,10 @@ def test_video_job_report_has_animated_previews(tmp_path):
     check_page(job_dir, dom)
     from PIL import Image
     for i in ("red-fox", "cat-window", "river"):
-        assert f"report/thumbs/{i}.gif" in dom.imgs and f"media/{i}.mp4" in dom.links
-        with Image.open(job_dir / "report" / "thumbs" / f"{i}.gif") as gif:
-            assert gif.n_frames == 4                          # the tiny Latte's 4 frames
+        preview = f"report/thumbs/{i}.webp"                   # animated WebP (GIF without it)
+        assert preview in dom.imgs and f"media/{i}.mp4" in dom.links
+        with Image.open(job_dir / preview) as im:
+            assert im.n_frames == 4                           # the tiny Latte's 4 frames
 
 
 def fake_rows(n, failed=()):
@@ -132,6 +134,23 @@ def test_large_job_gallery_shows_first_last_and_failures(tmp_path):
     assert "49799 of 50000 outputs not shown" in text and "running" in text
     write_report(str(tmp_path), rows[:3], {"job": "big", "items": 3})      # timeline kept
     assert "report/throughput.png" in Dom((tmp_path / "report.html").read_text()).imgs
+
+
+def test_thumbnails_made_once_and_within_the_budget(tmp_path):
+    from runner.outputs import write_png
+    from runner.report import write_report
+    rows = fake_rows(3)
+    for r in rows:
+        write_png(tmp_path / r["output"], np.random.default_rng(0).random((300, 200, 3)))
+    write_report(str(tmp_path), rows, thumb_budget_s=-1)     # out of time: none made yet
+    assert (tmp_path / "report.html").read_text().count("preview pending") == 3
+    write_report(str(tmp_path), rows)
+    thumb = tmp_path / "report" / "thumbs" / "p00000.jpg"
+    assert iio.imread(thumb).shape == (256, 171, 3)            # longest side THUMB px
+    os.utime(thumb, (1e9 + 10, 1e9 + 10))
+    os.utime(tmp_path / "media" / "p00000.png", (1e9, 1e9))
+    write_report(str(tmp_path), rows)                        # up to date: not made again
+    assert thumb.stat().st_mtime == 1e9 + 10 and "preview pending" not in (tmp_path / "report.html").read_text()
 
 
 def test_worker_breakdown_takes_any_reported_parts():
