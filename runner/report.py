@@ -99,7 +99,7 @@ def time_breakdown(m: dict) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------- plots
 
-def _figure(w=5.6, h=3.2):
+def _figure(w=5.6, h=3.4):
     # Figure without pyplot: no global backend or state, safe in the driver's process. 150 dpi:
     # sharp on high-density screens; the page scales it to its column.
     from matplotlib.figure import Figure
@@ -114,40 +114,44 @@ def _save(fig, path: str) -> str:
 
 
 def throughput_plot(timeline: list, summary: dict, path: str) -> str | None:
-    """Items done against time since the job started, and the rate between points."""
+    """Items done against time since the job started, and the rate over a sliding window."""
     if len(timeline) < 1:
         return None
     t = np.array([p[0] for p in timeline], dtype=float)
     ok = np.array([p[1] for p in timeline], dtype=float)
+    serving = min(summary.get("startup_s") or t[0], t[0])   # first worker ready (or first rows)
+    # A start-up much longer than the serving (short jobs, tiny models) would squeeze the curve
+    # into the right edge: then the axis starts just before serving, and the title says so.
+    left = serving - 0.15 * (t[-1] - serving) if serving > 0.5 * t[-1] else 0.0
     fig, ax = _figure()
-    t0, ok0 = np.r_[0.0, t], np.r_[0.0, ok]
-    ax.step(t0, ok0, where="post", color="tab:blue", lw=2, label="ok items (cumulative)")
+    t0 = np.r_[0.0, t]
+    ax.step(t0, np.r_[0.0, ok], where="post", color="tab:blue", lw=2, label="ok items (cumulative)")
     if len(timeline[0]) > 2 and any(p[2] for p in timeline):
         ax.step(t0, np.r_[0.0, [p[2] for p in timeline]], where="post", color="tab:red", lw=1.5,
                 label="failed items (cumulative)")
-    ax.set_xlabel("seconds since the job started")
-    ax.set_ylabel("items")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="seconds since the job started", ylabel="items", ylim=(0, None))
     ax.grid(alpha=0.3)
     handles = ax.get_legend_handles_labels()[0]
-    if len(t) >= 2 and t[-1] > t[0]:
-        # Rate over a sliding window of 1/8 of the span that has items: smooth enough to read on a
-        # job of hours, still showing the ramp while workers come up.
+    if t[-1] > serving:
+        # Window of 1/20 of the serving span on a long job (shows the ramp while workers come up),
+        # wider when there are few points (~20 arrivals per window, at most 1/4 of the span).
         ax2 = ax.twinx()
-        w = (t[-1] - t[0]) / 8
-        grid = np.linspace(0.0, t[-1], 200)
+        w = (t[-1] - serving) * max(1 / 20, min(1 / 4, 20 / len(t)))
+        grid = np.linspace(left, t[-1], 200)
         done = lambda x: np.r_[0.0, ok][np.searchsorted(t, x, side="right")]
         ax2.plot(grid, (done(grid) - done(grid - w)) / w, color="tab:orange", lw=1.5,
                  label=f"items/s (over {w:.2g} s)")
-        ax2.set_ylabel("items/s")
-        ax2.set_ylim(bottom=0)
+        ax2.set(ylabel="items/s", ylim=(0, None))
         handles += ax2.get_legend_handles_labels()[0]
     for key, label, style in (("startup_s", "first worker ready", ":"),
                               ("all_ready_s", "all workers ready", "--")):
         if summary.get(key):
             handles.append(ax.axvline(summary[key], color="gray", ls=style, lw=1, label=label))
-    ax.legend(handles=handles, loc="upper left", fontsize=8, frameon=False)
-    ax.set_title("Throughput over time", loc="left", fontsize=11)
+    ax.set_xlim(left, t[-1] + 0.02 * (t[-1] - left))
+    # Below the axes: the curves rise into the upper left, where a legend inside would sit.
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
+    title = "Throughput over time" + (f" (axis from {left:.3g} s)" if left else "")
+    ax.set_title(title, loc="left", fontsize=11)
     return _save(fig, path)
 
 
@@ -158,7 +162,7 @@ def workers_plot(metrics: list[dict], path: str) -> str | None:
     if not parts:
         return None
     keys = list(dict.fromkeys(k for p in parts.values() for k in p))
-    fig, ax = _figure(h=1.2 + 0.45 * len(parts))
+    fig, ax = _figure(h=min(1.2 + 0.45 * len(parts), 12))
     colors = [f"C{i % 10}" for i in range(len(keys))]
     left = np.zeros(len(parts))
     ranks = list(parts)
