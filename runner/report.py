@@ -140,7 +140,7 @@ def throughput_plot(timeline: list, summary: dict, path: str) -> str | None:
         grid = np.linspace(left, t[-1], 200)
         done = lambda x: np.r_[0.0, ok][np.searchsorted(t, x, side="right")]
         ax2.plot(grid, (done(grid) - done(grid - w)) / w, color="tab:orange", lw=1.5,
-                 label=f"items/s (over {w:.2g} s)")
+                 label=f"items/s (over {_secs(w)})")
         ax2.set(ylabel="items/s", ylim=(0, None))
         handles += ax2.get_legend_handles_labels()[0]
     for key, label, style in (("startup_s", "first worker ready", ":"),
@@ -150,7 +150,7 @@ def throughput_plot(timeline: list, summary: dict, path: str) -> str | None:
     ax.set_xlim(left, t[-1] + 0.02 * (t[-1] - left))
     # Below the axes: the curves rise into the upper left, where a legend inside would sit.
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
-    title = "Throughput over time" + (f" (axis from {left:.3g} s)" if left else "")
+    title = "Throughput over time" + (f" (axis from {_secs(left)})" if left else "")
     ax.set_title(title, loc="left", fontsize=11)
     return _save(fig, path)
 
@@ -280,8 +280,8 @@ def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
              ("not run", s.get("not_run", total - len(rows))),
              ("workers", s.get("workers", len(metrics)) or "-")]
     if not running:
-        stats += [("ready after", _num(s.get("startup_s"), " s")),
-                  ("generating", _num(s.get("generate_s"), " s")),
+        stats += [("ready after", _secs(s.get("startup_s"))),
+                  ("generating", _secs(s.get("generate_s"))),
                   ("items/s", _num(s.get("items_per_s"))),
                   ("items/s, all serving", _num(s.get("steady_items_per_s"))),
                   ("worker restarts", s.get("worker_restarts", 0))]
@@ -299,8 +299,16 @@ def _files(job_dir: str) -> str:
     return "<p class='files'>files: " + " &middot; ".join(f"<a href='{n}'>{n}</a>" for n in names) + "</p>"
 
 
-def _num(v, unit="") -> str:
-    return "-" if v is None else f"{v:.3g}{unit}"
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def _secs(v) -> str:
+    """A duration as people read it: 4.2 s, 95 s, 12.5 min, 3.1 h."""
+    if v is None:
+        return "-"
+    return (f"{v:.2g} s" if v < 10 else f"{v:.0f} s" if v < 120 else f"{v / 60:.1f} min" if v < 7200
+            else f"{v / 3600:.1f} h")
 
 
 def _workers_table(metrics: list[dict]) -> str:
@@ -361,7 +369,7 @@ h2{font-size:17px;margin:28px 0 10px}
 .state.running{background:#1f6fd1}.state.failures{background:#c77700}.state.interrupted{background:#b3261e}
 .stats{display:flex;flex-wrap:wrap;gap:10px}
 .stat{flex:1 1 80px;background:#fff;border-radius:8px;padding:10px 12px;box-shadow:0 1px 2px #0002}
-.stat b{display:block;font-size:20px}.stat span{color:#5b6475;font-size:12px}
+.stat b{display:block;font-size:19px;white-space:nowrap}.stat span{color:#5b6475;font-size:12px}
 .stat.bad b{color:#b3261e}
 .plots{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}
 .plot{flex:1 1 420px;margin:0;background:#fff;border-radius:8px;padding:8px;box-shadow:0 1px 2px #0002}
