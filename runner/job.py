@@ -79,6 +79,7 @@ def run(argv: list[str]) -> dict:
 
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
     slots, interrupted, t_start = [], False, time.perf_counter()
+    timeline = []                          # (s since start, ok, failed) of this run: report.html
     t_ready = t_done = t_all_ready = None
     ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
     if shards:
@@ -109,10 +110,14 @@ def run(argv: list[str]) -> dict:
             nonlocal last_write, steady_items
             results.add(rows)
             bar.update(len(rows))
+            n_ok, n_failed = timeline[-1][1:] if timeline else (0, 0)
+            ok = sum(r["status"] == "ok" for r in rows)
+            timeline.append((time.perf_counter() - t_start, n_ok + ok, n_failed + len(rows) - ok))
             if t_all_ready is not None:
                 steady_items += work_after(rows, time.perf_counter(), t_all_ready)
             if time.monotonic() - last_write >= out.results_every_s:
-                results.write_table(ids)
+                _report(out.job_dir, results.write_table(ids), dict(job=job["name"], items=len(items)),
+                        timeline=timeline, thumb_budget_s=5)
                 last_write = time.monotonic()
 
         def on_ready(slot):
@@ -150,6 +155,7 @@ def run(argv: list[str]) -> dict:
         timing.update(all_ready_s=t_all_ready - t_start,
                       steady_items_per_s=steady_items / (t_done - t_all_ready))
     summary = _summarize(job, items, table, slots, metrics, len(done), interrupted, timing)
+    _report(out.job_dir, table, summary, metrics, timeline=timeline or None)
     if slots:
         import ray
         for s in slots:
@@ -157,6 +163,15 @@ def run(argv: list[str]) -> dict:
     if interrupted:
         raise KeyboardInterrupt
     return summary
+
+
+def _report(job_dir: str, *args, **kw) -> None:
+    """report.html (see report.py): a failure to draw it is logged, never fatal to the job."""
+    try:
+        from .report import write_report
+        write_report(job_dir, *args, **kw)
+    except Exception as e:
+        log.warning("report.html not written: %s: %s", type(e).__name__, e)
 
 
 def worker_config(job: dict, limits: Constraints, on_gpu: bool):

@@ -7,6 +7,7 @@ Layout under `<output.dir>/<job name>/`:
     results.parquet                   one row per prompt
     metrics/worker-<k>.json           per-worker performance figures
     summary.json, summary.txt         totals and the human-readable table
+    report.html, report/              the page to look at (report.py)
     config.yaml                       the resolved config
 """
 

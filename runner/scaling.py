@@ -8,7 +8,8 @@ For each worker count it runs `python -m runner` (its own local Ray) on `prompts
 (a list gives each run its own count; with `prompts_per_worker=N`, N x workers of them: weak
 scaling, the same work per GPU),
 with a fresh compile cache per run (so each run shows who compiled and who loaded), then prints a
-markdown table and writes `scaling.json` and `scaling.svg` (throughput against workers) under `out`.
+markdown table and writes `scaling.json`, `scaling.svg`/`scaling.png` (throughput and efficiency against
+workers, matplotlib) and `scaling.txt` (the same as text) under `out`.
 Other `key=value` arguments go to every run unchanged (e.g. `model.source=random compile.mode=O2`).
 Runs joined by `+` start at the same time on disjoint GPUs (CUDA_VISIBLE_DEVICES): 1+2+4 fills 7
 GPUs of an 8-GPU machine in the time of one run. They share only the host (CPU cores, disk); the
@@ -37,7 +38,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .outputs import format_table, write_json, write_text
+from .outputs import atomic_path, format_table, write_json, write_text
 
 
 def _args(argv):
@@ -57,39 +58,38 @@ def _args(argv):
     return opts, rest
 
 
-def _svg(rows, path):
-    """Throughput against workers (once all serve, and over the whole span), with the linear line
-    from the first run: a dependency-free plot."""
-    w, h, pad = 480, 320, 50
+def _plot(rows, out):
+    """Throughput against workers (once all serve, and over the whole span) with the linear line
+    from the first run, and the efficiency of both: `scaling.svg` and `scaling.png`."""
+    from matplotlib.figure import Figure   # no pyplot: no global backend or state
     xs = [r["workers"] for r in rows]
-    ys = [_steady(r) for r in rows]
-    span = [_span(r) for r in rows]
-    ideal = [ys[0] * x / xs[0] for x in xs]
-    xmax, ymax = max(xs), (max(ideal + ys + span) * 1.1) or 1.0
-
-    def pt(x, y):
-        return pad + (w - 2 * pad) * x / xmax, h - pad - (h - 2 * pad) * y / ymax
-
-    def line(vals, style):
-        return "<polyline fill='none' %s points='%s'/>" % (
-            style, " ".join("%.1f,%.1f" % pt(x, y) for x, y in zip(xs, vals)))
-
-    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-size='12'>",
-             "<rect width='100%' height='100%' fill='white'/>",
-             f"<line x1='{pad}' y1='{h - pad}' x2='{w - pad}' y2='{h - pad}' stroke='black'/>",
-             f"<line x1='{pad}' y1='{pad}' x2='{pad}' y2='{h - pad}' stroke='black'/>",
-             line(ideal, "stroke='gray' stroke-dasharray='4'"),
-             line(span, "stroke='orange' stroke-width='2'"), line(ys, "stroke='blue' stroke-width='2'")]
+    ys, span = [_steady(r) for r in rows], [_span(r) for r in rows]
+    fig = Figure(figsize=(9, 3.6), dpi=120, layout="constrained")
+    ax, ax_eff = fig.subplots(1, 2, width_ratios=[3, 2])
+    ax.plot(xs, [ys[0] * x / xs[0] for x in xs], color="gray", ls="--", lw=1, label="linear from the first run")
+    ax.plot(xs, span, "s-", color="tab:orange", lw=2, label="whole span")
+    ax.plot(xs, ys, "o-", color="tab:blue", lw=2, label="once all workers serve")
     for x, y in zip(xs, ys):
-        cx, cy = pt(x, y)
-        parts += [f"<circle cx='{cx:.1f}' cy='{cy:.1f}' r='3' fill='blue'/>",
-                  f"<text x='{cx:.1f}' y='{h - pad + 15}' text-anchor='middle'>{x}</text>",
-                  f"<text x='{cx + 5:.1f}' y='{cy - 6:.1f}'>{y:.3g}</text>"]
-    parts += [f"<text x='{w / 2}' y='{h - 10}' text-anchor='middle'>workers</text>",
-              f"<text x='12' y='{pad - 30}'>items/s: blue once all workers serve, orange whole span;</text>",
-              f"<text x='12' y='{pad - 15}'>dashed: linear from the first run</text>",
-              "</svg>"]
-    write_text(path, "\n".join(parts) + "\n")
+        ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.set(xlabel="workers", ylabel="items/s", title="Throughput")
+    for a in (ax, ax_eff):
+        a.set_xticks(xs)
+        a.grid(alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.margins(x=0.08)
+    ax.legend(fontsize=8, frameon=False)
+    for key, style, color, label in (("steady_efficiency", "o-", "tab:blue", "once all workers serve"),
+                                     ("efficiency", "s-", "tab:orange", "whole span")):
+        pts = [(r["workers"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            ax_eff.plot(*zip(*pts), style, color=color, lw=2, label=label)
+    ax_eff.axhline(1.0, color="gray", ls="--", lw=1, label="linear")
+    ax_eff.set(xlabel="workers", ylabel="efficiency (vs linear)", title="Scaling efficiency")
+    ax_eff.set_ylim(0, max([1.1] + [r.get(k) or 0 for r in rows for k in ("efficiency", "steady_efficiency")]) * 1.05)
+    ax_eff.legend(fontsize=8, frameon=False)
+    for ext in ("svg", "png"):
+        with atomic_path(os.path.join(out, f"scaling.{ext}")) as tmp:
+            fig.savefig(tmp, format=ext)
 
 
 def _plan(workers: str) -> list[list[int]]:
@@ -257,7 +257,7 @@ def _summarize(rows, argv, out):
         if r.get("all_ready_s") and base.get("all_ready_s"):
             r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
-    _svg(rows, os.path.join(out, "scaling.svg"))
+    _plot(rows, out)
     plot = _text_plot(rows)
     write_text(os.path.join(out, "scaling.txt"), plot)
     print(plot)
