@@ -5,24 +5,41 @@ import torch
 
 from runner.config import GenerationDefaults
 from runner.models import ModelSpec, build_pipeline
-from runner.prompts import Constraints, Shard
+from runner.prompts import Constraints, Item
 from runner.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.gpu
 
 
-def test_worker_on_cuda_fp16_reports_gpu_metrics(tmp_path, write_prompts):
-    p = write_prompts({"prompt": ["a", "b", "c"], "id": ["a", "b", "c"]})
+def test_worker_on_cuda_fp16_reports_gpu_metrics(tmp_path):
+    items = [Item(id=i, prompt=f"a photo of {i}", negative_prompt="", seed=k, height=64, width=64,
+                  num_frames=None, num_inference_steps=4, guidance_scale=4.5, file="p", row=k)
+             for k, i in enumerate("abc")]
     w = Worker(0, WorkerConfig(model=ModelSpec("pixart_alpha_1024", source="tiny"),
                                generation=GenerationDefaults(height=64, width=64, num_inference_steps=4),
                                limits=Constraints(size_factor=16, min_steps=2), on_empty="error",
                                job_dir=str(tmp_path), batch_size=2))
     assert (w.spec.device, w.spec.dtype) == ("cuda", "fp16")      # auto on a GPU worker
     w.warmup()
-    rows = w.run_shard(Shard(0, p, 0, 3))
+    rows = w.run_shard(items)
     assert [r["status"] for r in rows] == ["ok"] * 3
     m = w.metrics()
     assert m["gpu_name"] and m["peak_mem_gb"] > 0 and m["steady_it_s"] > 0
+    # device-side figures: CUDA events around each batch, NVML when nvidia-ml-py is there
+    assert 0 < m["gpu_busy_fraction"] <= 1
+    assert all(m["time_s"][k] > 0 for k in ("text_encode", "denoise", "decode", "to_host", "write"))
+
+
+def test_uint8_on_the_gpu_equals_the_host_conversion_of_diffusers_float32_output():
+    from runner.outputs import to_uint8
+    from runner.worker import to_host_uint8
+    x = torch.rand(2, 3, 64, 48, device="cuda", dtype=torch.float16)
+    x[0, 0, 0, :3] = torch.tensor([0.0, 1.0, 0.5 / 255], device="cuda")   # edges and a tie
+    u8, finite = to_host_uint8(x, pin=True)
+    torch.cuda.synchronize()
+    want = to_uint8(x.cpu().permute(0, 2, 3, 1).float().numpy())      # diffusers' output_type="np"
+    np.testing.assert_array_equal(u8.numpy(), want)
+    assert finite.tolist() == [True, True] and u8.is_pinned()
 
 
 def test_random_full_size_pixart_builds_on_gpu_in_half_precision():

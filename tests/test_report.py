@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ["red-fox", "cat-window", "broken", "river"]
@@ -29,7 +30,7 @@ def run_job(tmp_path, job, *args):
                         "generation.height=64", "generation.width=64",
                         "generation.num_inference_steps=2", *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "RUNNER_FAULTS": "nan:broken"})
+                       env=fault_env("nan:broken"))
     assert r.returncode == 1, f"runner ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "report.html not written" not in r.stderr, r.stderr[-5000:]
     return tmp_path / "j"
