@@ -93,28 +93,29 @@ def test_pipelined_outputs_are_byte_identical_to_the_sequential_path(tmp_path, p
 
 
 def test_gpu_stage_runs_ahead_of_the_writes(tmp_path, monkeypatch):
-    """While a batch's file is being written, the next batch is already generating."""
+    """While batch a's file is being written (slowly), batches b and c are generated."""
     import runner.worker as worker
     w = make_worker(tmp_path, batch_size=1)
     w.warmup()
-    events, write = [], worker.write_png
+    events, write, generate_ = [], worker.write_png, worker.generate
 
     def slow_write(path, media):
-        events.append(("write", os.path.basename(str(path))))
-        time.sleep(0.5)
+        name = os.path.basename(str(path))
+        events.append(("write", name))
+        time.sleep(1.0)
         write(path, media)
-    generate_ = worker.generate
+        events.append(("written", name))
 
     def logged_generate(pipe, family, batch, *a, **k):
-        events.append(("generate", batch[0].id + ".png"))
-        return generate_(pipe, family, batch, *a, **k)
+        out = generate_(pipe, family, batch, *a, **k)
+        events.append(("generated", batch[0].id + ".png"))
+        return out
     monkeypatch.setattr(worker, "write_png", slow_write)
     monkeypatch.setattr(worker, "generate", logged_generate)
-    w.run_shard(items("abc"))
-    # b's generation starts before a's slow write has finished (the write sleeps 0.5 s; a tiny
-    # call takes less)
-    assert events.index(("generate", "b.png")) < events.index(("write", "b.png"))
-    assert events.index(("generate", "c.png")) < events.index(("write", "b.png")) + 2
+    rows = w.run_shard(items("abc"))
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert events.index(("generated", "c.png")) < events.index(("written", "a.png"))
+    assert w.metrics()["time_s"]["write"] >= 3.0             # the writes' time is accounted
 
 
 def test_rerun_writes_the_same_files(tmp_path):
