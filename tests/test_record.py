@@ -1,0 +1,172 @@
+"""The job record cannot go stale (issue 15): outputs count as done only when made from exactly the
+current row's parameters and the job's output settings; lossy compile modes are refused on a
+lossless job; one driver per job directory; SIGTERM is handled like Ctrl-C; bad values are exit 2
+before Ray. Fast tests run in-process without Ray or models; `e2e` ones run the real CLI on a local
+Ray with the tiny demo model (helpers shared with test_faults.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from runner import lock
+from runner.config import ConfigError, load_config
+from runner.job import JobError, run
+from runner.prompts import Item, PromptError
+from runner.results import Results, lossy
+from test_faults import ROOT, cli, rows, wait_for_journal
+
+
+@pytest.fixture
+def no_models_no_ray(monkeypatch):
+    """Fail loudly if a test reaches model building or Ray."""
+    import ray
+    import runner.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("reached model building / Ray")
+    monkeypatch.setattr(models, "build_pipeline", boom)
+    monkeypatch.setattr(ray, "init", boom)
+
+
+def base_args(prompts, out, *extra):
+    return ["job=demo_image", f"prompts.path={prompts}", f"output.dir={out}", "job.name=j",
+            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+            "ray.cpu_workers=1", "output.results_every_s=0", *extra]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast: no Ray, no model.
+
+def item(id, prompt="a cat", seed=0, file="p.parquet", row=0, height=64):
+    return Item(id=id, prompt=prompt, negative_prompt="", seed=seed, height=height, width=64,
+                num_frames=None, num_inference_steps=2, guidance_scale=4.5, file=file, row=row)
+
+
+def test_plan_compares_each_row_with_what_its_output_was_made_from(tmp_path):
+    (tmp_path / "media").mkdir()
+    r = Results(str(tmp_path), settings="s1")
+    old = [item("a"), item("b", row=1), item("c", row=2), item("d", row=3), item("e", row=4)]
+    for it in old:
+        (tmp_path / "media" / f"{it.id}.png").write_bytes(b"x")
+    r.add([{**it.params(), "status": "ok", "output": f"media/{it.id}.png"} for it in old])
+    r.close()
+    r2 = Results(str(tmp_path), settings="s1").load()
+    now = [item("a", file="q.parquet", row=7),      # moved to another file/row: still done
+           item("b", prompt="a dog", row=1),        # edited under the same id
+           item("c", seed=1, row=2), item("d", height=128, row=3),
+           item("f", row=5)]                        # new; "e" is no longer in the input
+    plan = r2.plan(now)
+    assert plan.done == {"a"}
+    assert [i.id for i in plan.changed] == ["b", "c", "d"]
+    assert plan.changed_by_file() == "3 in p.parquet"
+    assert plan.gone == ["e"]
+    # other output settings (model, dtype, fps, lossy compile): nothing is done
+    assert Results(str(tmp_path), settings="s2").load().plan(now).done == set()
+
+
+@pytest.mark.parametrize("mode,is_lossy", [("none", False), ("O2", False), ("cudagraphs:cache-all", False),
+                                          ("O3", True), ("O3:benchmark", True), ("cudagraphs:O3", True),
+                                          ("low-precision", True)])
+def test_lossy_comes_from_the_compiler(mode, is_lossy):
+    assert lossy(mode) is is_lossy
+
+
+def _previous_run(tmp_path, prompts, *extra):
+    """A job directory as a finished run leaves it (config.yaml + journal), without running it."""
+    job_dir = tmp_path / "out" / "j"
+    (job_dir / "media").mkdir(parents=True)
+    cfg = load_config(base_args(prompts, tmp_path / "out", *extra))
+    (job_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (job_dir / "journal.jsonl").write_text("")
+    return job_dir
+
+
+@pytest.mark.parametrize("mode", ["O3:benchmark", "cudagraphs:O3", "low-precision"])
+def test_lossy_mode_combinations_refused_on_a_lossless_job(tmp_path, write_prompts, no_models_no_ray, mode):
+    p = write_prompts({"prompt": ["a"]})
+    job_dir = _previous_run(tmp_path, p, "compile.mode=none")
+    with pytest.raises(JobError, match=r"lossy: False -> True.*output.overwrite=true"):
+        run(base_args(p, tmp_path / "out", f"compile.mode={mode}"))
+    assert "mode: none" in (job_dir / "config.yaml").read_text()      # not rewritten
+    assert not (job_dir / lock.LOCK).exists()                          # lock released
+    # a lossless mode is fine (dry run: no Ray)
+    assert run(base_args(p, tmp_path / "out", "compile.mode=O2", "run.dry_run=true"))["to_run"] == 1
+
+
+@pytest.mark.parametrize("out,needle", [("/proc/foo", "output.dir: cannot create or write"),
+                                        ("{tmp}/f/sub/dir", "output.dir: .*exists and is a file"),
+                                        ("{tmp}/f", "output.dir: .*exists and is a file")])
+def test_unusable_output_dir_is_a_clear_error(tmp_path, write_prompts, no_models_no_ray, out, needle):
+    (tmp_path / "f").write_text("a file")
+    p = write_prompts({"prompt": ["a"]})
+    with pytest.raises(JobError, match=needle):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={out.format(tmp=tmp_path)}"])
+
+
+def test_cache_dir_uri_and_empty_job_name_are_refused(tmp_path, write_prompts, no_models_no_ray):
+    p = write_prompts({"prompt": ["a"]})
+    with pytest.raises(ConfigError, match=r"compile.cache_dir='s3://b/c': URIs are not supported"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "compile.cache_dir=s3://b/c",
+             "compile.mode=cache-all"])
+    assert not os.path.exists(os.path.join(ROOT, "s3:"))
+    with pytest.raises(ConfigError, match=r"job.name is empty.*job.name=NAME"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "job.name="])
+    assert os.listdir(tmp_path) == ["prompts.parquet"]
+
+
+def test_integer_prompt_column_is_refused(tmp_path, write_prompts, no_models_no_ray):
+    p = write_prompts({"prompt": [1, 2]})
+    with pytest.raises(PromptError, match=r"prompts.parquet: column 'prompt' has type int64; it must be text"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/out"])
+
+
+def test_every_bad_row_is_reported_at_once(tmp_path, write_prompts, no_models_no_ray):
+    prompts = [None if i % 5 == 0 else f"p{i}" for i in range(50)]     # 10 empty
+    widths = [72 if i % 5 in (1, 2) else 64 for i in range(50)]        # 20 bad sizes
+    p = write_prompts({"prompt": prompts, "width": widths})
+    with pytest.raises(PromptError) as e:
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/out"])
+    msg = str(e.value)
+    assert msg.startswith("30 bad prompt rows or files (the first 20 below)")
+    assert "prompts.parquet:0: prompt is null or empty" in msg
+    assert "prompts.parquet:1: width=72 must be a positive multiple of 16" in msg
+    assert len(msg.splitlines()) == 21
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, write_prompts, no_models_no_ray, capsys):
+    p = write_prompts({"prompt": ["a", "b", "c"]})
+    plan = run(base_args(p, tmp_path / "out", "run.dry_run=true", "run.shard_size=2"))
+    assert plan["to_run"] == 3 and plan["done"] == 0 and plan["shards"] == 2 and plan["failed"] == 0
+    assert "3 to run (0 changed)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
+    path = lock.acquire(str(tmp_path))
+    holder = json.load(open(path))
+    assert holder["pid"] == os.getpid() and holder["host"] and holder["started"]
+    with pytest.raises(lock.LockedError, match=rf"in use by another driver \(pid {os.getpid()} on host .*remove .*\.lock"):
+        lock.acquire(str(tmp_path))
+    lock.release(path)
+    assert not os.path.exists(path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(path, "w") as f:                                     # a SIGKILLed driver's lock
+        json.dump({**holder, "pid": dead.pid}, f)
+    with lock.job_lock(str(tmp_path)):
+        assert json.load(open(path))["pid"] == os.getpid()
+    assert not os.path.exists(path)
+
+
+def test_bad_output_dir_is_exit_2_on_the_command_line(tmp_path, write_prompts):
+    p = write_prompts({"prompt": ["a"]})
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={p}",
+                        "output.dir=/proc/foo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error: output.dir" in r.stderr and "Traceback" not in r.stderr
