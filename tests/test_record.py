@@ -170,3 +170,88 @@ def test_bad_output_dir_is_exit_2_on_the_command_line(tmp_path, write_prompts):
     r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={p}",
                         "output.dir=/proc/foo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "error: output.dir" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the real CLI on a local Ray, tiny model, 64x64, 2 steps.
+
+def journal_lines(job_dir):
+    return sum(1 for _ in open(job_dir / "journal.jsonl"))
+
+
+@pytest.mark.e2e
+def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, write_prompts):
+    ids = [f"a{i}" for i in range(6)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(6)], "id": ids})
+    args, job_dir = base_args(p, tmp_path / "out"), tmp_path / "out" / "j"
+    rc, out, err = cli(args)
+    assert rc == 0, err[-3000:]
+    mtime = {i: (job_dir / "media" / f"{i}.png").stat().st_mtime_ns for i in ids}
+    # same ids: a0 new prompt, a1 new seed, a2 height 128 (column), a3/a4 unchanged but moved,
+    # a5 dropped, a6 new
+    write_prompts({"id": ["a4", "a3", "a0", "a1", "a2", "a6"],
+                   "prompt": ["prompt 4", "prompt 3", "a new prompt", "prompt 1", "prompt 2", "prompt 6"],
+                   "seed": [0, 0, 0, 7, 0, 0], "height": [64, 64, 64, 64, 128, 64]})
+    rc, out, err = cli(args + ["run.dry_run=true"])                     # the plan, nothing run
+    assert rc == 0, err[-3000:]
+    assert "4 to run (3 changed: 3 in " in out and "2 already done" in out
+    assert "1 no longer in the input (kept): a5" in out
+    assert journal_lines(job_dir) == 6
+    rc, out, err = cli(args)
+    assert rc == 0, err[-3000:]
+    assert "3 rows changed since their outputs were made (3 in " in err and "2 already done" in err
+    table = {r["id"]: r for r in rows(job_dir)}
+    assert sorted(table) == ["a0", "a1", "a2", "a3", "a4", "a6"]
+    assert table["a0"]["prompt"] == "a new prompt" and table["a1"]["seed"] == 7
+    assert table["a2"]["height"] == 128
+    import imageio.v3 as iio
+    assert iio.imread(job_dir / "media" / "a2.png").shape[:2] == (128, 64)
+    for i in ("a3", "a4", "a5"):                                          # untouched, a5 kept
+        assert (job_dir / "media" / f"{i}.png").stat().st_mtime_ns == mtime[i]
+    for i in ("a0", "a1", "a2"):
+        assert (job_dir / "media" / f"{i}.png").stat().st_mtime_ns != mtime[i]
+    summary = json.load(open(job_dir / "summary.json"))
+    assert summary["resumed"] == 2 and summary["regenerated"] == 3 and summary["ok"] == 6
+    assert summary["not_in_input"] == 1 and summary["not_in_input_ids"] == ["a5"]
+    assert "1 outputs of ids no longer in the input (kept): a5" in open(job_dir / "summary.txt").read()
+    assert journal_lines(job_dir) == 6 + 4                               # exactly once each
+
+
+@pytest.mark.e2e
+def test_second_driver_on_the_same_job_dir_exits_2_naming_the_holder(tmp_path, write_prompts):
+    ids = [f"b{i}" for i in range(4)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(4)], "id": ids})
+    args, job_dir = base_args(p, tmp_path / "out", "run.shard_size=1"), tmp_path / "out" / "j"
+    first = cli(args, faults="slow:3", wait=False)      # >= 12 s of work after Ray and warm-up
+    t0 = time.time()
+    while not (job_dir / ".lock").exists():
+        assert time.time() - t0 < 120 and first.poll() is None, "the first driver never took the lock"
+        time.sleep(0.2)
+    rc, out, err = cli(args)
+    assert rc == 2, err[-3000:]
+    assert f"in use by another driver (pid {first.pid} on host" in err and "remove" in err
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert journal_lines(job_dir) == 4 and sorted(r["id"] for r in rows(job_dir)) == ids
+    assert not (job_dir / ".lock").exists()
+
+
+@pytest.mark.e2e
+def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
+    ids = [f"c{i:02d}" for i in range(12)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
+    args = base_args(p, tmp_path / "out", "run.shard_size=3", "ray.cpu_workers=2")
+    job_dir = tmp_path / "out" / "j"
+    proc = cli(args, faults="slow:2", wait=False)
+    wait_for_journal(job_dir, 2)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err
+    summary = json.load(open(job_dir / "summary.json"))
+    assert summary["interrupted"] and 2 <= summary["ok"] < 12
+    assert summary["workers"] >= 1                                        # the workers that served
+    metrics = os.listdir(job_dir / "metrics")
+    assert len(metrics) == summary["workers"] and all(m.startswith("worker-") for m in metrics)
+    assert len(rows(job_dir)) == summary["ok"]
+    assert not (job_dir / ".lock").exists()
