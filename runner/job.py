@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from .config import ConfigError, load_config, split
 from .dispatch import DispatchError, dispatch
-from .lock import LockedError, job_lock
+from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table, write_json, write_text
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
 from .results import (JOURNAL, Plan, Results, config_changes, fingerprint, remove_temp_files,
@@ -237,6 +237,10 @@ def _dry_run(cfg, job, items) -> dict:
           f"  {len(plan.gone)} no longer in the input (kept)"
           + (f": {_few(plan.gone)}" if plan.gone else "") + "\n"
           f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}")
+    held = lock_holder(out.job_dir)
+    if held is not None:
+        print(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
+              f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
     return dict(dry_run=True, items=len(items), to_run=len(items) - len(plan.done),
                 done=len(plan.done), changed=len(plan.changed), not_in_input=len(plan.gone),
                 shards=len(shards), failed=0)

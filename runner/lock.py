@@ -86,6 +86,12 @@ def acquire(job_dir: str) -> str:
         f"remove {path} and rerun.")
 
 
+def holder(job_dir: str) -> dict | None:
+    """Who holds the lock of `job_dir` now (None if nobody, or only a stale lock)."""
+    h = _read(os.path.join(job_dir, LOCK))
+    return None if h is None or _stale(h) else h
+
+
 def release(path: str) -> None:
     """Remove the lock if it is still ours (a driver never removes another driver's lock)."""
     holder = _read(path)

@@ -152,6 +152,7 @@ def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
     path = lock.acquire(str(tmp_path))
     holder = json.load(open(path))
     assert holder["pid"] == os.getpid() and holder["host"] and holder["started"]
+    assert lock.holder(str(tmp_path)) == holder                      # what a dry run reports
     with pytest.raises(lock.LockedError, match=rf"in use by another driver \(pid {os.getpid()} on host .*remove .*\.lock"):
         lock.acquire(str(tmp_path))
     lock.release(path)
@@ -160,6 +161,7 @@ def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
     dead.wait()
     with open(path, "w") as f:                                     # a SIGKILLed driver's lock
         json.dump({**holder, "pid": dead.pid}, f)
+    assert lock.holder(str(tmp_path)) is None
     with lock.job_lock(str(tmp_path)):
         assert json.load(open(path))["pid"] == os.getpid()
     assert not os.path.exists(path)
