@@ -43,18 +43,20 @@ class JobError(RuntimeError):
     pass
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be so that both take the same path (exit 143)."""
+# Set by SIGTERM, which then takes Ctrl-C's path (KeyboardInterrupt). A flag, not an exception
+# subclass: inside ray.wait Ray's core turns whatever the handler raises into a KeyboardInterrupt.
+TERMINATED = threading.Event()
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
+def _on_sigterm(signum, frame):
+    TERMINATED.set()
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _handle_sigterm() -> None:
-    """SIGTERM -> `Terminated`. Again after `ray.init`, which installs its own handler."""
+    """SIGTERM -> KeyboardInterrupt + TERMINATED. Again after `ray.init`, which installs its own."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_terminated)
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PromptError, JobError, LockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Terminated:
-        print("terminated (SIGTERM): finished outputs and the summary so far are written; rerun the "
-              "same command to resume", file=sys.stderr)
-        return 143
     except KeyboardInterrupt:
+        if TERMINATED.is_set():
+            print("terminated (SIGTERM): finished outputs and the summary so far are written; rerun "
+                  "the same command to resume", file=sys.stderr)
+            return 143
         print("interrupted: finished outputs and the summary so far are written; rerun the same "
               "command to resume", file=sys.stderr)
         return 130
@@ -171,10 +173,10 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
                      max_restarts=job["ray"].max_worker_restarts,
                      start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
                      slots=slots)
-        except KeyboardInterrupt as e:           # Ctrl-C, or SIGTERM (Terminated)
+        except KeyboardInterrupt as e:           # Ctrl-C, or SIGTERM (TERMINATED)
             stopped = e
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
-                        "terminated" if isinstance(e, Terminated) else "interrupted")
+                        "terminated" if TERMINATED.is_set() else "interrupted")
             _cancel_queued(slots)
         except DispatchError as e:
             results.write_table(ids)
@@ -186,7 +188,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     # 5. Summarize.
     table = results.write_table(ids)
     results.close()
-    metrics = _collect_metrics(slots, out)
+    metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
     timing = dict(startup_s=(t_ready or t_start) - t_start,
                   generate_s=(t_done or t_start) - (t_ready or t_start))
     if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
@@ -301,14 +303,16 @@ def _check_same_config(cfg, out) -> None:
                            f"job.name or output.dir")
 
 
-def _collect_metrics(slots, out) -> list[dict]:
+def _collect_metrics(slots, out, timeout_s: float = 60.0) -> list[dict]:
+    """Every ready worker's metrics, asked in parallel, waited for `timeout_s` in all (after an
+    interrupt a worker answers once its running shard is done; SIGTERM's grace period is short)."""
     import ray
     metrics = []
-    for s in slots:
-        if s.state != "ready":
-            continue
+    asked = [(s, s.actor.metrics.remote()) for s in slots if s.state == "ready"]
+    deadline = time.monotonic() + timeout_s
+    for s, ref in asked:
         try:
-            m = ray.get(s.actor.metrics.remote(), timeout=60)
+            m = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
         except Exception as e:           # a worker that died at the very end: its rows are in
             log.warning("no metrics from worker %d: %s", s.rank, e)
             continue
