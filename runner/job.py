@@ -231,18 +231,19 @@ def _dry_run(cfg, job, items) -> dict:
     plan = results.plan(items)
     shards = plan_shards(items, opts.shard_size, plan.done)
     workers = r.num_workers or f"one per GPU ({r.cpu_workers} without GPUs)"
-    print(f"dry run of {out.job_dir}" + (" (output.overwrite=true: everything regenerated)"
-                                          if cfg.output.overwrite else "") + ":\n"
-          f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed"
-          + (f": {plan.changed_by_file()}" if plan.changed else "") + ")\n"
-          f"  {len(plan.done)} already done\n"
-          f"  {len(plan.gone)} no longer in the input (kept)"
-          + (f": {_few(plan.gone)}" if plan.gone else "") + "\n"
-          f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}")
+    changed = f": {plan.changed_by_file()}" if plan.changed else ""
+    gone = f": {_few(plan.gone)}" if plan.gone else ""
+    lines = [f"dry run of {out.job_dir}"
+             + (" (output.overwrite=true: everything regenerated)" if cfg.output.overwrite else "") + ":",
+             f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed{changed})",
+             f"  {len(plan.done)} already done",
+             f"  {len(plan.gone)} no longer in the input (kept){gone}",
+             f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
     held = lock_holder(out.job_dir)
     if held is not None:
-        print(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
-              f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
+        lines.append(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
+                     f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
+    print("\n".join(lines))
     return dict(dry_run=True, items=len(items), to_run=len(items) - len(plan.done),
                 done=len(plan.done), changed=len(plan.changed), not_in_input=len(plan.gone),
                 shards=len(shards), failed=0)
