@@ -70,6 +70,10 @@ def parse_cli(argv: list[str]) -> tuple[str | None, DictConfig]:
             raise ConfigError(f"argument {arg!r} is not key=value; usage: python -m runner "
                               f"job=NAME [key=value ...] (jobs: {available_jobs()})")
         key, value = arg.split("=", 1)
+        if key == "job.name" and not value.strip():
+            # not "unset": an empty name would silently fall back to the job file's name
+            raise ConfigError("job.name is empty on the command line; give a name "
+                              "(job.name=NAME) or leave the argument out to use the job file's name")
         if key == "job":
             job = value
         else:
@@ -208,6 +212,7 @@ class RunOptions:
     shard_size: int = 8
     warmup_steps: int = 2
     max_shard_retries: int = 2
+    dry_run: bool = False
 
     def __post_init__(self):
         _positive("run.max_shard_retries", self.max_shard_retries, allow_zero=True)
@@ -281,6 +286,10 @@ def split(cfg: DictConfig) -> dict:
     if not name or "/" in name or name in (".", ".."):
         raise ConfigError(f"job.name={name!r} must be a plain directory name")
     c = section("compile")
+    if c["cache_dir"] and "://" in str(c["cache_dir"]):
+        raise ConfigError(f"compile.cache_dir={c['cache_dir']!r}: URIs are not supported yet; use a "
+                          f"path every node can reach (a shared filesystem, or an object store "
+                          f"mounted with FUSE), or null for <output.dir>/.compile-cache")
     return dict(
         name=name,
         model=model,

@@ -22,6 +22,8 @@ Contract of `dispatch(...)`:
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
+- `slots` (optional) is a list the caller owns, filled with the live slots as they change: after an
+  interrupt (an exception out of dispatch) the caller still knows which workers served.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def _value(ref):
 def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
              items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
              inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None) -> list[Slot]:
+             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
+             slots: list[Slot] | None = None) -> list[Slot]:
     import ray
 
     queue = deque(shards)
@@ -91,7 +94,9 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
             new.restarts = slot.restarts + 1
         return new
 
-    slots = [start(None, k) for k in range(n_workers)]
+    slots = [] if slots is None else slots
+    for k in range(n_workers):
+        slots.append(start(None, k))
 
     suspects: set[int] = set()      # shard indices that run isolated (see the module docstring)
 

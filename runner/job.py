@@ -5,24 +5,35 @@ Everything that can be wrong with the input is checked before Ray starts or any 
 A rerun into the same directory resumes: prompts whose output is complete are skipped (see
 `results.py`). Shards are handed out dynamically and survive worker failures (see `dispatch.py`).
 Each shard's rows are journaled as they arrive; `results.parquet` is rewritten atomically at most
-every `output.results_every_s` and at the end. Exit status: 0 all ok, 1 some items failed, 2 bad
-input or the job could not run, 130 interrupted.
+every `output.results_every_s` and at the end. One driver per job directory (`lock.py`).
+`run.dry_run=true` stops after the checks and prints the plan against the job directory.
+
+Exit status: 0 all ok (or a dry run); 1 some items failed; 2 bad input or the job could not run
+(the message names the key or file and the fix); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM:
+`ray job stop`, Kubernetes, Slurm). Interrupted or terminated, the workers are stopped, finished
+outputs are kept and the summary and metrics of what was done are written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
 
 from omegaconf import OmegaConf
 
 from .config import ConfigError, load_config, split
 from .dispatch import DispatchError, dispatch
+from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table, write_json, write_text
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
-from .results import JOURNAL, Results, config_changes, fingerprint, remove_temp_files, start_fresh
+from .results import (JOURNAL, Plan, Results, config_changes, fingerprint, remove_temp_files,
+                      settings_id, start_fresh)
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
@@ -32,6 +43,22 @@ class JobError(RuntimeError):
     pass
 
 
+# Set by SIGTERM, which then takes Ctrl-C's path (KeyboardInterrupt). A flag, not an exception
+# subclass: inside ray.wait Ray's core turns whatever the handler raises into a KeyboardInterrupt.
+TERMINATED = threading.Event()
+
+
+def _on_sigterm(signum, frame):
+    TERMINATED.set()
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _handle_sigterm() -> None:
+    """SIGTERM -> KeyboardInterrupt + TERMINATED. Again after `ray.init`, which installs its own."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -39,12 +66,17 @@ def main(argv: list[str] | None = None) -> int:
               "keys: see conf/defaults.yaml; jobs: see jobs/")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _handle_sigterm()
     try:
         summary = run(argv)
-    except (ConfigError, PromptError, JobError) as e:
+    except (ConfigError, PromptError, JobError, LockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if TERMINATED.is_set():
+            print("terminated (SIGTERM): finished outputs and the summary so far are written; rerun "
+                  "the same command to resume", file=sys.stderr)
+            return 143
         print("interrupted: finished outputs and the summary so far are written; rerun the same "
               "command to resume", file=sys.stderr)
         return 130
@@ -58,18 +90,29 @@ def run(argv: list[str]) -> dict:
     job = split(cfg)
     model, out, opts = job["model"], job["output"], job["run"]
 
-    # 2. Prompts: read and validate all of them, find what is already done, plan shards
-    #    (no model, no Ray yet).
+    # 2. Prompts and output directory: all checked before Ray or any model.
     limits = _constraints(model)
     compile_flags = _check_compile(job["compile"])
     files, _, items = check_prompts(job["prompts"].paths, job["generation"], limits,
                                     job["prompts"].on_empty)
+    _check_output_dir(out.job_dir, create=not opts.dry_run)
+    if opts.dry_run:
+        return _dry_run(cfg, job, items)
+    with job_lock(out.job_dir):                  # one driver per job directory
+        return _run_locked(cfg, job, limits, compile_flags, files, items)
+
+
+def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
+    model, out, opts = job["model"], job["output"], job["run"]
+    # Find what is already done (made from exactly these parameters), plan shards of the rest.
     results = _open_results(cfg, out)
-    done = results.done_ids() & {it.id for it in items}
+    plan = results.plan(items)
+    done = plan.done
     shards = plan_shards(items, opts.shard_size, done)
     write_text(os.path.join(out.job_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(files), len(done), len(shards), out.job_dir)
+    _log_plan(plan, out.job_dir)
     by_row = {(it.file, it.row): it for it in items}
     ids = [it.id for it in items]          # the rows results.parquet keeps, in prompt order
 
@@ -78,7 +121,7 @@ def run(argv: list[str]) -> dict:
                 if (shard.file, r) in by_row]
 
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
-    slots, interrupted, t_start = [], False, time.perf_counter()
+    slots, stopped, t_start = [], None, time.perf_counter()
     timeline = []                          # (s since start, ok, failed) of this run: report.html
     t_ready = t_done = t_all_ready = None
     ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
@@ -86,6 +129,7 @@ def run(argv: list[str]) -> dict:
         import ray
         from .worker import Worker
         _ray_init(job["ray"])
+        _handle_sigterm()
         gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
         n = job["ray"].num_workers or (gpus or job["ray"].cpu_workers)
         actor_opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=job["ray"].cpus_per_worker)
@@ -128,13 +172,16 @@ def run(argv: list[str]) -> dict:
                 t_all_ready = time.perf_counter()
 
         try:
-            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
-                             inflight=INFLIGHT, max_retries=opts.max_shard_retries,
-                             max_restarts=job["ray"].max_worker_restarts,
-                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready)
-        except KeyboardInterrupt:
-            interrupted = True
-            log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
+            dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
+                     inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                     max_restarts=job["ray"].max_worker_restarts,
+                     start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
+                     slots=slots)
+        except KeyboardInterrupt as e:           # Ctrl-C, or SIGTERM (TERMINATED)
+            stopped = e
+            log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
+                        "terminated" if TERMINATED.is_set() else "interrupted")
+            _cancel_queued(slots)
         except DispatchError as e:
             results.write_table(ids)
             raise JobError(str(e)) from e
@@ -145,7 +192,7 @@ def run(argv: list[str]) -> dict:
     # 5. Summarize.
     table = results.write_table(ids)
     results.close()
-    metrics = _collect_metrics(slots, out)
+    metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
     timing = dict(startup_s=(t_ready or t_start) - t_start,
                   generate_s=(t_done or t_start) - (t_ready or t_start))
     if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
@@ -154,14 +201,15 @@ def run(argv: list[str]) -> dict:
         # worker became ready count by the part of their run after that moment.
         timing.update(all_ready_s=t_all_ready - t_start,
                       steady_items_per_s=steady_items / (t_done - t_all_ready))
-    summary = _summarize(job, items, table, slots, metrics, len(done), interrupted, timing)
+    summary = _summarize(job, items, table, slots, metrics, len(done), stopped is not None, timing,
+                         plan)
     _report(out.job_dir, table, summary, metrics, timeline=timeline or None)
     if slots:
         import ray
         for s in slots:
             ray.kill(s.actor)
-    if interrupted:
-        raise KeyboardInterrupt
+    if stopped is not None:
+        raise stopped
     return summary
 
 
@@ -172,6 +220,57 @@ def _report(job_dir: str, *args, **kw) -> None:
         write_report(job_dir, *args, **kw)
     except Exception as e:
         log.warning("report.html not written: %s: %s", type(e).__name__, e)
+
+
+def _log_plan(plan: Plan, job_dir: str) -> None:
+    if plan.changed:
+        log.warning("%d rows changed since their outputs were made (%s): regenerating them",
+                    len(plan.changed), plan.changed_by_file())
+    if plan.gone:
+        log.warning("%d outputs in %s are of ids no longer in the input (kept, listed in "
+                    "summary.txt): %s", len(plan.gone), job_dir, _few(plan.gone))
+
+
+def _few(ids: list[str], n: int = 10) -> str:
+    return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
+
+
+def _dry_run(cfg, job, items) -> dict:
+    """run.dry_run=true: the plan against the job directory; nothing written, no Ray."""
+    out, opts, r = job["output"], job["run"], job["ray"]
+    results = Results(out.job_dir, settings_id(cfg))
+    if not cfg.output.overwrite:
+        _check_same_config(cfg, out)
+        results.load()
+    plan = results.plan(items)
+    shards = plan_shards(items, opts.shard_size, plan.done)
+    workers = r.num_workers or f"one per GPU ({r.cpu_workers} without GPUs)"
+    changed = f": {plan.changed_by_file()}" if plan.changed else ""
+    gone = f": {_few(plan.gone)}" if plan.gone else ""
+    lines = [f"dry run of {out.job_dir}"
+             + (" (output.overwrite=true: everything regenerated)" if cfg.output.overwrite else "") + ":",
+             f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed{changed})",
+             f"  {len(plan.done)} already done",
+             f"  {len(plan.gone)} no longer in the input (kept){gone}",
+             f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
+    held = lock_holder(out.job_dir)
+    if held is not None:
+        lines.append(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
+                     f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
+    print("\n".join(lines))
+    return dict(dry_run=True, items=len(items), to_run=len(items) - len(plan.done),
+                done=len(plan.done), changed=len(plan.changed), not_in_input=len(plan.gone),
+                shards=len(shards), failed=0)
+
+
+def _cancel_queued(slots) -> None:
+    """After an interrupt: drop the shards queued on workers (a running one finishes), so the
+    workers can answer for their metrics."""
+    import ray
+    for s in slots:
+        for ref in s.running:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
 
 
 def worker_config(job: dict, limits: Constraints, on_gpu: bool):
@@ -196,32 +295,39 @@ def _check_compile(c) -> frozenset:
 
 
 def _open_results(cfg, out) -> Results:
-    """Resume what a previous run into this directory finished, if its config is compatible."""
-    _prepare_output_dir(out.job_dir)
-    old_cfg = os.path.join(out.job_dir, "config.yaml")
+    """Resume what a previous run into this directory finished, if its config is compatible
+    (called holding the job's lock: it removes files)."""
     if cfg.output.overwrite:
         start_fresh(out.job_dir)
-    elif os.path.exists(os.path.join(out.job_dir, JOURNAL)) and os.path.exists(old_cfg):
+    else:
+        _check_same_config(cfg, out)
+    removed = remove_temp_files(out.job_dir)
+    if removed:
+        log.info("removed %d half-written files left by an earlier run", removed)
+    os.makedirs(os.path.join(out.job_dir, "media"), exist_ok=True)
+    return Results(out.job_dir, settings_id(cfg)).load()
+
+
+def _check_same_config(cfg, out) -> None:
+    old_cfg = os.path.join(out.job_dir, "config.yaml")
+    if os.path.exists(os.path.join(out.job_dir, JOURNAL)) and os.path.exists(old_cfg):
         changes = config_changes(fingerprint(OmegaConf.load(old_cfg)), fingerprint(cfg))
         if changes:
             raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
                            f"set output.overwrite=true to regenerate everything, or choose another "
                            f"job.name or output.dir")
-    removed = remove_temp_files(out.job_dir)
-    if removed:
-        log.info("removed %d half-written files left by an earlier run", removed)
-    os.makedirs(os.path.join(out.job_dir, "media"), exist_ok=True)
-    return Results(out.job_dir).load()
 
 
-def _collect_metrics(slots, out) -> list[dict]:
+def _collect_metrics(slots, out, timeout_s: float = 60.0) -> list[dict]:
+    """Every ready worker's metrics, asked in parallel, waited for `timeout_s` in all (after an
+    interrupt a worker answers once its running shard is done; SIGTERM's grace period is short)."""
     import ray
     metrics = []
-    for s in slots:
-        if s.state != "ready":
-            continue
+    asked = [(s, s.actor.metrics.remote()) for s in slots if s.state == "ready"]
+    deadline = time.monotonic() + timeout_s
+    for s, ref in asked:
         try:
-            m = ray.get(s.actor.metrics.remote(), timeout=60)
+            m = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
         except Exception as e:           # a worker that died at the very end: its rows are in
             log.warning("no metrics from worker %d: %s", s.rank, e)
             continue
@@ -243,15 +349,27 @@ def _constraints(model) -> Constraints:
                        min_steps=2 if info["family"].startswith("pixart") else 1)
 
 
-def _prepare_output_dir(job_dir: str) -> None:
+def _check_output_dir(job_dir: str, create: bool = True) -> None:
+    """The job directory can be created and written (created if `create`; else its nearest
+    existing parent is probed, so a dry run writes nothing that stays)."""
     if "://" in job_dir:
         raise JobError(f"output.dir {job_dir!r}: URIs are not supported; use a path every node can "
                        f"reach (a shared filesystem, or an object store mounted with FUSE)")
-    for p in (os.path.dirname(job_dir) or ".", job_dir):
-        if os.path.exists(p) and not os.path.isdir(p):
-            raise JobError(f"output directory {p!r} exists and is a file; set output.dir to a "
-                           f"directory (or remove the file)")
-    os.makedirs(job_dir, exist_ok=True)
+    p = os.path.abspath(job_dir)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise JobError(f"output.dir: {p!r} exists and is a file; set output.dir to a directory "
+                       f"(or remove the file)")
+    try:
+        if create:
+            os.makedirs(job_dir, exist_ok=True)
+            p = job_dir
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".tmp-probe-"):
+            pass
+    except OSError as e:
+        raise JobError(f"output.dir: cannot create or write {job_dir!r} ({e.strerror or e}); set "
+                       f"output.dir to a writable directory") from e
 
 
 def _ray_init(opts) -> None:
@@ -287,7 +405,12 @@ def work_after(rows: list[dict], t_end: float, t_from: float) -> float:
     return credit
 
 
-def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) -> dict:
+def _served(slots, metrics) -> int:
+    """Worker slots that became ready (also when interrupted before their metrics came back)."""
+    return len({s.rank for s in slots if s.ready_info is not None} | {m["rank"] for m in metrics})
+
+
+def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, plan=None) -> dict:
     out = job["output"]
     startup_s, gen_s = timing["startup_s"], timing["generate_s"]
     ok = [r for r in table if r["status"] == "ok"]
@@ -298,10 +421,13 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) 
         errors[key] = errors.get(key, 0) + 1
     summary = dict(
         job=job["name"], model=job["model"].preset, source=job["model"].source,
-        compile_mode=job["compile"].options["mode"], workers=len(metrics), items=len(items),
+        compile_mode=job["compile"].options["mode"], workers=_served(slots, metrics), items=len(items),
         ok=len(ok), failed=len(failed), not_run=len(items) - len(table), resumed=resumed,
         worker_restarts=sum(s.restarts for s in slots),
         interrupted=interrupted, errors=errors, **timing,
+        regenerated=len(plan.changed) if plan else 0,       # rows whose parameters had changed
+        not_in_input=len(plan.gone) if plan else 0,         # outputs kept of ids no longer in the input
+        not_in_input_ids=plan.gone if plan else [],
         items_per_s=(len(ok) - resumed) / gen_s if gen_s else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
         workers_detail=[{k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items",
@@ -328,6 +454,9 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) 
         stages = list(metrics[0]["time_s"])
         text += "\nseconds per stage:\n" + format_table(
             [{"rank": m["rank"], **m["time_s"]} for m in metrics], ["rank", *stages]) + "\n"
+    if plan and plan.gone:
+        text += (f"\n{len(plan.gone)} outputs of ids no longer in the input (kept): "
+                 f"{', '.join(plan.gone)}\n")
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
     write_text(os.path.join(out.job_dir, "summary.txt"), text)

@@ -9,7 +9,9 @@ Contract:
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another.
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
-  would fail later (before any model is built).
+  would fail later (before any model is built): one error listing every bad row (the first
+  `MAX_LISTED` as file:row: reason, and the count), so a 50k-row file is fixed in one pass.
+  The `prompt` column must be of a string type (an integer column is an error, not stringified).
 - A shard is `(file, start, stop)` over raw rows, planned over the rows still to do. The driver
   sends each shard's validated items with it, so workers never read the Parquet files.
 """
@@ -32,6 +34,7 @@ OPTIONAL_COLUMNS = ("id", "negative_prompt", "seed", "height", "width", "num_fra
 _INT_COLUMNS = ("seed", "height", "width", "num_frames", "num_inference_steps")
 _ID_BAD = re.compile(r"[^A-Za-z0-9._-]")
 MAX_ID_LEN = 150
+MAX_LISTED = 20          # bad rows shown in one PromptError (all are counted)
 
 
 class PromptError(ValueError):
@@ -116,54 +119,84 @@ def sanitize_id(raw: str) -> str:
     return s
 
 
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t) or \
+        (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
+
+
 def _items_from_table(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
-                      limits: Constraints, on_empty: str) -> list[Item]:
+                      limits: Constraints, on_empty: str, errors: list[str] | None = None) -> list[Item]:
+    """The table's valid items. Bad rows raise `PromptError`, or, given `errors`, are appended to
+    it as "file:row: reason" (the caller reports them all at once)."""
+    def bad(msg: str):
+        if errors is None:
+            raise PromptError(msg)
+        errors.append(msg)
+
     if "prompt" not in table.column_names:
-        raise PromptError(f"{file}: no 'prompt' column (columns: {table.column_names}); "
-                          f"required: prompt; optional: {list(OPTIONAL_COLUMNS)}")
+        bad(f"{file}: no 'prompt' column (columns: {table.column_names}); "
+            f"required: prompt; optional: {list(OPTIONAL_COLUMNS)}")
+        return []
+    if not _is_text(table.schema.field("prompt").type):
+        bad(f"{file}: column 'prompt' has type {table.schema.field('prompt').type}; it must be "
+            f"text (string); convert it, e.g. df['prompt'] = df['prompt'].astype(str)")
+        return []
     cols = {c: table.column(c).to_pylist() for c in ("prompt", *OPTIONAL_COLUMNS)
             if c in table.column_names}
     stem = Path(file).stem
     items = []
     for i in range(table.num_rows):
-        row = first_row + i
-        where = f"{file}:{row}"
-
-        def get(col, default):
-            v = cols[col][i] if col in cols else None
-            return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-        prompt = cols["prompt"][i]
-        if prompt is None or not str(prompt).strip():
-            if on_empty == "skip":
-                continue
-            raise PromptError(f"{where}: prompt is null or empty (set prompts.on_empty=skip to "
-                              f"skip such rows)")
-        raw_id = get("id", None)
-        item_id = sanitize_id(str(raw_id)) if raw_id is not None else f"{stem}-{row:06d}"
-        if not item_id:
-            raise PromptError(f"{where}: id {raw_id!r} is empty after sanitizing to file-name "
-                              f"characters [A-Za-z0-9._-]")
-        values = {}
-        for col in _INT_COLUMNS:
-            v = get(col, getattr(gen, col))
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise PromptError(f"{where}: {col}={v!r} must be an integer")
-            values[col] = v
         try:
-            guidance = float(get("guidance_scale", gen.guidance_scale))
-        except (TypeError, ValueError):
-            raise PromptError(f"{where}: guidance_scale={cols['guidance_scale'][i]!r} is not a number")
-        item = Item(id=item_id, prompt=str(prompt), negative_prompt=str(get("negative_prompt", gen.negative_prompt)),
-                    seed=values["seed"], height=values["height"], width=values["width"],
-                    num_frames=values["num_frames"] if limits.video_length is not None else None,
-                    num_inference_steps=values["num_inference_steps"], guidance_scale=guidance,
-                    file=file, row=row)
-        _check_item(item, limits)
-        items.append(item)
+            item = _row_item(cols, i, first_row + i, file, stem, gen, limits, on_empty)
+        except PromptError as e:
+            bad(str(e))
+            continue
+        if item is not None:
+            items.append(item)
     return items
+
+
+def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: GenerationDefaults,
+              limits: Constraints, on_empty: str) -> Item | None:
+    """Row `i` of `cols` as an Item; None for a skipped empty prompt; PromptError if bad."""
+    where = f"{file}:{row}"
+
+    def get(col, default):
+        v = cols[col][i] if col in cols else None
+        return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    prompt = cols["prompt"][i]
+    if prompt is None or not str(prompt).strip():
+        if on_empty == "skip":
+            return None
+        raise PromptError(f"{where}: prompt is null or empty (set prompts.on_empty=skip to "
+                          f"skip such rows)")
+    raw_id = get("id", None)
+    item_id = sanitize_id(str(raw_id)) if raw_id is not None else f"{stem}-{row:06d}"
+    if not item_id:
+        raise PromptError(f"{where}: id {raw_id!r} is empty after sanitizing to file-name "
+                          f"characters [A-Za-z0-9._-]")
+    values = {}
+    for col in _INT_COLUMNS:
+        v = get(col, getattr(gen, col))
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise PromptError(f"{where}: {col}={v!r} must be an integer")
+        values[col] = v
+    try:
+        guidance = float(get("guidance_scale", gen.guidance_scale))
+    except (TypeError, ValueError):
+        raise PromptError(f"{where}: guidance_scale={cols['guidance_scale'][i]!r} is not a number")
+    item = Item(id=item_id, prompt=str(prompt), negative_prompt=str(get("negative_prompt", gen.negative_prompt)),
+                seed=values["seed"], height=values["height"], width=values["width"],
+                num_frames=values["num_frames"] if limits.video_length is not None else None,
+                num_inference_steps=values["num_inference_steps"], guidance_scale=guidance,
+                file=file, row=row)
+    _check_item(item, limits)
+    return item
 
 
 def _check_item(item: Item, limits: Constraints) -> None:
@@ -187,16 +220,26 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
                   on_empty: str) -> tuple[list[str], dict[str, int], list[Item]]:
     """Read and validate every prompt. Returns (files, raw row count per file, items)."""
     files = list_files(paths)
-    rows, items, seen = {}, [], {}
+    rows, items, seen, errors = {}, [], {}, []
     for f in files:
-        table = _read_table(f)
+        try:
+            table = _read_table(f)
+        except PromptError as e:
+            errors.append(str(e))
+            continue
         rows[f] = table.num_rows
-        for item in _items_from_table(table, f, 0, gen, limits, on_empty):
+        for item in _items_from_table(table, f, 0, gen, limits, on_empty, errors):
             if item.id in seen:
-                raise PromptError(f"{item.source}: id {item.id!r} (after sanitizing) is also used by "
-                                  f"{seen[item.id]}; ids must be unique, they name the output files")
+                errors.append(f"{item.source}: id {item.id!r} (after sanitizing) is also used by "
+                              f"{seen[item.id]}; ids must be unique, they name the output files")
+                continue
             seen[item.id] = item.source
             items.append(item)
+    if len(errors) == 1:
+        raise PromptError(errors[0])
+    if errors:
+        raise PromptError(f"{len(errors)} bad prompt rows or files (the first {min(len(errors), MAX_LISTED)} "
+                          f"below); fix them and rerun:\n  " + "\n  ".join(errors[:MAX_LISTED]))
     if not items:
         raise PromptError(f"no prompts to run in {files}")
     return files, rows, items

@@ -171,6 +171,8 @@ def test_ctrl_c_stops_cleanly_and_writes_the_summary(job):
     assert p.returncode == 130, err[-3000:]
     summary = json.load(open(job["dir"] / "summary.json"))
     assert summary["interrupted"] and 2 <= summary["ok"] < 12
+    assert summary["workers"] >= 1                   # the workers that served, and their metrics
+    assert len(os.listdir(job["dir"] / "metrics")) == summary["workers"]
     done = rows(job["dir"])
     assert len(done) == summary["ok"]
     for r in done:                                   # what is recorded is complete

@@ -1,0 +1,259 @@
+"""The job record cannot go stale (issue 15): outputs count as done only when made from exactly the
+current row's parameters and the job's output settings; lossy compile modes are refused on a
+lossless job; one driver per job directory; SIGTERM is handled like Ctrl-C; bad values are exit 2
+before Ray. Fast tests run in-process without Ray or models; `e2e` ones run the real CLI on a local
+Ray with the tiny demo model (helpers shared with test_faults.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from runner import lock
+from runner.config import ConfigError, load_config
+from runner.job import JobError, run
+from runner.prompts import Item, PromptError
+from runner.results import Results, lossy
+from test_faults import ROOT, cli, rows, wait_for_journal
+
+
+@pytest.fixture
+def no_models_no_ray(monkeypatch):
+    """Fail loudly if a test reaches model building or Ray."""
+    import ray
+    import runner.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("reached model building / Ray")
+    monkeypatch.setattr(models, "build_pipeline", boom)
+    monkeypatch.setattr(ray, "init", boom)
+
+
+def base_args(prompts, out, *extra):
+    return ["job=demo_image", f"prompts.path={prompts}", f"output.dir={out}", "job.name=j",
+            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+            "ray.cpu_workers=1", "output.results_every_s=0", *extra]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast: no Ray, no model.
+
+def item(id, prompt="a cat", seed=0, file="p.parquet", row=0, height=64):
+    return Item(id=id, prompt=prompt, negative_prompt="", seed=seed, height=height, width=64,
+                num_frames=None, num_inference_steps=2, guidance_scale=4.5, file=file, row=row)
+
+
+def test_plan_compares_each_row_with_what_its_output_was_made_from(tmp_path):
+    (tmp_path / "media").mkdir()
+    r = Results(str(tmp_path), settings="s1")
+    old = [item("a"), item("b", row=1), item("c", row=2), item("d", row=3), item("e", row=4)]
+    for it in old:
+        (tmp_path / "media" / f"{it.id}.png").write_bytes(b"x")
+    r.add([{**it.params(), "status": "ok", "output": f"media/{it.id}.png"} for it in old])
+    r.close()
+    r2 = Results(str(tmp_path), settings="s1").load()
+    now = [item("a", file="q.parquet", row=7),      # moved to another file/row: still done
+           item("b", prompt="a dog", row=1),        # edited under the same id
+           item("c", seed=1, row=2), item("d", height=128, row=3),
+           item("f", row=5)]                        # new; "e" is no longer in the input
+    plan = r2.plan(now)
+    assert plan.done == {"a"}
+    assert [i.id for i in plan.changed] == ["b", "c", "d"]
+    assert plan.changed_by_file() == "3 in p.parquet"
+    assert plan.gone == ["e"]
+    # other output settings (model, dtype, fps, lossy compile): nothing is done
+    assert Results(str(tmp_path), settings="s2").load().plan(now).done == set()
+
+
+@pytest.mark.parametrize("mode,is_lossy", [("none", False), ("O2", False), ("cudagraphs:cache-all", False),
+                                          ("O3", True), ("O3:benchmark", True), ("cudagraphs:O3", True),
+                                          ("low-precision", True)])
+def test_lossy_comes_from_the_compiler(mode, is_lossy):
+    assert lossy(mode) is is_lossy
+
+
+def _previous_run(tmp_path, prompts, *extra):
+    """A job directory as a finished run leaves it (config.yaml + journal), without running it."""
+    job_dir = tmp_path / "out" / "j"
+    (job_dir / "media").mkdir(parents=True)
+    cfg = load_config(base_args(prompts, tmp_path / "out", *extra))
+    (job_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (job_dir / "journal.jsonl").write_text("")
+    return job_dir
+
+
+@pytest.mark.parametrize("mode", ["O3:benchmark", "cudagraphs:O3", "low-precision"])
+def test_lossy_mode_combinations_refused_on_a_lossless_job(tmp_path, write_prompts, no_models_no_ray, mode):
+    p = write_prompts({"prompt": ["a"]})
+    job_dir = _previous_run(tmp_path, p, "compile.mode=none")
+    with pytest.raises(JobError, match=r"lossy: False -> True.*output.overwrite=true"):
+        run(base_args(p, tmp_path / "out", f"compile.mode={mode}"))
+    assert "mode: none" in (job_dir / "config.yaml").read_text()      # not rewritten
+    assert not (job_dir / lock.LOCK).exists()                          # lock released
+    # a lossless mode is fine (dry run: no Ray)
+    assert run(base_args(p, tmp_path / "out", "compile.mode=O2", "run.dry_run=true"))["to_run"] == 1
+
+
+@pytest.mark.parametrize("out,needle", [("/proc/foo", "output.dir: cannot create or write"),
+                                        ("{tmp}/f/sub/dir", "output.dir: .*exists and is a file"),
+                                        ("{tmp}/f", "output.dir: .*exists and is a file")])
+def test_unusable_output_dir_is_a_clear_error(tmp_path, write_prompts, no_models_no_ray, out, needle):
+    (tmp_path / "f").write_text("a file")
+    p = write_prompts({"prompt": ["a"]})
+    with pytest.raises(JobError, match=needle):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={out.format(tmp=tmp_path)}"])
+
+
+def test_cache_dir_uri_and_empty_job_name_are_refused(tmp_path, write_prompts, no_models_no_ray):
+    p = write_prompts({"prompt": ["a"]})
+    with pytest.raises(ConfigError, match=r"compile.cache_dir='s3://b/c': URIs are not supported"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "compile.cache_dir=s3://b/c",
+             "compile.mode=cache-all"])
+    assert not os.path.exists(os.path.join(ROOT, "s3:"))
+    with pytest.raises(ConfigError, match=r"job.name is empty.*job.name=NAME"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "job.name="])
+    assert os.listdir(tmp_path) == ["prompts.parquet"]
+
+
+def test_integer_prompt_column_is_refused(tmp_path, write_prompts, no_models_no_ray):
+    p = write_prompts({"prompt": [1, 2]})
+    with pytest.raises(PromptError, match=r"prompts.parquet: column 'prompt' has type int64; it must be text"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/out"])
+
+
+def test_every_bad_row_is_reported_at_once(tmp_path, write_prompts, no_models_no_ray):
+    prompts = [None if i % 5 == 0 else f"p{i}" for i in range(50)]     # 10 empty
+    widths = [72 if i % 5 in (1, 2) else 64 for i in range(50)]        # 20 bad sizes
+    p = write_prompts({"prompt": prompts, "width": widths})
+    with pytest.raises(PromptError) as e:
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/out"])
+    msg = str(e.value)
+    assert msg.startswith("30 bad prompt rows or files (the first 20 below)")
+    assert "prompts.parquet:0: prompt is null or empty" in msg
+    assert "prompts.parquet:1: width=72 must be a positive multiple of 16" in msg
+    assert len(msg.splitlines()) == 21
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, write_prompts, no_models_no_ray, capsys):
+    p = write_prompts({"prompt": ["a", "b", "c"]})
+    plan = run(base_args(p, tmp_path / "out", "run.dry_run=true", "run.shard_size=2"))
+    assert plan["to_run"] == 3 and plan["done"] == 0 and plan["shards"] == 2 and plan["failed"] == 0
+    assert "3 to run (0 changed)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
+    path = lock.acquire(str(tmp_path))
+    holder = json.load(open(path))
+    assert holder["pid"] == os.getpid() and holder["host"] and holder["started"]
+    assert lock.holder(str(tmp_path)) == holder                      # what a dry run reports
+    with pytest.raises(lock.LockedError, match=rf"in use by another driver \(pid {os.getpid()} on host .*remove .*\.lock"):
+        lock.acquire(str(tmp_path))
+    lock.release(path)
+    assert not os.path.exists(path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(path, "w") as f:                                     # a SIGKILLed driver's lock
+        json.dump({**holder, "pid": dead.pid}, f)
+    assert lock.holder(str(tmp_path)) is None
+    with lock.job_lock(str(tmp_path)):
+        assert json.load(open(path))["pid"] == os.getpid()
+    assert not os.path.exists(path)
+
+
+def test_bad_output_dir_is_exit_2_on_the_command_line(tmp_path, write_prompts):
+    p = write_prompts({"prompt": ["a"]})
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={p}",
+                        "output.dir=/proc/foo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error: output.dir" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the real CLI on a local Ray, tiny model, 64x64, 2 steps.
+
+def journal_lines(job_dir):
+    return sum(1 for _ in open(job_dir / "journal.jsonl"))
+
+
+@pytest.mark.e2e
+def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, write_prompts):
+    ids = [f"a{i}" for i in range(6)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(6)], "id": ids})
+    args, job_dir = base_args(p, tmp_path / "out"), tmp_path / "out" / "j"
+    rc, out, err = cli(args)
+    assert rc == 0, err[-3000:]
+    mtime = {i: (job_dir / "media" / f"{i}.png").stat().st_mtime_ns for i in ids}
+    # same ids: a0 new prompt, a1 new seed, a2 height 128 (column), a3/a4 unchanged but moved,
+    # a5 dropped, a6 new
+    write_prompts({"id": ["a4", "a3", "a0", "a1", "a2", "a6"],
+                   "prompt": ["prompt 4", "prompt 3", "a new prompt", "prompt 1", "prompt 2", "prompt 6"],
+                   "seed": [0, 0, 0, 7, 0, 0], "height": [64, 64, 64, 64, 128, 64]})
+    rc, out, err = cli(args + ["run.dry_run=true"])                     # the plan, nothing run
+    assert rc == 0, err[-3000:]
+    assert "4 to run (3 changed: 3 in " in out and "2 already done" in out
+    assert "1 no longer in the input (kept): a5" in out
+    assert journal_lines(job_dir) == 6
+    rc, out, err = cli(args)
+    assert rc == 0, err[-3000:]
+    assert "3 rows changed since their outputs were made (3 in " in err and "2 already done" in err
+    table = {r["id"]: r for r in rows(job_dir)}
+    assert sorted(table) == ["a0", "a1", "a2", "a3", "a4", "a6"]
+    assert table["a0"]["prompt"] == "a new prompt" and table["a1"]["seed"] == 7
+    assert table["a2"]["height"] == 128
+    import imageio.v3 as iio
+    assert iio.imread(job_dir / "media" / "a2.png").shape[:2] == (128, 64)
+    for i in ("a3", "a4", "a5"):                                          # untouched, a5 kept
+        assert (job_dir / "media" / f"{i}.png").stat().st_mtime_ns == mtime[i]
+    for i in ("a0", "a1", "a2"):
+        assert (job_dir / "media" / f"{i}.png").stat().st_mtime_ns != mtime[i]
+    summary = json.load(open(job_dir / "summary.json"))
+    assert summary["resumed"] == 2 and summary["regenerated"] == 3 and summary["ok"] == 6
+    assert summary["not_in_input"] == 1 and summary["not_in_input_ids"] == ["a5"]
+    assert "1 outputs of ids no longer in the input (kept): a5" in open(job_dir / "summary.txt").read()
+    assert journal_lines(job_dir) == 6 + 4                               # exactly once each
+
+
+@pytest.mark.e2e
+def test_second_driver_on_the_same_job_dir_exits_2_naming_the_holder(tmp_path, write_prompts):
+    ids = [f"b{i}" for i in range(4)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(4)], "id": ids})
+    args, job_dir = base_args(p, tmp_path / "out", "run.shard_size=1"), tmp_path / "out" / "j"
+    first = cli(args, faults="slow:3", wait=False)      # >= 12 s of work after Ray and warm-up
+    t0 = time.time()
+    while not (job_dir / ".lock").exists():
+        assert time.time() - t0 < 120 and first.poll() is None, "the first driver never took the lock"
+        time.sleep(0.2)
+    rc, out, err = cli(args)
+    assert rc == 2, err[-3000:]
+    assert f"in use by another driver (pid {first.pid} on host" in err and "remove" in err
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert journal_lines(job_dir) == 4 and sorted(r["id"] for r in rows(job_dir)) == ids
+    assert not (job_dir / ".lock").exists()
+
+
+@pytest.mark.e2e
+def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
+    ids = [f"c{i:02d}" for i in range(12)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
+    args = base_args(p, tmp_path / "out", "run.shard_size=3", "ray.cpu_workers=2")
+    job_dir = tmp_path / "out" / "j"
+    proc = cli(args, faults="slow:2", wait=False)
+    wait_for_journal(job_dir, 2)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err
+    summary = json.load(open(job_dir / "summary.json"))
+    assert summary["interrupted"] and 2 <= summary["ok"] < 12
+    assert summary["workers"] >= 1                                        # the workers that served
+    metrics = os.listdir(job_dir / "metrics")
+    assert len(metrics) == summary["workers"] and all(m.startswith("worker-") for m in metrics)
+    assert len(rows(job_dir)) == summary["ok"]
+    assert not (job_dir / ".lock").exists()
