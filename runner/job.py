@@ -18,7 +18,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from .config import ConfigError, load_config, split
+from .config import ConfigError, help_text, load_config, split
 from .dispatch import DispatchError, dispatch
 from .outputs import format_table, write_json, write_text
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
@@ -34,10 +34,9 @@ class JobError(RuntimeError):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__ + "\nusage: python -m runner job=NAME [key=value ...]\n"
-              "keys: see conf/defaults.yaml; jobs: see jobs/")
-        return 0
+    if any(a in ("-h", "--help") for a in argv) or not argv:
+        print(help_text(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         summary = run(argv)
