@@ -12,6 +12,7 @@ Contract of `dispatch(...)`:
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
+- `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _is_task_error(e: Exception) -> bool:
 def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
              items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
              inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None) -> list[Slot]:
+             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
+             on_tick: Callable[[], None] | None = None) -> list[Slot]:
     import ray
 
     queue = deque(shards)
@@ -146,6 +148,8 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
                                 f"{len(queue)} shards were not run. Finished outputs are kept: "
                                 f"rerun the same command to resume.")
         ready, _ = ray.wait(list(refs) + list(waiting), num_returns=1, timeout=1.0)
+        if on_tick:                          # about once a second: start-up phases, progress lines
+            on_tick()
         now = time.monotonic()
         for s in [s for s in slots if s.state == "starting" and now - s.started > start_timeout_s]:
             if s.warm_ref not in ready:

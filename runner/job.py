@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import textwrap
 import time
 
 from omegaconf import OmegaConf
@@ -21,11 +22,20 @@ from omegaconf import OmegaConf
 from .config import ConfigError, help_text, load_config, split
 from .dispatch import DispatchError, dispatch
 from .outputs import format_table, write_json, write_text
+from .progress import PhasePrinter, Progress, StatusBoard
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
 from .results import JOURNAL, Results, config_changes, fingerprint, remove_temp_files, start_fresh
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
+
+
+# Printed under the per-worker table: the columns' units and what steady_it_s measures.
+LEGEND = ("model_load_s, warmup_s: seconds to load the model / to compile (or load the compile cache) "
+          "and warm up; steady_it_s: denoising steps/s, from the end of step 1 of each call (its "
+          "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), mean / 95th "
+          "percentile; peak_mem_gb: peak GPU memory while serving, GiB; busy_fraction: share of the "
+          "time since ready spent generating.")
 
 
 class JobError(RuntimeError):
@@ -67,6 +77,8 @@ def run(argv: list[str]) -> dict:
     done = results.done_ids() & {it.id for it in items}
     shards = plan_shards(items, opts.shard_size, done)
     write_text(os.path.join(out.job_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
+    if items and not shards:
+        return _nothing_to_do(results, items, out)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(files), len(done), len(shards), out.job_dir)
     by_row = {(it.file, it.row): it for it in items}
@@ -97,18 +109,21 @@ def run(argv: list[str]) -> dict:
         wcfg = worker_config(job, limits, on_gpu=bool(gpus))
         RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                   **actor_opts)
-        log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
+        log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
+                 "warms up)", n, "GPU" if gpus else "CPU")
+
+        # Workers report their start-up phases to a board the driver polls (progress.py).
+        board = ray.remote(StatusBoard).options(num_cpus=0).remote()
+        phases = PhasePrinter(board)
 
         # 4. Stream: dynamic hand-out, each shard's rows journaled as they arrive.
-        from tqdm import tqdm
-        todo = sum(len(items_of(s)) for s in shards)
-        bar = tqdm(total=todo, unit="item", desc="generating", smoothing=0.1)
+        progress = Progress(sum(len(items_of(s)) for s in shards))
         last_write = time.monotonic()
 
         def on_rows(rows):
             nonlocal last_write, steady_items
             results.add(rows)
-            bar.update(len(rows))
+            progress.update(len(rows))
             if t_all_ready is not None:
                 steady_items += work_after(rows, time.perf_counter(), t_all_ready)
             if time.monotonic() - last_write >= out.results_every_s:
@@ -117,16 +132,20 @@ def run(argv: list[str]) -> dict:
 
         def on_ready(slot):
             nonlocal t_ready, t_all_ready
+            phases.poll()
+            log.info("worker %d: ready in %.1f s", slot.rank, time.monotonic() - slot.started)
+            progress.start()     # the bar's rate counts generation from the first ready worker
             t_ready = t_ready or time.perf_counter()
             ready_ranks.add(slot.rank)   # a replacement of a slot that was ready adds nothing
             if len(ready_ranks) == n and t_all_ready is None:
                 t_all_ready = time.perf_counter()
 
         try:
-            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
-                             inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker, board), n, shards, items_of,
+                             on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
                              max_restarts=job["ray"].max_worker_restarts,
-                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready)
+                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
+                             on_tick=lambda: (phases.poll(), progress.tick()))
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")
@@ -134,7 +153,7 @@ def run(argv: list[str]) -> dict:
             results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
-            bar.close()
+            progress.close()
         t_done = time.perf_counter()
 
     # 5. Summarize.
@@ -199,6 +218,26 @@ def _open_results(cfg, out) -> Results:
     return Results(out.job_dir).load()
 
 
+def _nothing_to_do(results: Results, items, out) -> dict:
+    """A rerun with every prompt done: say so in one line; the last real summary stays in place."""
+    ids = [it.id for it in items]
+    table_path = os.path.join(out.job_dir, "results.parquet")
+    try:
+        import pyarrow.parquet as pq
+        stale = pq.read_table(table_path, columns=["id"]).column("id").to_pylist() != ids
+    except Exception:                    # missing or unreadable (the driver died before writing it)
+        stale = True
+    if stale:
+        results.write_table(ids)
+    results.close()
+    summary_txt = os.path.join(out.job_dir, "summary.txt")
+    kept = (f"summary from {time.strftime('%Y-%m-%d %H:%M', time.localtime(os.path.getmtime(summary_txt)))}"
+            f" kept in {summary_txt}" if os.path.exists(summary_txt) else f"results in {table_path}")
+    print(f"nothing to do: all {len(ids)} prompts already done ({kept}); "
+          f"output.overwrite=true regenerates them")
+    return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True}
+
+
 def _collect_metrics(slots, out) -> list[dict]:
     import ray
     metrics = []
@@ -245,12 +284,24 @@ def _ray_init(opts) -> None:
         return
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
+        log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         # Embedded local Ray, always a new one ("local": never attach to a cluster that `ray start`
         # left running; that takes ray.address=auto), with enough CPU slots for the CPU workers
-        # even on a small machine.
+        # even on a small machine. Quiet: no usage stats, and token auth on as Ray (>= 2.5x)
+        # turns it on for a new local cluster, but set explicitly, which is what silences its
+        # warning. A value the user set wins; a user's own cluster (the branch above) is untouched.
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"        # inherited by every process of the cluster
+            try:   # this process read its config at `import ray`: re-read it, as ray.init does
+                from ray._raylet import Config
+                Config.initialize("")
+            except Exception:                             # a Ray without token auth
+                pass
         need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
+        log.info("starting a local Ray (ray.address or RAY_ADDRESS: use a cluster instead)")
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  logging_level=logging.WARNING)
 
@@ -299,6 +350,7 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing) 
                              ["rank", "host", "items", "failed", "restarts", "model_load_s",
                               "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
                               "busy_fraction"])
+    table_txt += "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{summary['items_per_s']:.3g} items/s" if summary["items_per_s"] else "-"
     text = (f"job {summary['job']}: {summary['ok']}/{summary['items']} ok, {summary['failed']} failed"
             f", {summary['not_run']} not run ({resumed} done by an earlier run)"
