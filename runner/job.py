@@ -3,7 +3,7 @@ stream results, summarize. `main(argv)` is what `python -m runner` runs.
 
 Everything that can be wrong with the input is checked before Ray starts or any model is built.
 A rerun into the same directory resumes: prompts whose output is complete are skipped (see
-`results.py`). Shards are handed out dynamically and survive worker failures (see `dispatch.py`).
+`results.py`); with nothing left it says so in one line and keeps the last summary. Shards are handed out dynamically and survive worker failures (see `dispatch.py`).
 Each shard's rows are journaled as they arrive; `results.parquet` is rewritten atomically at most
 every `output.results_every_s` and at the end. Exit status: 0 all ok, 1 some items failed, 2 bad
 input or the job could not run, 130 interrupted.
