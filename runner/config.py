@@ -3,7 +3,8 @@
 The schema is the dataclasses below, and only them: every key, its type, its default and a one-line
 doc (`key(default, doc)`). `Config` is the tree of sections. Key and type checks, `--help`, the
 README's key table (`python -m runner.config --markdown`) and `ModelSpec`'s defaults all come from
-it; adding a key is one line in its section. Merge order, later wins:
+it; adding a key is one line in its section (a `run.*`, `ray.*` or `generation.*` key reaches
+its typed piece with no other change). Merge order, later wins:
 
     schema defaults  <  conf/models/<model.preset>.yaml  <  jobs/<job>.yaml  <  command line
 

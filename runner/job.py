@@ -132,7 +132,7 @@ def run(argv: list[str]) -> dict:
 
         def on_ready(slot):
             nonlocal t_ready, t_all_ready
-            phases.poll()
+            phases.poll(force=True)
             log.info("worker %d: ready in %.1f s", slot.rank, time.monotonic() - slot.started)
             progress.start()     # the bar's rate counts generation from the first ready worker
             t_ready = t_ready or time.perf_counter()
@@ -153,6 +153,7 @@ def run(argv: list[str]) -> dict:
             results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
+            phases.poll(force=True)
             progress.close()
         t_done = time.perf_counter()
 

@@ -35,11 +35,15 @@ class StatusBoard:
 class PhasePrinter:
     """Driver side of the board: `poll()` logs the phases reported since the last poll."""
 
-    def __init__(self, board):
-        self.board, self.seen = board, 0
+    def __init__(self, board, every_s: float = 0.5):
+        self.board, self.seen, self.every_s, self.last = board, 0, every_s, 0.0
 
-    def poll(self) -> None:
+    def poll(self, force: bool = False) -> None:
+        """At most every `every_s` (the wait loop may spin faster while shards stream in)."""
         import ray
+        if not force and time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
         try:
             events = ray.get(self.board.since.remote(self.seen), timeout=5)
         except Exception:                # a display, never a reason to fail the job
