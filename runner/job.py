@@ -141,11 +141,12 @@ def run(argv: list[str]) -> dict:
                 t_all_ready = time.perf_counter()
 
         try:
-            slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker, board), n, shards, items_of,
-                             on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
-                             max_restarts=job["ray"].max_worker_restarts,
-                             start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
-                             on_tick=lambda: (phases.poll(), progress.tick()))
+            with progress.logging():
+                slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker, board), n, shards,
+                                 items_of, on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                                 max_restarts=job["ray"].max_worker_restarts,
+                                 start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
+                                 on_tick=lambda: (phases.poll(), progress.tick()))
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted: stopping workers; finished outputs are kept, rerun to resume")

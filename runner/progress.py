@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -78,6 +79,13 @@ class Progress:
             from tqdm import tqdm
             self.bar = tqdm(total=self.total, initial=self.done, unit="item", desc="generating",
                             smoothing=0.1, file=self.stream)
+
+    def logging(self):
+        """Context for the run: on a terminal, log lines print above the bar instead of through it."""
+        if not self.tty:
+            return contextlib.nullcontext()
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        return logging_redirect_tqdm()
 
     def update(self, n: int) -> None:
         self.done += n
