@@ -219,3 +219,14 @@ def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_pa
     for n in before:
         assert (job_dir / n).read_bytes() == before[n]
         assert (job_dir / n).stat().st_mtime_ns == mtimes[n]
+
+
+def test_help_and_key_list_from_the_command_line():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "runner", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "examples:" in r.stdout and "demo_video" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "runner.config"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "run.batch_size" in r.stdout and "compile.options" in r.stdout
