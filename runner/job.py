@@ -1,12 +1,13 @@
 """The batch job, top to bottom: load config, check prompts and plan shards, start workers,
 stream results, summarize. `main(argv)` is what `python -m runner` runs.
 
-Everything that can be wrong with the input is checked before Ray starts or any model is built.
-A rerun into the same directory resumes: prompts whose output is complete are skipped (see
-`results.py`); with nothing left it says so in one line and keeps the last summary. Shards are handed out dynamically and survive worker failures (see `dispatch.py`).
-Each shard's rows are journaled as they arrive; `results.parquet` is rewritten atomically at most
-every `output.results_every_s` and at the end. Exit status: 0 all ok, 1 some items failed, 2 bad
-input or the job could not run, 130 interrupted.
+Everything that can be wrong with the input is checked before Ray starts or any model is built. A
+rerun into the same directory resumes: prompts whose output is complete are skipped (see
+`results.py`); with nothing left it says so in one line and keeps the last summary. Shards are
+handed out dynamically and survive worker failures (see `dispatch.py`). Each shard's rows are
+journaled as they arrive; `results.parquet` is rewritten atomically at most every
+`output.results_every_s` and at the end. Exit status: 0 all ok, 1 some items failed, 2 bad input or
+the job could not run, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def run(argv: list[str]) -> dict:
         try:
             with progress.logging():
                 slots = dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker, board), n, shards,
-                                 items_of, on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                                 items_of, on_rows, inflight=INFLIGHT,
+                                 max_retries=opts.max_shard_retries,
                                  max_restarts=job["ray"].max_worker_restarts,
                                  start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
                                  on_tick=lambda: (phases.poll(), progress.tick()))
@@ -154,7 +156,6 @@ def run(argv: list[str]) -> dict:
             results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
-            phases.poll(force=True)
             progress.close()
         t_done = time.perf_counter()
 
@@ -233,8 +234,12 @@ def _nothing_to_do(results: Results, items, out) -> dict:
         results.write_table(ids)
     results.close()
     summary_txt = os.path.join(out.job_dir, "summary.txt")
-    kept = (f"summary from {time.strftime('%Y-%m-%d %H:%M', time.localtime(os.path.getmtime(summary_txt)))}"
-            f" kept in {summary_txt}" if os.path.exists(summary_txt) else f"results in {table_path}")
+    if os.path.exists(summary_txt):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(summary_txt)))
+        kept = f"summary from {when} kept in {summary_txt}"
+    else:
+        kept = f"results in {table_path}"
+
     print(f"nothing to do: all {len(ids)} prompts already done ({kept}); "
           f"output.overwrite=true regenerates them")
     return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True}
@@ -291,9 +296,9 @@ def _ray_init(opts) -> None:
     else:
         # Embedded local Ray, always a new one ("local": never attach to a cluster that `ray start`
         # left running; that takes ray.address=auto), with enough CPU slots for the CPU workers
-        # even on a small machine. Quiet: no usage stats, and token auth on as Ray (>= 2.5x)
-        # turns it on for a new local cluster, but set explicitly, which is what silences its
-        # warning. A value the user set wins; a user's own cluster (the branch above) is untouched.
+        # even on a small machine. Quiet: no usage stats, and token auth on, as Ray 2.60 turns it
+        # on for a new local cluster, but set explicitly, which is what silences its warning. A
+        # value the user set wins; a user's own cluster (the branch above) is untouched.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if "RAY_AUTH_MODE" not in os.environ:
             os.environ["RAY_AUTH_MODE"] = "token"        # inherited by every process of the cluster
