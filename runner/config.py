@@ -1,8 +1,12 @@
 """Load, merge and check a job's config; split it into the narrow typed pieces the rest uses.
 
-One config tree (`conf/defaults.yaml` lists every key). Merge order, later wins:
+The schema is the dataclasses below, and only them: every key, its type, its default and a one-line
+doc (`key(default, doc)`). `Config` is the tree of sections. Key and type checks, `--help`, the
+README's key table (`python -m runner.config --markdown`) and `ModelSpec`'s defaults all come from
+it; adding a key is one line in its section (a `run.*`, `ray.*` or `generation.*` key reaches
+its typed piece with no other change). Merge order, later wins:
 
-    conf/defaults.yaml  <  conf/models/<model.preset>.yaml  <  jobs/<job>.yaml  <  command line
+    schema defaults  <  conf/models/<model.preset>.yaml  <  jobs/<job>.yaml  <  command line
 
 `job=NAME` picks `jobs/NAME.yaml` (or `job=path/to/file.yaml`); every other argument is
 `dotted.key=value` (the value may itself contain `=`; it is parsed as YAML, so `steps=20` is an int).
@@ -14,9 +18,13 @@ the runner one of the frozen dataclasses below, each of which validates itself.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
-from dataclasses import dataclass, field
+import sys
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -24,13 +32,214 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
 JOBS_DIR = ROOT / "jobs"
-# Subtrees whose keys are free-form (passed through to Inductor / checked by the compiler).
-FREE_FORM = {"compile.options"}
+REQUIRED = "???"   # OmegaConf's "missing" marker: a key the job file or command line must set
 
 
 class ConfigError(ValueError):
     pass
 
+
+def key(default, doc: str):
+    """A config key of a schema section: its default and one line for --help and the README."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def _choice(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {list(valid)}")
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema. Sections that are also a typed piece of the runner (generation, run, ray) validate
+# themselves in __post_init__; the others are checked where they are split (see `split`).
+
+@dataclass(frozen=True)
+class JobSection:
+    name: str | None = key(None, "output subdirectory; null = the job file's name (an empty value "
+                                 "is an error)")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = key("pixart_alpha_1024", "latte1 | pixart_alpha_1024 | pixart_alpha_512 | "
+                                           "pixart_sigma_1024 | sd21 (conf/models/<preset>.yaml)")
+    source: str = key("pretrained", "pretrained (from_pretrained) | random (published size, random "
+                                    "weights) | tiny (CPU tests)")
+    path: str | None = key(None, "pretrained: hub id or local directory; null = the preset's hub id")
+    local_files_only: bool = key(False, "pretrained: never touch the network (also HF_HUB_OFFLINE=1)")
+    dtype: str = key("auto", "auto (fp16 on GPU, fp32 on CPU) | fp16 | bf16 | fp32")
+    device: str = key("auto", "auto (cuda when the worker has a GPU) | cuda | cpu")
+    mask_feature: bool = key(True, "Latte: trim text embeddings to the real token count "
+                                   "(false = always 120)")
+
+
+@dataclass(frozen=True)
+class PromptsSection:
+    path: str | list = key(REQUIRED, "a .parquet file, a directory of them, or a list of either")
+    on_empty: str = key("error", "null/empty prompt: error (before any model is built) | skip")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Values for the Parquet columns a prompt file leaves out (the model preset sets its own)."""
+    seed: int = key(0, "per-row default: random seed")
+    height: int = key(1024, "per-row default: pixels, a multiple of the model's factor")
+    width: int = key(1024, "per-row default: pixels, a multiple of the model's factor")
+    num_frames: int = key(16, "per-row default, video models: must equal the model's video_length")
+    num_inference_steps: int = key(20, "per-row default: denoising steps")
+    guidance_scale: float = key(4.5, "per-row default: classifier-free guidance scale")
+    negative_prompt: str = key("", "per-row default: negative prompt")
+
+    def __post_init__(self):
+        for k in ("height", "width", "num_frames", "num_inference_steps"):
+            _positive(f"generation.{k}", getattr(self, k))
+        if self.seed < 0:
+            raise ConfigError(f"generation.seed={self.seed} must be >= 0")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    batch_size: int = key(1, "rows of one shard with the same shape are batched up to this")
+    shard_size: int = key(8, "rows per shard (the unit a worker takes from the queue)")
+    warmup_steps: int = key(2, "denoising steps of the warm-up call after load/compile")
+    max_shard_retries: int = key(2, "a row that keeps killing workers or raising is recorded "
+                                    "failed after this many retries")
+    dry_run: bool = key(False, "true: check config and prompts, print the plan against the job "
+                               "directory, exit (no Ray)")
+
+    def __post_init__(self):
+        _positive("run.max_shard_retries", self.max_shard_retries, allow_zero=True)
+        _positive("run.batch_size", self.batch_size)
+        _positive("run.shard_size", self.shard_size)
+        _positive("run.warmup_steps", self.warmup_steps, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = key(None, "null: RAY_ADDRESS if set, else an embedded local Ray; "
+                                     "or auto / host:port")
+    num_workers: int | None = key(None, "null: one per GPU in the cluster, or cpu_workers "
+                                        "when there is none")
+    cpu_workers: int = key(2, "workers when the cluster has no GPU")
+    cpus_per_worker: int = key(1, "CPU cores (and torch threads) of each CPU worker")
+    max_worker_restarts: int = key(3, "per worker: replacements started after its actor died")
+    worker_start_timeout_s: float = key(900.0, "a worker not ready after this many seconds "
+                                               "(load + compile + warm-up) is given up")
+
+    def __post_init__(self):
+        _positive("ray.max_worker_restarts", self.max_worker_restarts, allow_zero=True)
+        _positive("ray.worker_start_timeout_s", self.worker_start_timeout_s)
+        if self.num_workers is not None:
+            _positive("ray.num_workers", self.num_workers)
+        _positive("ray.cpu_workers", self.cpu_workers)
+        _positive("ray.cpus_per_worker", self.cpus_per_worker)
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    dir: str = key("outputs", "outputs go to <dir>/<job name>/")
+    fps: int = key(8, "frame rate of mp4 outputs")
+    results_every_s: float = key(30.0, "results.parquet is rewritten (atomically) at most this "
+                                       "often while running, in seconds")
+    overwrite: bool = key(False, "false: a rerun resumes (skips finished prompts); "
+                                 "true: regenerate everything")
+
+
+@dataclass(frozen=True)
+class CompileSection:
+    """Handed to `compiler.parse_options` as one dict (all but cache_dir); see the README's flags."""
+    mode: str = key("none", "none (eager) | colon-joined flags, e.g. max-optimize:cache-all | O2 | O3")
+    memory_format: str | None = key(None, "null | channels_last")
+    dynamic: bool = key(False, "true: one compiled graph serves several resolutions")
+    fuse_qkv: bool = key(True, "fuse the q/k/v projections of every attention block")
+    fuse_gelu: bool = key(True, "compiled, CUDA: Linear + GELU(tanh) as one GEMM with a GELU epilogue")
+    short_attention: bool = key(True, "compiled, CUDA: self-attention over <= 64 tokens "
+                                      "(Latte temporal) as one Triton kernel")
+    sdpa_priority: bool = key(True, "CUDA: attention takes the first of cuDNN, flash, "
+                                    "mem-efficient, math that fits")
+    compile_text_encoder: bool = key(False, "also compile the text encoder's blocks")
+    compile_vae: bool | None = key(None, "also compile the VAE decoder's blocks; null: for image "
+                                         "models, not video")
+    cache_dir: str | None = key(None, "compile cache shared by jobs (a path; URIs are not "
+                                      "supported yet); null = "
+                                      "<output.dir>/.compile-cache")
+    options: dict = key({}, "Inductor config overrides (free-form), "
+                            "e.g. compile.options.coordinate_descent_tuning=true")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole tree: one field per section."""
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    prompts: PromptsSection = field(default_factory=PromptsSection)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    run: RunOptions = field(default_factory=RunOptions)
+    ray: RayOptions = field(default_factory=RayOptions)
+    output: OutputSection = field(default_factory=OutputSection)
+    compile: CompileSection = field(default_factory=CompileSection)
+
+
+# The keys `--help` shows; every key is in `python -m runner.config` and the README.
+COMMON_KEYS = ("model.preset", "model.source", "model.path", "prompts.path",
+               "generation.num_inference_steps", "run.batch_size", "ray.num_workers", "output.dir",
+               "output.overwrite", "compile.mode")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    name: str        # dotted: section.key
+    type: object     # the annotation, e.g. int, str | None
+    default: object
+    doc: str
+
+
+def schema() -> dict[str, KeyInfo]:
+    """Every key of `Config`, in declaration order."""
+    out = {}
+    for sec in fields(Config):
+        cls = sec.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            default = f.default_factory() if f.default is MISSING else f.default
+            name = f"{sec.name}.{f.name}"
+            out[name] = KeyInfo(name, hints[f.name], default, f.metadata.get("doc", ""))
+    return out
+
+
+def defaults() -> DictConfig:
+    """The schema's defaults as the bottom layer of the merge."""
+    tree: dict = {}
+    for k in schema().values():
+        sec, name = k.name.split(".")
+        tree.setdefault(sec, {})[name] = k.default
+    return OmegaConf.create(tree)
+
+
+def _allowed(hint) -> tuple:
+    """The plain types a key accepts: `int | None` -> (int, NoneType)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _type_name(hint) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in _allowed(hint))
+
+
+def _free_form(k: KeyInfo) -> bool:
+    return k.type is dict
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and checking.
 
 def available_jobs() -> list[str]:
     return sorted(p.stem for p in JOBS_DIR.glob("*.yaml"))
@@ -68,64 +277,71 @@ def parse_cli(argv: list[str]) -> tuple[str | None, DictConfig]:
     for arg in argv:
         if "=" not in arg:
             raise ConfigError(f"argument {arg!r} is not key=value; usage: python -m runner "
-                              f"job=NAME [key=value ...] (jobs: {available_jobs()})")
-        key, value = arg.split("=", 1)
-        if key == "job.name" and not value.strip():
+                              f"job=NAME [key=value ...] (jobs: {available_jobs()}; "
+                              f"python -m runner --help)")
+        k, value = arg.split("=", 1)
+        if k == "job.name" and not value.strip():
             # not "unset": an empty name would silently fall back to the job file's name
             raise ConfigError("job.name is empty on the command line; give a name "
                               "(job.name=NAME) or leave the argument out to use the job file's name")
-        if key == "job":
+        if k == "job":
             job = value
         else:
-            dotlist.append(f"{key}={value}")
+            dotlist.append(f"{k}={value}")
     try:
         return job, OmegaConf.from_dotlist(dotlist)
     except Exception as e:
         raise ConfigError(f"bad command-line override: {e}") from e
 
 
-def _check_keys(schema: DictConfig, cfg: DictConfig, source: str, prefix: str = "") -> None:
-    for key in cfg.keys():
-        full = f"{prefix}{key}"
-        if key not in list(schema.keys()):
-            valid = [str(k) for k in schema.keys()]
-            hint = difflib.get_close_matches(str(key), valid, n=1)
-            raise ConfigError(
-                f"unknown config key {full!r} in {source}"
-                + (f" (did you mean {prefix + hint[0]!r}?)" if hint else "")
-                + f"; valid keys{' under ' + repr(prefix[:-1]) if prefix else ''}: {valid}")
-        sub, val = schema._get_node(key), cfg._get_node(key)
-        if full in FREE_FORM:
-            continue
-        if isinstance(sub, DictConfig):
-            if not isinstance(val, DictConfig):
-                raise ConfigError(f"{full!r} in {source} must be a mapping with keys {list(sub.keys())}")
-            _check_keys(sub, val, source, full + ".")
+def _unknown(name: str, valid: list[str], source: str, prefix: str) -> ConfigError:
+    hint = difflib.get_close_matches(name, valid, n=1)
+    return ConfigError(
+        f"unknown config key {prefix + name!r} in {source}"
+        + (f" (did you mean {prefix + hint[0]!r}?)" if hint else "")
+        + f"; valid keys{' under ' + repr(prefix[:-1]) if prefix else ''}: {valid}")
 
 
-def _check_types(schema: DictConfig, cfg: DictConfig, prefix: str = "") -> None:
-    """Leaves whose default is a bool/int/float/str must keep that type (null defaults take any)."""
-    for key in schema.keys():
-        full = f"{prefix}{key}"
-        node = schema._get_node(key)
-        if isinstance(node, DictConfig):
-            if full not in FREE_FORM:
-                _check_types(node, cfg._get_node(key), full + ".")
+def _check_keys(cfg: DictConfig, source: str) -> None:
+    """Every key of `cfg` (a job file, preset or the command line) is in the schema."""
+    keys = schema()
+    sections = [f.name for f in fields(Config)]
+    for sec in cfg.keys():
+        if sec not in sections:
+            raise _unknown(str(sec), sections, source, "")
+        valid = [k.split(".", 1)[1] for k in keys if k.startswith(f"{sec}.")]
+        node = cfg._get_node(sec)
+        if not isinstance(node, DictConfig):
+            raise ConfigError(f"{sec!r} in {source} must be a mapping with keys {valid}")
+        for name in node.keys():
+            if name not in valid:
+                raise _unknown(str(name), valid, source, f"{sec}.")
+            k = keys[f"{sec}.{name}"]
+            if _free_form(k) and not isinstance(node._get_node(name), DictConfig):
+                raise ConfigError(f"{k.name!r} in {source} must be a mapping")
+
+
+def _check_types(cfg: DictConfig) -> None:
+    """Every leaf has one of its annotated types (ints are floats; numbers are strings)."""
+    for k in schema().values():
+        sec, name = k.name.split(".")
+        got, allowed = cfg[sec][name], _allowed(k.type)
+        if got == REQUIRED or _free_form(k):
             continue
-        want, got = node._value(), cfg._get_node(key)._value()
-        if want is None or want == "???" or got == "???":
+        if str in allowed and isinstance(got, (int, float)) and not isinstance(got, bool):
+            cfg[sec][name] = str(got)         # generation.negative_prompt=123, job.name=2024
             continue
-        if isinstance(want, bool):
-            ok = isinstance(got, bool)
-        elif isinstance(want, int):
-            ok = isinstance(got, int) and not isinstance(got, bool)
-        elif isinstance(want, float):
-            ok = isinstance(got, (int, float)) and not isinstance(got, bool)
-        else:
-            ok = isinstance(got, type(want))
+        ok = any(
+            (t is type(None) and got is None)
+            or (t is bool and isinstance(got, bool))
+            or (t is int and isinstance(got, int) and not isinstance(got, bool))
+            or (t is float and isinstance(got, (int, float)) and not isinstance(got, bool))
+            or (t is str and isinstance(got, str))
+            or (t is list and isinstance(got, ListConfig))
+            for t in allowed)
         if not ok:
-            raise ConfigError(f"{full}={got!r} has the wrong type: expected {type(want).__name__} "
-                              f"(default {want!r})")
+            raise ConfigError(f"{k.name}={got!r} has the wrong type: expected {_type_name(k.type)} "
+                              f"(default {k.default!r})")
 
 
 def load_config(argv: list[str]) -> DictConfig:
@@ -133,25 +349,24 @@ def load_config(argv: list[str]) -> DictConfig:
     job, cli = parse_cli(argv)
     if job is None:
         raise ConfigError(f"no job given: python -m runner job=NAME [key=value ...]; "
-                          f"jobs: {available_jobs()}")
+                          f"jobs: {available_jobs()} (python -m runner --help)")
     job_path = _job_path(job)
-    defaults = _load_yaml(CONF_DIR / "defaults.yaml", "defaults")
+    base = defaults()
     job_cfg = _load_yaml(job_path, "job file")
-    _check_keys(defaults, job_cfg, f"job file {job_path}")
-    _check_keys(defaults, cli, "the command line")
+    _check_keys(job_cfg, f"job file {job_path}")
+    _check_keys(cli, "the command line")
 
     preset = OmegaConf.select(cli, "model.preset") or OmegaConf.select(job_cfg, "model.preset") \
-        or defaults.model.preset
+        or base.model.preset
     preset_path = CONF_DIR / "models" / f"{preset}.yaml"
     if not preset_path.is_file():
         raise ConfigError(f"unknown model.preset {preset!r}; valid: {available_presets()}")
     preset_cfg = _load_yaml(preset_path, "model preset")
-    _check_keys(defaults, preset_cfg, f"model preset {preset_path}")
+    _check_keys(preset_cfg, f"model preset {preset_path}")
 
-    cfg = OmegaConf.merge(defaults, preset_cfg, job_cfg, cli)
+    cfg = OmegaConf.merge(base, preset_cfg, job_cfg, cli)
     if cfg.job.name is None:
         cfg.job.name = job_path.stem
-    _check_types(defaults, cfg)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"required config keys not set: {missing} (set them in the job file or "
@@ -160,45 +375,19 @@ def load_config(argv: list[str]) -> DictConfig:
         OmegaConf.resolve(cfg)
     except Exception as e:
         raise ConfigError(f"cannot resolve interpolation: {e}") from e
+    _check_types(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
 
 
 # ---------------------------------------------------------------------------------------------
-# The narrow pieces. Each validates itself; nothing below runner.job sees the whole tree.
-
-def _choice(name: str, value, valid) -> None:
-    if value not in valid:
-        raise ConfigError(f"{name}={value!r} is not valid; choose one of {list(valid)}")
-
-
-def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """Values for the Parquet columns a prompt file leaves out."""
-    seed: int = 0
-    height: int = 1024
-    width: int = 1024
-    num_frames: int = 16
-    num_inference_steps: int = 20
-    guidance_scale: float = 4.5
-    negative_prompt: str = ""
-
-    def __post_init__(self):
-        for k in ("height", "width", "num_frames", "num_inference_steps"):
-            _positive(f"generation.{k}", getattr(self, k))
-        if self.seed < 0:
-            raise ConfigError(f"generation.seed={self.seed} must be >= 0")
-
+# The narrow pieces that are not schema sections. Each validates itself; nothing below
+# runner.job sees the whole tree.
 
 @dataclass(frozen=True)
 class PromptSource:
     paths: tuple[str, ...]
-    on_empty: str = "error"
+    on_empty: str
 
     def __post_init__(self):
         _choice("prompts.on_empty", self.on_empty, ("error", "skip"))
@@ -207,59 +396,34 @@ class PromptSource:
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    batch_size: int = 1
-    shard_size: int = 8
-    warmup_steps: int = 2
-    max_shard_retries: int = 2
-    dry_run: bool = False
-
-    def __post_init__(self):
-        _positive("run.max_shard_retries", self.max_shard_retries, allow_zero=True)
-        _positive("run.batch_size", self.batch_size)
-        _positive("run.shard_size", self.shard_size)
-        _positive("run.warmup_steps", self.warmup_steps, allow_zero=True)
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    address: str | None = None
-    num_workers: int | None = None
-    cpu_workers: int = 2
-    cpus_per_worker: int = 1
-    max_worker_restarts: int = 3
-    worker_start_timeout_s: float = 900.0
-
-    def __post_init__(self):
-        _positive("ray.max_worker_restarts", self.max_worker_restarts, allow_zero=True)
-        _positive("ray.worker_start_timeout_s", self.worker_start_timeout_s)
-        if self.num_workers is not None:
-            _positive("ray.num_workers", self.num_workers)
-        _positive("ray.cpu_workers", self.cpu_workers)
-        _positive("ray.cpus_per_worker", self.cpus_per_worker)
-
-
-@dataclass(frozen=True)
 class OutputOptions:
     job_dir: str                   # <output.dir>/<job.name>
-    fps: int = 8
-    results_every_s: float = 30.0
+    fps: int
+    results_every_s: float
 
     def __post_init__(self):
         _positive("output.fps", self.fps)
         _positive("output.results_every_s", self.results_every_s, allow_zero=True)
 
 
+def _compile_options(section: dict) -> dict:
+    return {k: v for k, v in section.items() if k != "cache_dir"}   # the rest is compiler options
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """The nexfort-style options dict handed to `compiler.compile_pipe`, plus the cache dir."""
-    options: dict = field(default_factory=lambda: {"mode": "none"})
-    fuse_qkv: bool = True
+    options: dict = field(default_factory=lambda: _compile_options(
+        OmegaConf.to_container(defaults().compile)))
     cache_dir: str | None = None
 
     @property
     def enabled(self) -> bool:
         return self.options.get("mode", "none") != "none"
+
+    @property
+    def fuse_qkv(self) -> bool:
+        return self.options.get("fuse_qkv", True)
 
 
 def _as_paths(value) -> tuple[str, ...]:
@@ -275,11 +439,8 @@ def split(cfg: DictConfig) -> dict:
     def section(name):
         return OmegaConf.to_container(cfg[name], resolve=True)
 
-    m = section("model")
     try:
-        model = ModelSpec(preset=m["preset"], source=m["source"], path=m["path"], dtype=m["dtype"],
-                          device=m["device"], local_files_only=m["local_files_only"],
-                          mask_feature=m["mask_feature"])
+        model = ModelSpec(**section("model"))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     name = str(cfg.job.name)
@@ -300,7 +461,76 @@ def split(cfg: DictConfig) -> dict:
         output=OutputOptions(job_dir=os.path.join(str(cfg.output.dir), name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
         compile=CompileConfig(
-            options={k: v for k, v in c.items() if k != "cache_dir"},  # the rest is compiler options
-            fuse_qkv=c["fuse_qkv"],
+            options=_compile_options(c),
             cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Documentation from the schema: the README's key table and `--help`.
+
+def _show(v) -> str:
+    if v == REQUIRED:
+        return "required"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if v == "":
+        return '""'
+    return str(v)
+
+
+def markdown_table() -> str:
+    """Every key as a README table (tests/test_ux.py checks the README holds exactly this)."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{k.name}` | {_type_name(k.type)} | `{_show(k.default)}` | {k.doc} |"
+             for k in schema().values()]
+    return "\n".join(rows)
+
+
+def keys_text(names=None) -> str:
+    """Keys as aligned plain text: `name  default  doc`."""
+    keys = [k for k in schema().values() if names is None or k.name in names]
+    w = max(len(k.name) for k in keys)
+    d = max(len(_show(k.default)) for k in keys)
+    return "\n".join(f"  {k.name:<{w}}  {_show(k.default):<{d}}  {k.doc}" for k in keys)
+
+
+def _job_summary(name: str) -> str:
+    """A job file's first comment line."""
+    for line in (JOBS_DIR / f"{name}.yaml").read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def help_text() -> str:
+    jobs = available_jobs()
+    w = max(map(len, jobs))
+    job_lines = "\n".join(f"  {j:<{w}}  {_job_summary(j)}" for j in jobs)
+    return f"""\
+usage: python -m runner job=NAME [key=value ...]
+
+Generates one image or video per prompt of a Parquet file, on a local Ray (one worker per GPU, or
+CPU workers) or an existing cluster (ray.address, RAY_ADDRESS). Outputs go to
+<output.dir>/<job name>/: media/, results.parquet, summary.txt. A rerun resumes.
+
+jobs (jobs/NAME.yaml; or job=path/to/file.yaml):
+{job_lines}
+
+examples:
+  python -m runner job=demo_image                 # CPU demo: tiny random model, no weights, no network
+  python -m runner job=pixart_batch prompts.path=my_prompts.parquet compile.mode=O2
+  python -m runner job=latte_batch model.path=/models/Latte-1 model.local_files_only=true \\
+      ray.num_workers=4 output.dir=/shared/outputs
+
+common keys (key=value; values are YAML; later wins: model preset < job file < command line):
+{keys_text(COMMON_KEYS)}
+
+every key, its type, default and meaning: python -m runner.config (README.md, "Configuration").
+exit status: 0 all ok, 1 some prompts failed, 2 bad input, 130 interrupted."""
+
+
+if __name__ == "__main__":
+    print(markdown_table() if "--markdown" in sys.argv[1:] else keys_text())

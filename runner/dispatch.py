@@ -24,6 +24,7 @@ Contract of `dispatch(...)`:
   the job stops with `DispatchError` instead of hanging.
 - `slots` (optional) is a list the caller owns, filled with the live slots as they change: after an
   interrupt (an exception out of dispatch) the caller still knows which workers served.
+- `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
              items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
              inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
              start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
-             slots: list[Slot] | None = None) -> list[Slot]:
+             slots: list[Slot] | None = None,
+             on_tick: Callable[[], None] | None = None) -> list[Slot]:
     import ray
 
     queue = deque(shards)
@@ -178,6 +180,8 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
                                 f"{len(queue)} shards were not run. Finished outputs are kept: "
                                 f"rerun the same command to resume.")
         ready, _ = ray.wait(list(refs) + list(waiting), num_returns=1, timeout=1.0)
+        if on_tick:                          # about once a second: start-up phases, progress lines
+            on_tick()
         now = time.monotonic()
         for s in [s for s in slots if s.state == "starting" and now - s.started > start_timeout_s]:
             if s.warm_ref not in ready:

@@ -3,15 +3,16 @@ stream results, summarize. `main(argv)` is what `python -m runner` runs.
 
 Everything that can be wrong with the input is checked before Ray starts or any model is built.
 A rerun into the same directory resumes: prompts whose output is complete are skipped (see
-`results.py`). Shards are handed out dynamically and survive worker failures (see `dispatch.py`).
-Each shard's rows are journaled as they arrive; `results.parquet` is rewritten atomically at most
-every `output.results_every_s` and at the end. One driver per job directory (`lock.py`).
+`results.py`); with nothing left it says so in one line and keeps the last summary. Shards are
+handed out dynamically and survive worker failures (see `dispatch.py`). Each shard's rows are
+journaled as they arrive; `results.parquet` is rewritten atomically at most every
+`output.results_every_s` and at the end. One driver per job directory (`lock.py`).
 `run.dry_run=true` stops after the checks and prints the plan against the job directory.
 
-Exit status: 0 all ok (or a dry run); 1 some items failed; 2 bad input or the job could not run
-(the message names the key or file and the fix); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM:
-`ray job stop`, Kubernetes, Slurm). Interrupted or terminated, the workers are stopped, finished
-outputs are kept and the summary and metrics of what was done are written.
+Exit status: 0 all ok (or a dry run, or nothing to do); 1 some items failed; 2 bad input or the job
+could not run (the message names the key or file and the fix); 130 interrupted (Ctrl-C); 143
+terminated (SIGTERM: `ray job stop`, Kubernetes, Slurm). Interrupted or terminated, the workers are
+stopped, finished outputs are kept and the summary and metrics of what was done are written.
 """
 
 from __future__ import annotations
@@ -23,20 +24,30 @@ import signal
 import sys
 import tempfile
 import threading
+import textwrap
 import time
 
 from omegaconf import OmegaConf
 
-from .config import ConfigError, load_config, split
+from .config import ConfigError, help_text, load_config, split
 from .dispatch import DispatchError, dispatch
 from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table, write_json, write_text
+from .progress import PhasePrinter, Progress, StatusBoard
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
 from .results import (JOURNAL, Plan, Results, config_changes, fingerprint, remove_temp_files,
                       settings_id, start_fresh)
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
+
+
+# Printed under the per-worker table: the columns' units and what steady_it_s measures.
+LEGEND = ("model_load_s, warmup_s: seconds to load the model / to compile (or load the compile cache) "
+          "and warm up; steady_it_s: denoising steps/s, from the end of step 1 of each call (its "
+          "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), mean / 95th "
+          "percentile; peak_mem_gb: peak GPU memory while serving, GiB; busy_fraction: share of the "
+          "time since ready spent generating.")
 
 
 class JobError(RuntimeError):
@@ -61,10 +72,9 @@ def _handle_sigterm() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__ + "\nusage: python -m runner job=NAME [key=value ...]\n"
-              "keys: see conf/defaults.yaml; jobs: see jobs/")
-        return 0
+    if any(a in ("-h", "--help") for a in argv) or not argv:
+        print(help_text(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     _handle_sigterm()
     try:
@@ -110,6 +120,8 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     done = plan.done
     shards = plan_shards(items, opts.shard_size, done)
     write_text(os.path.join(out.job_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
+    if items and not shards:
+        return _nothing_to_do(results, items, out)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(files), len(done), len(shards), out.job_dir)
     _log_plan(plan, out.job_dir)
@@ -142,18 +154,21 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         # metrics(); the worker orders the GPU work itself.
         RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                   max_concurrency=2 * INFLIGHT + 1, **actor_opts)
-        log.info("starting %d %s workers", n, "GPU" if gpus else "CPU")
+        log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
+                 "warms up)", n, "GPU" if gpus else "CPU")
+
+        # Workers report their start-up phases to a board the driver polls (progress.py).
+        board = ray.remote(StatusBoard).options(num_cpus=0).remote()
+        phases = PhasePrinter(board)
 
         # 4. Stream: dynamic hand-out, each shard's rows journaled as they arrive.
-        from tqdm import tqdm
-        todo = sum(len(items_of(s)) for s in shards)
-        bar = tqdm(total=todo, unit="item", desc="generating", smoothing=0.1)
+        progress = Progress(sum(len(items_of(s)) for s in shards))
         last_write = time.monotonic()
 
         def on_rows(rows):
             nonlocal last_write, steady_items
             results.add(rows)
-            bar.update(len(rows))
+            progress.update(len(rows))
             n_ok, n_failed = timeline[-1][1:] if timeline else (0, 0)
             ok = sum(r["status"] == "ok" for r in rows)
             timeline.append((time.perf_counter() - t_start, n_ok + ok, n_failed + len(rows) - ok))
@@ -166,17 +181,21 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
 
         def on_ready(slot):
             nonlocal t_ready, t_all_ready
+            phases.poll(force=True)
+            log.info("worker %d: ready in %.1f s", slot.rank, time.monotonic() - slot.started)
+            progress.start()     # the bar's rate counts generation from the first ready worker
             t_ready = t_ready or time.perf_counter()
             ready_ranks.add(slot.rank)   # a replacement of a slot that was ready adds nothing
             if len(ready_ranks) == n and t_all_ready is None:
                 t_all_ready = time.perf_counter()
 
         try:
-            dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of, on_rows,
-                     inflight=INFLIGHT, max_retries=opts.max_shard_retries,
-                     max_restarts=job["ray"].max_worker_restarts,
-                     start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
-                     slots=slots)
+            with progress.logging():
+                dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker, board), n, shards, items_of,
+                         on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
+                         max_restarts=job["ray"].max_worker_restarts,
+                         start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
+                         slots=slots, on_tick=lambda: (phases.poll(), progress.tick()))
         except KeyboardInterrupt as e:           # Ctrl-C, or SIGTERM (TERMINATED)
             stopped = e
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
@@ -186,7 +205,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             results.write_table(ids)
             raise JobError(str(e)) from e
         finally:
-            bar.close()
+            progress.close()
         t_done = time.perf_counter()
 
     # 5. Summarize.
@@ -318,6 +337,30 @@ def _check_same_config(cfg, out) -> None:
                            f"job.name or output.dir")
 
 
+def _nothing_to_do(results: Results, items, out) -> dict:
+    """A rerun with every prompt done: say so in one line; the last real summary stays in place."""
+    ids = [it.id for it in items]
+    table_path = os.path.join(out.job_dir, "results.parquet")
+    try:
+        import pyarrow.parquet as pq
+        stale = pq.read_table(table_path, columns=["id"]).column("id").to_pylist() != ids
+    except Exception:                    # missing or unreadable (the driver died before writing it)
+        stale = True
+    if stale:
+        results.write_table(ids)
+    results.close()
+    summary_txt = os.path.join(out.job_dir, "summary.txt")
+    if os.path.exists(summary_txt):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(summary_txt)))
+        kept = f"summary from {when} kept in {summary_txt}"
+    else:
+        kept = f"results in {table_path}"
+
+    print(f"nothing to do: all {len(ids)} prompts already done ({kept}); "
+          f"output.overwrite=true regenerates them")
+    return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True}
+
+
 def _collect_metrics(slots, out, timeout_s: float = 60.0) -> list[dict]:
     """Every ready worker's metrics, asked in parallel, waited for `timeout_s` in all (after an
     interrupt a worker answers once its running shard is done; SIGTERM's grace period is short)."""
@@ -378,12 +421,24 @@ def _ray_init(opts) -> None:
         return
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
+        log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         # Embedded local Ray, always a new one ("local": never attach to a cluster that `ray start`
         # left running; that takes ray.address=auto), with enough CPU slots for the CPU workers
-        # even on a small machine.
+        # even on a small machine. Quiet: no usage stats, and token auth on, as Ray 2.60 turns it
+        # on for a new local cluster, but set explicitly, which is what silences its warning. A
+        # value the user set wins; a user's own cluster (the branch above) is untouched.
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"        # inherited by every process of the cluster
+            try:   # this process read its config at `import ray`: re-read it, as ray.init does
+                from ray._raylet import Config
+                Config.initialize("")
+            except Exception:                             # a Ray without token auth
+                pass
         need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
+        log.info("starting a local Ray (ray.address or RAY_ADDRESS: use a cluster instead)")
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                  logging_level=logging.WARNING)
 
@@ -441,6 +496,7 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, 
                              ["rank", "host", "items", "failed", "restarts", "model_load_s",
                               "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
                               "busy_fraction", "gpu_busy_fraction", "gpu_util"])
+    table_txt += "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{summary['items_per_s']:.3g} items/s" if summary["items_per_s"] else "-"
     text = (f"job {summary['job']}: {summary['ok']}/{summary['items']} ok, {summary['failed']} failed"
             f", {summary['not_run']} not run ({resumed} done by an earlier run)"

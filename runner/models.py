@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .config import ModelSection
+
 _PUBLISHED = json.loads((Path(__file__).with_name("published_configs.json")).read_text())
 # The hub's json stores -inf as a string; the scheduler needs a float.
 _PUBLISHED["pixart_scheduler"]["lambda_min_clipped"] = float("-inf")
@@ -55,15 +57,18 @@ class ModelLoadError(RuntimeError):
     pass
 
 
+_D = ModelSection()   # defaults and docs of every field: the config schema's model section
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     preset: str
-    source: str = "tiny"
-    path: str | None = None          # pretrained only: hub id or local dir; None = the preset's hub id
-    dtype: str = "auto"              # auto | fp16 | bf16 | fp32; auto = fp16 on GPU, fp32 on CPU
-    device: str = "auto"             # auto | cpu | cuda | cuda:N; auto = cuda when available
-    local_files_only: bool = False
-    mask_feature: bool = True        # Latte only: trim text embeddings to the real token count
+    source: str = _D.source
+    path: str | None = _D.path
+    dtype: str = _D.dtype
+    device: str = _D.device        # also cuda:N
+    local_files_only: bool = _D.local_files_only
+    mask_feature: bool = _D.mask_feature
 
     def __post_init__(self):
         if self.preset not in PRESETS:

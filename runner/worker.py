@@ -170,8 +170,10 @@ class ShardRun:
 
 
 class Worker:
-    def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
+    def __init__(self, rank: int, cfg: WorkerConfig, broker=None, status=None):
         self.rank, self.cfg, self.broker = rank, cfg, broker
+        self.status, self.t_start = status, time.perf_counter()   # start-up phases (progress.py)
+        self._phase("loading model")
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.spec = cfg.model.resolved()
@@ -206,6 +208,11 @@ class Worker:
         self._wait_in_window = 0.0
         self._util = None
 
+    def _phase(self, name: str) -> None:
+        """Tell the driver's status board what this worker is doing now; fire-and-forget."""
+        if self.status is not None:
+            self.status.set.remote(self.rank, name, time.perf_counter() - self.t_start)
+
     def _sync(self):
         if self.cuda:
             torch.cuda.synchronize()
@@ -228,12 +235,16 @@ class Worker:
                 from .compile_cache import warm_from_shared_cache
                 configure_cache_dir(opts.cache_dir)
                 key = cache_key(self.pipe, opts.options, self._warmup_shape())
+                self._phase("looking up the compile cache")
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
                                                self.cfg.cache_wait_s)
+            self._phase("warming up from the compile cache" if cache and cache["cache_hit"] else
+                        "compiling and warming up" + (" (compile cache miss)" if cache else ""))
             t_compile = time.perf_counter()
             compiler.compile_pipe(self.pipe, opts.options, fuse_qkv_projections=opts.fuse_qkv)
         else:
             t_compile = t0
+            self._phase("warming up")
         try:
             self._warmup_call()
         except BaseException:

@@ -28,8 +28,11 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
     common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={tmp_path}/cc",
               "generation.num_inference_steps=2", "run.batch_size=1"]
     # slow:1.0 paces generation so the second worker is ready before the queue runs dry.
-    cli(*common, "job.name=a", faults="slow:1.0")
+    r = cli(*common, "job.name=a", faults="slow:1.0")
     m = metrics(tmp_path / "a")
+    # start-up phases shown as they happen: one worker compiles, the other loads its artifact
+    assert r.stderr.count("compiling and warming up (compile cache miss)") == 1, r.stderr
+    assert r.stderr.count("warming up from the compile cache") == 1, r.stderr
     assert len(m) == 2
     compiled = [w for w in m if not w["cache_hit"]]
     loaded = [w for w in m if w["cache_hit"]]

@@ -1,6 +1,6 @@
 """Benchmark: eager vs compiled, side by side in one run, as the seed tables report them.
 
-    python -m compiler.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
+    python -m runner.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
         [frames=16] [batch=1] [reps=3] [profile=0|1|2] [prewarm=1] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
         [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}']
 
@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from . import cache, compile_pipe, denoiser_of, parse_options, prewarm
-from .options import BOOL_KEYS
+from compiler import cache, compile_pipe, denoiser_of, parse_options, prewarm
+from compiler.options import BOOL_KEYS
 
 
 def parse_argv(argv: list[str]) -> dict:
@@ -64,7 +64,7 @@ def parse_argv(argv: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def build(args):
-    from runner.models import ModelSpec, build_pipeline, video_length
+    from .models import ModelSpec, build_pipeline, video_length
     spec = ModelSpec(args["model"], source=args["source"], dtype=args["dtype"], device=args["device"])
     pipe = build_pipeline(spec)
     size = 512 if spec.info["kind"] == "video" else (768 if spec.info["family"] == "sd21" else
@@ -364,7 +364,7 @@ def main(argv: list[str]) -> dict:
         return res
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         child_out = f.name
-    cmd = [sys.executable, "-m", "compiler.bench", *argv, f"cache_dir={cache_dir}", f"child={child_out}"]
+    cmd = [sys.executable, "-m", "runner.bench", *argv, f"cache_dir={cache_dir}", f"child={child_out}"]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode == 0:

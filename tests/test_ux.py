@@ -1,0 +1,232 @@
+"""What a new user sees (issue 17): `--help`, start-up phases and progress lines, a no-op rerun,
+a quiet embedded Ray, the summary's legend; and the two structural rules behind them: one config
+schema, and `compiler` independent of `runner`."""
+import ast
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_compiler_never_imports_runner():
+    """`compiler` is a library; `runner` is its application (the benchmark lives in runner/bench.py)."""
+    bad = []
+    for path in sorted((ROOT / "compiler").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            bad += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "runner"]
+    assert bad == []
+
+
+# ---------------------------------------------------------------------------------------------
+# One source of truth for config (runner/config.py's dataclasses).
+
+def test_schema_is_the_only_place_defaults_live():
+    from dataclasses import fields
+
+    from runner.config import ModelSection, defaults, schema
+    from runner.models import ModelSpec
+    assert not (ROOT / "conf" / "defaults.yaml").exists()
+    keys = schema()
+    assert all(k.doc for k in keys.values()), "every key has a one-line doc"
+    d = defaults()
+    assert {f"{s}.{k}" for s in d for k in d[s]} == set(keys)
+    # ModelSpec's defaults are the schema's (they used to disagree: tiny vs pretrained)
+    for f in fields(ModelSection)[1:]:                     # all but the preset
+        assert getattr(ModelSpec("sd21"), f.name) == getattr(ModelSection(), f.name)
+    assert ModelSpec("sd21").source == "pretrained" == d.model.source
+
+
+def test_compile_section_defaults_match_the_compiler():
+    from compiler.options import parse_options
+    from runner.config import CompileConfig
+    assert parse_options({"mode": "none"}).to_dict() == CompileConfig().options
+
+
+def test_readme_key_table_is_generated_from_the_schema():
+    from runner.config import markdown_table
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- config-table")
+    body = readme[readme.index("\n", start) + 1:readme.index("<!-- /config-table -->")].strip()
+    assert body == markdown_table(), "README table is stale: paste `python -m runner.config --markdown`"
+
+
+@pytest.mark.parametrize("arg,needle", [
+    ("ray.num_workers=two", "ray.num_workers='two' has the wrong type: expected int or null"),
+    ("compile.compile_vae=sometimes", "expected bool or null"),
+    ("prompts.path=3.5", None),                      # numbers are accepted where strings are
+    ("job.name=2024", None),
+])
+def test_types_come_from_the_annotations(arg, needle):
+    from runner.config import ConfigError, load_config
+    if needle is None:
+        cfg = load_config(["job=demo_image", arg])
+        k, v = arg.split("=")
+        assert cfg[k.split(".")[0]][k.split(".")[1]] == v
+        return
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        load_config(["job=demo_image", arg])
+
+
+def test_unknown_section_suggests_and_lists_valid_sections():
+    from runner.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"did you mean 'generation'\?.*valid keys: \[.*'compile'"):
+        load_config(["job=demo_image", "generaton.seed=1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# --help
+
+def test_help_lists_jobs_examples_and_where_keys_are_documented(capsys):
+    from runner.config import COMMON_KEYS, available_jobs
+    from runner.job import main
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m runner job=NAME")
+    for job in available_jobs():
+        assert f"  {job}  " in out
+    examples = out.split("examples:")[1].split("\n\n")[0]
+    assert examples.count("python -m runner job=") == 3
+    for k in COMMON_KEYS:
+        assert k in out
+    assert "python -m runner.config" in out and "README.md" in out
+    assert "main(argv)" not in out and "results.py" not in out      # no developer docstring
+
+
+def test_no_arguments_prints_help_and_exits_2(capsys):
+    from runner.job import main
+    assert main([]) == 2
+    assert "examples:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up phases and progress (runner/progress.py), unit level.
+
+class FakeStream:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_off_a_terminal_prints_plain_lines_from_first_ready(monkeypatch):
+    from runner import progress as p
+    now = [100.0]
+    monkeypatch.setattr(p.time, "monotonic", lambda: now[0])
+    stream = FakeStream(tty=False)
+    prog = p.Progress(total=100, every_s=10, stream=stream)
+    prog.tick()
+    now[0] += 30                      # 30 s of start-up: shown nowhere, counted nowhere
+    assert stream.text == ""
+    prog.start()
+    now[0] += 5
+    prog.update(10)                   # not due yet
+    assert stream.text == ""
+    now[0] += 5
+    prog.update(10)                   # 10 s after ready: 20 items, 2 items/s, 40 s left
+    assert stream.text == "generating: 20/100 items, 2 items/s, 10 s elapsed, ETA 40 s\n"
+    now[0] += 40
+    prog.update(80)
+    prog.close()
+    assert stream.text.splitlines()[-1].startswith("generating: 100/100 items, 2 items/s")
+    assert "\r" not in stream.text
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar_started_at_first_ready():
+    from runner.progress import Progress
+    stream = FakeStream(tty=True)
+    prog = Progress(total=4, stream=stream)
+    prog.update(0)
+    assert prog.bar is None and stream.text == ""      # no 0 % bar while workers load
+    prog.start()
+    prog.update(4)
+    prog.close()
+    assert "\r" in stream.text and "4/4" in stream.text
+
+
+def test_worker_reports_start_up_phases(tmp_path):
+    """The worker tells the board each phase; the driver's printer logs one line per phase."""
+    from runner.config import GenerationDefaults
+    from runner.models import ModelSpec
+    from runner.progress import StatusBoard
+    from runner.prompts import Constraints
+    from runner.worker import Worker, WorkerConfig
+
+    board = StatusBoard()
+
+    class Handle:                      # what `board.set.remote(...)` is to a Ray actor handle
+        class set:
+            remote = staticmethod(board.set)
+
+    cfg = WorkerConfig(model=ModelSpec("pixart_alpha_512", source="tiny"),
+                       generation=GenerationDefaults(height=64, width=64, num_inference_steps=2),
+                       limits=Constraints(size_factor=16, video_length=None, min_steps=2),
+                       on_empty="error", job_dir=str(tmp_path), num_threads=1)
+    w = Worker(0, cfg, status=Handle)
+    w.warmup()
+    assert [e[1] for e in board.since(0)] == ["loading model", "warming up"]
+    assert board.since(1) == board.events[1:]
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The real CLI, once: start-up lines, plain progress, quiet Ray, legend; then a no-op rerun.
+
+@pytest.mark.e2e
+def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_path):
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_ADDRESS")}
+    args = [sys.executable, "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
+            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+            "ray.cpu_workers=1"]
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    err = r.stderr
+    for noise in ("Token authentication", "RAY_AUTH_MODE", "usage stats", "Usage stats"):
+        assert noise not in err, err
+    # phases before progress, in order; progress as plain lines (stderr is a pipe, not a terminal)
+    lines = err.splitlines()
+    at = {key: next(i for i, l in enumerate(lines) if key in l)
+          for key in ("worker 0: loading model", "worker 0: warming up", "worker 0: ready in",
+                      "generating: 8/8 items")}
+    assert list(at.values()) == sorted(at.values()), err
+    assert "\r" not in err and "%|" not in err
+    assert "steady_it_s: denoising steps/s" in r.stdout            # the legend under the table
+
+    job_dir = tmp_path / "demo_image"
+    before = {n: (job_dir / n).read_bytes() for n in ("summary.txt", "summary.json")}
+    mtimes = {n: (job_dir / n).stat().st_mtime_ns for n in before}
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.strip().startswith("nothing to do: all 8 prompts already done")
+    assert len(r.stdout.strip().splitlines()) == 1 and "summary.txt" in r.stdout
+    assert "starting" not in r.stderr                                # no Ray, no workers
+    for n in before:
+        assert (job_dir / n).read_bytes() == before[n]
+        assert (job_dir / n).stat().st_mtime_ns == mtimes[n]
+
+
+def test_help_and_key_list_from_the_command_line():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "runner", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "examples:" in r.stdout and "demo_video" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "runner.config"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "run.batch_size" in r.stdout and "compile.options" in r.stdout
