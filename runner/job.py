@@ -201,8 +201,9 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
                         "terminated" if TERMINATED.is_set() else "interrupted")
             _cancel_queued(slots)
-        except DispatchError as e:
+        except DispatchError as e:           # every worker gone
             results.write_table(ids)
+            remove_temp_files(out.job_dir)
             raise JobError(str(e)) from e
         finally:
             progress.close()
@@ -227,6 +228,8 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         import ray
         for s in slots:
             ray.kill(s.actor)
+        # A worker that died mid-write left a temp file (its item was requeued, or is not journalled).
+        remove_temp_files(out.job_dir)
     if stopped is not None:
         raise stopped
     return summary

@@ -112,7 +112,7 @@ def test_worker_killed_while_writing_leaves_no_partial_output_and_the_rerun_does
     assert rc == 2 and "every worker is gone" in err, err[-3000:]
     media = job["dir"] / "media"
     assert not (media / "p07.png").exists()                  # never under its final name
-    assert any(f.startswith(".tmp-") for f in os.listdir(media))   # the kill left its temp file
+    assert [f for f in os.listdir(media) if f.startswith(".tmp-")] == []   # its temp file removed
     journal = job["dir"] / "journal.jsonl"
     done = {json.loads(line)["id"] for line in open(journal)} if journal.exists() else set()
     assert "p07" not in done
