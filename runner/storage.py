@@ -203,7 +203,7 @@ def _s3(bucket: str) -> pafs.S3FileSystem:
         kw["region"] = region
     elif not endpoint:
         kw["region"] = pafs.resolve_s3_region(bucket)  # AWS itself: the bucket's region (one request)
-    return pafs.S3FileSystem(**kw)
+    return pafs.S3FileSystem(allow_delayed_open=True, **kw)
 
 
 def _gcs() -> pafs.GcsFileSystem:

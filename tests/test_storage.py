@@ -170,7 +170,8 @@ def test_resolve_s3_and_gs(s3_bucket, monkeypatch):
     s = resolve(f"S3://{s3_bucket}/a/b/")
     assert isinstance(s.fs, pafs.S3FileSystem) and s.base == f"{s3_bucket}/a/b"
     assert s.uri("c.txt") == f"s3://{s3_bucket}/a/b/c.txt"
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", os.environ.pop("AWS_ENDPOINT_URL"))  # the S3-only variable
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", os.environ["AWS_ENDPOINT_URL"])  # the S3-only variable
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
     resolve(f"s3://{s3_bucket}").write_bytes_atomic("via-s3-specific-var", b"1")
     assert s.fs.get_file_info(f"{s3_bucket}/via-s3-specific-var").size == 1
     g = resolve("gs://some-bucket/prefix")  # constructing it makes no request
@@ -179,9 +180,9 @@ def test_resolve_s3_and_gs(s3_bucket, monkeypatch):
 
 def test_listing_vs_exists(store, capsys):
     """Numbers for the resume design: one listing of N keys vs N `exists` calls. Printed, and only
-    loosely asserted (the listing must win); N is 10k locally, 2k on the moto server to stay within a
-    few seconds (per-call figures scale linearly)."""
-    n = 10_000 if store.local else 2_000
+    loosely asserted (on S3 the listing must win). N is 10k locally, 1k on the moto server to stay within a
+    few seconds (moto takes ~3 ms a request on this box); STORAGE_BENCH_KEYS=10000 for the full run."""
+    n = int(os.environ.get("STORAGE_BENCH_KEYS", 10_000 if store.local else 1_000))
     put_many(store, {f"media/{i:06d}.png": 10 for i in range(n)})
     t = time.perf_counter()
     listed = store.list("media")
@@ -194,4 +195,5 @@ def test_listing_vs_exists(store, capsys):
         print(f"\n[{store.scheme}] {n} keys: one list() {t_list * 1e3:.0f} ms "
               f"({t_list / n * 1e6:.1f} us/key); {n} exists() {t_exists * 1e3:.0f} ms "
               f"({t_exists / n * 1e6:.1f} us/key) -> x{t_exists / t_list:.0f}")
-    assert t_list < t_exists
+    if not store.local:  # locally both are a stat per file; on an object store a request per key
+        assert t_list < t_exists
