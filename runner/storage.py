@@ -24,13 +24,16 @@ Contract
 - Writes are atomic per name: a reader sees the whole object or none, never a partial one.
   Local: a `.tmp-*` file in the same directory, then `os.replace`. Object stores: the whole payload is
   in hand (bytes, or a finished local file, memory-mapped) before the output stream opens, and goes
-  out in one `write` + `close`: one PutObject, or for payloads above Arrow's part size (10 MB) one
-  multipart upload, which S3/GCS publish only when it completes. We never stream a producer straight
+  out in one `write` + `close`: one PutObject (`allow_delayed_open`; without it Arrow spends three
+  requests on a multipart upload even for 1 byte), or for payloads above Arrow's part threshold
+  (a few MB) one multipart upload, which S3 publishes only when Arrow completes it, and Arrow
+  completes it only after every part succeeded. We never stream a producer straight
   into `fs.open_output_stream`: Arrow's S3 stream *completes* the upload when it is closed or garbage
   collected, so a writer that raises half-way would publish half an object (tests/test_storage.py
   keeps a canary for this). A crash leaves at most a local `.tmp-*` file, which `list` ignores.
-- `list(prefix)` is one recursive listing (`get_file_info(FileSelector)`; pyarrow pages through
-  ListObjectsV2 itself, 1000 keys a request) returning {name relative to prefix: size} for files only.
+- `list(prefix)` is one recursive listing (`get_file_info(FileSelector)`; pyarrow 26 pages through
+  ListObjectsV2 without a delimiter, 1000 keys a request however deep the names) returning
+  {name relative to prefix: size} for files only.
   `exists(rel)` is true for a file (object), not for a "directory" prefix.
 - Object stores have no directories, append or rename; nothing here needs them.
 
@@ -44,8 +47,10 @@ follow-up, after the job-record rework)
   a retried or duplicated shard rewrites the same key rather than adding a row twice.
 - Resume: one `list("records")` finds the finished shards (read their rows, in parallel if many);
   one `list("media")` finds media a crashed shard wrote before its record, with sizes (a zero-byte
-  object is not a result). No per-row `exists`: a listing returns 1000 keys a request, a stat costs one
-  or two requests per key (see the numbers printed by `test_listing_vs_exists`).
+  object is not a result). No per-row `exists`: a listing returns 1000 keys a request, a stat costs a
+  request per key. Measured against moto on 127.0.0.1 (2 cores, `test_listing_vs_exists` with
+  STORAGE_BENCH_KEYS=10000): 10k keys listed in 2.3 s, 10k `exists` 23 s; on a real store each stat
+  is a network round trip (~10-50 ms), so a million rows would be hours of stats vs ~1000 listings.
 - End: compact every record into `results.parquet` with one put. A crash mid-compaction leaves no or a
   complete `results.parquet`, and the records are still there to compact again; the records may be
   deleted once `results.parquet` exists (its existence then means "done").
@@ -203,6 +208,7 @@ def _s3(bucket: str) -> pafs.S3FileSystem:
         kw["region"] = region
     elif not endpoint:
         kw["region"] = pafs.resolve_s3_region(bucket)  # AWS itself: the bucket's region (one request)
+    # allow_delayed_open: a small object is one PutObject instead of a three-request multipart upload
     return pafs.S3FileSystem(allow_delayed_open=True, **kw)
 
 

@@ -105,6 +105,15 @@ def test_write_file_atomic_copies_and_a_missing_source_leaves_no_key(store, tmp_
     assert store.list() == {"media/x.bin": 3000}
 
 
+def test_large_file_goes_up_whole(store, tmp_path):
+    """12 MB: above Arrow's part threshold, so on S3 a multipart upload, published complete."""
+    src = tmp_path / "big.mp4"
+    src.write_bytes(os.urandom(12 << 20))
+    store.write_file_atomic("media/big.mp4", src)
+    assert store.list("media") == {"big.mp4": 12 << 20}
+    assert store.read_bytes("media/big.mp4") == src.read_bytes()
+
+
 def test_local_leftover_temp_file_is_not_listed(tmp_path):
     store = resolve(tmp_path)
     (tmp_path / "media").mkdir()
