@@ -19,7 +19,7 @@ Contract
   for S3-compatible stores (MinIO, SeaweedFS, moto). The pyarrow we ship (26) does not read
   `AWS_ENDPOINT_URL` itself, so we pass it as `endpoint_override`/`scheme` (path-style addressing
   follows). GCS: Google's application default credentials; `STORAGE_EMULATOR_HOST` for an emulator.
-  Ray workers should get the URI string and call `resolve` themselves, so each process uses its own
+  A Store pickles as its URI (Ray workers resolve it again), so each process uses its own
   environment's credentials.
 - Writes are atomic per name: a reader sees the whole object or none, never a partial one.
   Local: a `.tmp-*` file in the same directory, then `os.replace`. Object stores: the whole payload is
@@ -85,6 +85,11 @@ class Store:
 
     def __repr__(self):
         return f"Store({self.uri()})"
+
+    def __reduce__(self):
+        # Pickled (e.g. shipped to a Ray worker) as its URI: the receiving process resolves it again
+        # with its own environment's credentials and endpoint.
+        return resolve, (self.uri(),)
 
     def path(self, rel: str = "") -> str:
         rel = rel.strip("/")

@@ -1,4 +1,5 @@
 """Shared fixtures. GPU tests (`@pytest.mark.gpu`) are skipped, with the reason shown, without CUDA."""
+import contextlib
 import os
 import tempfile
 import uuid
@@ -48,11 +49,16 @@ def s3_server():
     """A real S3-compatible server (moto's standalone server, tests/s3server.py) on 127.0.0.1 for the
     whole session; fails the test, with the server's log, if it cannot start."""
     from s3server import moto_server
-    try:
-        with moto_server() as server:
-            yield server
-    except RuntimeError as e:
-        pytest.fail(str(e), pytrace=False)
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):  # another process may take the free port between picking and binding it
+            try:
+                server = stack.enter_context(moto_server())
+                break
+            except RuntimeError as e:
+                error = e
+        else:
+            pytest.fail(str(error), pytrace=False)
+        yield server
 
 
 @pytest.fixture

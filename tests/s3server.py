@@ -48,10 +48,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_server():
-    """Starts `python -m moto.server` on a free 127.0.0.1 port, waits until it answers, yields an
-    S3Server, and always stops it. Raises RuntimeError (with the server's log) if it does not start."""
-    port = _free_port()
+def moto_server(port: int | None = None):
+    """Starts `python -m moto.server` on a free (or the given) 127.0.0.1 port, waits until it answers,
+    yields an S3Server, and always stops it. Raises RuntimeError (with the server's log) if it does
+    not start."""
+    port = port or _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

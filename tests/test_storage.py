@@ -2,6 +2,8 @@
 behaviour tests on both. No mock of the S3 client: pyarrow's S3 filesystem talks HTTP to the server."""
 import io
 import os
+import pickle
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from runner.storage import Store, resolve
+from s3server import moto_server
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -206,3 +209,21 @@ def test_listing_vs_exists(store, capsys):
               f"({t_exists / n * 1e6:.1f} us/key) -> x{t_exists / t_list:.0f}")
     if not store.local:  # locally both are a stat per file; on an object store a request per key
         assert t_list < t_exists
+
+
+def test_store_pickles_as_its_uri(store):
+    store.write_bytes_atomic("a.txt", b"1")
+    again = pickle.loads(pickle.dumps(store.join("x")))
+    assert again.uri() == store.uri("x") and type(again.fs) is type(store.fs)
+    assert again.fs is not store.fs  # resolved afresh on the receiving side
+    again.write_bytes_atomic("b.txt", b"22")
+    assert store.list() == {"a.txt": 1, "x/b.txt": 2}
+
+
+def test_server_that_cannot_start_fails_with_its_log():
+    with socket.socket() as taken:  # the port is held, so moto cannot bind it and exits
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match=r"exited with .*its log:"):
+            with moto_server(port=taken.getsockname()[1]):
+                pass
