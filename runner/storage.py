@@ -54,6 +54,12 @@ follow-up, after the job-record rework)
 - End: compact every record into `results.parquet` with one put. A crash mid-compaction leaves no or a
   complete `results.parquet`, and the records are still there to compact again; the records may be
   deleted once `results.parquet` exists (its existence then means "done").
+- compile.cache_dir on a store: Inductor/Triton want a local directory, so a worker would copy the
+  cache prefix down once at start (one `list`, then gets) and put back entries it created
+  (`write_file_atomic`); entries are content-addressed, so concurrent writers agree.
+- Not covered by tests: GCS against a server (there is no GCS emulator on PyPI; the code path is
+  pyarrow's GcsFileSystem with default credentials, or STORAGE_EMULATOR_HOST). fsspec is not needed:
+  pyarrow.fs covers local, S3 and GCS with the same calls.
 """
 
 from __future__ import annotations
