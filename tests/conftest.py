@@ -1,6 +1,8 @@
 """Shared fixtures. GPU tests (`@pytest.mark.gpu`) are skipped, with the reason shown, without CUDA."""
+import contextlib
 import os
 import tempfile
+import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -40,3 +42,32 @@ def write_prompts(tmp_path):
         pq.write_table(pa.table(columns), path)
         return str(path)
     return write
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's standalone server, tests/s3server.py) on 127.0.0.1 for the
+    whole session; fails the test, with the server's log, if it cannot start."""
+    from s3server import moto_server
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):  # another process may take the free port between picking and binding it
+            try:
+                server = stack.enter_context(moto_server())
+                break
+            except RuntimeError as e:
+                error = e
+        else:
+            pytest.fail(str(error), pytrace=False)
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A fresh, empty bucket on the session's S3 server, with the AWS_* environment that points
+    runner.storage at it set for this test only. Returns the bucket name."""
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(name)
+    return name
