@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -83,15 +84,25 @@ def instrument(pipe, current) -> None:
     wrap(pipe.vae, "decode", "decode")
 
 
+def _nvml_handle(pynvml, device_index: int):
+    """NVML numbers physical GPUs; CUDA_VISIBLE_DEVICES (set by Ray) renumbers them: match by UUID,
+    else by the index CUDA_VISIBLE_DEVICES names."""
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        physical = visible[device_index] if device_index < len(visible) and visible[device_index] else device_index
+        return pynvml.nvmlDeviceGetHandleByIndex(int(physical))
+
+
 class UtilSampler:
     """GPU utilisation (percent of time a kernel ran, per NVML) sampled on a daemon thread."""
 
     def __init__(self, device_index: int = 0, period_s: float = 0.25):
         import pynvml   # nvidia-ml-py; the GPU machines have it, CPU installs need not
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-        # NVML numbers physical GPUs; CUDA_VISIBLE_DEVICES (set by Ray) renumbers them: match by UUID.
-        self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        self._handle = _nvml_handle(pynvml, device_index)
         self._nvml, self.period_s = pynvml, period_s
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
