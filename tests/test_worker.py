@@ -233,3 +233,26 @@ def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready(
     failed = {"status": "failed", "batch_size": 1, "e2e_s": None}
     assert work_after([ok(1, 2.0), failed], 10.0, 9.0) == pytest.approx(0.5)
     assert work_after([ok(1, 2.0)], 10.0, 0.0) == 1.0
+
+
+def test_nvml_sampler_averages_utilisation_over_a_window(monkeypatch):
+    """The NVML path without a GPU: a stand-in pynvml module reporting 30 % then 90 %."""
+    import sys
+    import types
+    from runner.timing import UtilSampler
+    readings = iter([30] * 5 + [90] * 1000)
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: ("handle", uuid),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=next(readings)))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid="GPU-1234"))
+    s = UtilSampler(0, period_s=0.01)
+    time.sleep(0.3)
+    s.stop()
+    t = [t for t, _ in s.samples]
+    assert s._handle == ("handle", "GPU-1234")
+    assert s.mean(t[0], t[4]) == pytest.approx(0.30)             # fraction, not percent
+    assert s.mean(t[5], t[-1]) == pytest.approx(0.90)
+    assert s.mean(t[-1] + 1, t[-1] + 2) is None                  # no samples in the window
