@@ -45,9 +45,13 @@ INFLIGHT = 2   # shards queued per worker: the next is ready the moment one fini
 # Printed under the per-worker table: the columns' units and what steady_it_s measures.
 LEGEND = ("model_load_s, warmup_s: seconds to load the model / to compile (or load the compile cache) "
           "and warm up; steady_it_s: denoising steps/s, from the end of step 1 of each call (its "
-          "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), mean / 95th "
-          "percentile; peak_mem_gb: peak GPU memory while serving, GiB; busy_fraction: share of the "
-          "time since ready spent generating.")
+          "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), from its "
+          "start to its last file written, mean / 95th percentile; peak_mem_gb: peak GPU memory while "
+          "serving, GiB. Over the serving window (first call to last batch): busy_fraction: share the "
+          "model thread was generating (not waiting for work); gpu_busy_fraction: share the GPU "
+          "stream was on our calls (CUDA events); gpu_util: NVML's utilisation, what nvidia-smi "
+          "shows (both null on CPU). Seconds per stage: summed per worker; encoding and writing "
+          "overlap with generating.")
 
 
 class JobError(RuntimeError):
