@@ -217,3 +217,30 @@ def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
     out = call(pipe)
     assert step_cache.skipped(pipe) > 0 and torch.isfinite(out).all()
     assert (out - ref).abs().max().item() <= tol
+
+
+@pytest.mark.e2e
+def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
+    """`python -m runner.bench` on the tiny Latte on CPU: the step cache alone and compiled + step
+    cache, each with its speed-up, max abs error and PSNR against eager on the same seed."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "runner.bench", "model=latte1", "source=tiny",
+                        "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
+                        "step_cache.method=pab", "reps=1", f"out={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    alone = res["step_cache_eager"]
+    assert alone["reused"] > 0 and alone["speedup"] > 0
+    assert 0 < alone["max_abs_err"] <= 1 and 10 < alone["psnr_db"] < float("inf")
+    assert res["args"]["compile"]["mode"] == "cache-all"      # step graph dropped
+    assert res["max_abs_err_vs_eager"] > 0 and res["psnr_vs_eager_db"] > 10
+    # per-block compile + step cache gives the eager step cache's output
+    assert abs(res["psnr_vs_eager_db"] - alone["psnr_db"]) < 1.0
+    assert "PSNR" in r.stdout and "step cache `pab` alone" in r.stdout
+
+
+def test_bad_step_cache_argument_of_the_bench_names_the_valid_ones():
+    from runner.bench import parse_argv
+    with pytest.raises(SystemExit, match=r"choose one of \['none', 'fastercache', 'pab'\]"):
+        parse_argv(["step_cache.method=teacache"])
