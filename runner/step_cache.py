@@ -8,7 +8,7 @@ Contract:
   (`FasterCacheConfig` / `PyramidAttentionBroadcastConfig`) on the denoiser, with
   `current_timestep_callback` reading the pipeline's `_current_timestep`. Returns how many
   attention modules are hooked.
-- `reset(pipe)` (before every pipeline call): the hooks keep per-call state (step counter, cached
+- `reset(pipe, guidance)` (before every pipeline call): the hooks keep per-call state (step counter, cached
   attention outputs); diffusers clears it at the end of a call, but not after a call that raised, so
   the worker clears it before each call: an output depends on its seed and settings only, never on
   what ran before it.
@@ -129,10 +129,19 @@ def apply(pipe, sc: StepCacheSection) -> int:
     return len(hooked)
 
 
-def reset(pipe) -> None:
+def reset(pipe, guidance: bool = True) -> None:
+    """Clear the hooks' state before a call. `guidance`: the call runs classifier-free guidance
+    (guidance_scale > 1, one batch of unconditional + conditional); without it FasterCache treats
+    the call as guidance-distilled: no branch to skip, attention reuse by schedule alone (its
+    denoiser hook would otherwise split a batch that has no unconditional half)."""
     den = getattr(pipe, "transformer", None)
-    if getattr(den, "is_cache_enabled", False):
-        den._reset_stateful_cache()
+    if not getattr(den, "is_cache_enabled", False):
+        return
+    den._reset_stateful_cache()
+    for m in den.modules():
+        for hook in getattr(getattr(m, "_diffusers_hook", None), "hooks", {}).values():
+            if hasattr(hook, "is_guidance_distilled"):
+                hook.is_guidance_distilled = not guidance
 
 
 def skipped(pipe) -> int:

@@ -70,8 +70,9 @@ def generate(pipe, family: str, items: list[Item], device: str, clock=None,
     float32 on the host; `"pt"`: (B, 3, H, W) or (B, F, 3, H, W) on the device, in the model dtype;
     both in [0, 1]. `clock.step()` is called at the end of each denoising step.
     One generator per item: an item's output depends on its seed, not on its batch-mates."""
-    step_cache.reset(pipe)   # a step cache's state starts fresh: outputs do not depend on call order
     first = items[0]
+    # a step cache's state starts fresh: outputs do not depend on call order
+    step_cache.reset(pipe, guidance=first.guidance_scale > 1)
     kw = dict(prompt=[i.prompt for i in items], negative_prompt=[i.negative_prompt for i in items],
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,

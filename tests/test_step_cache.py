@@ -127,6 +127,16 @@ def test_cache_reuses_and_outputs_are_independent_of_call_order(method):
     assert torch.equal(run(pipe, item(1)), a)
 
 
+def test_fastercache_without_guidance_reuses_attention_only():
+    """guidance_scale <= 1: Latte runs no CFG batch; FasterCache must not split one (it raised)."""
+    pipe = latte("fastercache")
+    a = run(pipe, item(1, guidance=1.0))
+    assert step_cache.skipped(pipe) > 0 and torch.isfinite(a).all()
+    assert torch.equal(run(pipe, item(1, guidance=1.0)), a)
+    run(pipe, item(1))                                 # and CFG again after it
+    assert torch.equal(run(pipe, item(1, guidance=1.0)), a)
+
+
 def test_fastercache_skips_the_unconditional_branch():
     pipe = latte("fastercache", uncond_skip_range=2)
     seen = []   # the batch the transformer's own forward gets: (B * frames, C, H, W) into pos_embed
