@@ -46,9 +46,10 @@ from .config import ConfigError, StepCacheSection
 
 log = logging.getLogger(__name__)
 
-# method -> model families it is offered for. Latte's transformer is a diffusers `CacheMixin`;
-# FasterCache's unconditional-branch skip needs the CFG batch in one denoiser call, which Latte's
-# pipeline does (torch.cat([latents] * 2)).
+# method -> model families it is offered for. Latte's transformer is a diffusers `CacheMixin` and
+# its pipeline exposes `_current_timestep`; FasterCache's unconditional-branch skip needs the CFG
+# batch in one denoiser call, which Latte's pipeline does (torch.cat([latents] * 2)). PixArt's
+# transformer (diffusers 0.42) is no CacheMixin and its pipeline keeps no current timestep: not yet.
 SUPPORTED = {"fastercache": ("latte",), "pab": ("latte",)}
 DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffusers' defaults
 
@@ -120,13 +121,27 @@ def apply(pipe, sc: StepCacheSection) -> int:
     if sc.method == "none":
         return 0
     den = pipe.transformer
-    den.enable_cache(BUILDERS[sc.method](sc, lambda: pipe._current_timestep))
+    den.enable_cache(BUILDERS[sc.method](sc, _timestep_reader(pipe)))
     hooked = [m for name, m in den.named_modules()   # the attention modules with a hook
               if name and getattr(getattr(m, "_diffusers_hook", None), "_hook_order", None)]
     for m in hooked:
         _make_opaque(m)
     log.info("step cache %s on %d attention modules", sc.method, len(hooked))
     return len(hooked)
+
+
+def _timestep_reader(pipe):
+    """The pipeline's current timestep as a Python float, read once per step: every hooked
+    attention compares it with its range, and comparing a CUDA tensor waits for the GPU (one wait
+    per step instead of one per attention call)."""
+    last = [None, None]   # the step's timestep object, its value
+
+    def read():
+        t = pipe._current_timestep
+        if t is not last[0]:
+            last[:] = [t, float(t) if t is not None else None]
+        return last[1]
+    return read
 
 
 def reset(pipe, guidance: bool = True) -> None:
