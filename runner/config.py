@@ -222,7 +222,7 @@ class Config:
 # The keys `--help` shows; every key is in `python -m runner.config` and the README.
 COMMON_KEYS = ("model.preset", "model.source", "model.path", "prompts.path",
                "generation.num_inference_steps", "run.batch_size", "ray.num_workers", "output.dir",
-               "output.overwrite", "compile.mode")
+               "output.overwrite", "compile.mode", "step_cache.method")
 
 
 @dataclass(frozen=True)

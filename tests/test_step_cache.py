@@ -65,6 +65,17 @@ def test_bad_step_cache_settings_are_config_errors(arg, needle):
     assert needle in str(e.value)
 
 
+def test_good_parameters_reach_the_diffusers_config():
+    job = split(load_config(["job=demo_video", "step_cache.method=fastercache",
+                             "step_cache.timestep_range=[-1, 900]", "step_cache.block_skip_range=3",
+                             "step_cache.uncond_skip_range=2"]))
+    cfg = step_cache.BUILDERS["fastercache"](job["step_cache"], lambda: 500.0)
+    assert cfg.spatial_attention_timestep_skip_range == (-1, 900)
+    assert cfg.spatial_attention_block_skip_range == 3 and cfg.unconditional_batch_skip_range == 2
+    pab = step_cache.BUILDERS["pab"](StepCacheSection(method="pab"), lambda: 500.0)
+    assert pab.spatial_attention_timestep_skip_range == (100, 800)      # null: the method's default
+
+
 @pytest.mark.parametrize("args, needle", [
     (["job=demo_video", "step_cache.method=fastcache"], "choose one of ['none', 'fastercache', 'pab']"),
     (["job=demo_image", "step_cache.method=pab"], "is not offered for pixart_alpha models; it is "
