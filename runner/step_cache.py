@@ -6,12 +6,13 @@ Contract:
   `config.StepCacheSection`.
 - `apply(pipe, step_cache)` (worker, after `compiler.compile_pipe`): installs diffusers' hooks
   (`FasterCacheConfig` / `PyramidAttentionBroadcastConfig`) on the denoiser, with
-  `current_timestep_callback` reading the pipeline's `_current_timestep`. Returns how many
-  attention modules are hooked.
-- `reset(pipe, guidance)` (before every pipeline call): the hooks keep per-call state (step counter, cached
-  attention outputs); diffusers clears it at the end of a call, but not after a call that raised, so
-  the worker clears it before each call: an output depends on its seed and settings only, never on
-  what ran before it.
+  `current_timestep_callback` reading the pipeline's `_current_timestep` (once per step). Returns
+  how many attention modules are hooked.
+- `reset(pipe, guidance)` (before every pipeline call): the hooks keep per-call state (step
+  counter, cached attention outputs); diffusers clears it at the end of a call, but not after a
+  call that raised, so the worker clears it before each call: an output depends on its seed and
+  settings only, never on what ran before it. `guidance=False` (a row with guidance_scale <= 1,
+  no CFG batch): FasterCache runs as for a guidance-distilled model.
 - `prepare(job)` (driver): `check`, and `job["compile"]` without the `cudagraphs` step graph when
   a step cache is on (see below), so workers, the compile cache key and the summary all see the
   mode that runs.
@@ -22,9 +23,10 @@ How it composes with the compiler:
   in Python, per step, whether to compute or reuse, which Dynamo cannot trace in a full graph (it
   compares the timestep tensor with a bound). So each hooked attention module becomes one opaque
   custom op inside the compiled block (`_hooked_attention`): the compiled graph calls it, and it runs
-  the hook (and the attention it may skip) eagerly. The rest of the block stays compiled; one graph
-  still serves every block (the op finds its module through a one-element buffer, a graph input,
-  not through a Python constant Dynamo would specialise on).
+  the hook (and the attention it may skip) eagerly. The rest of the block stays compiled, and the
+  blocks still share their graphs (the op finds its module through a one-element buffer, a graph
+  input, not through a Python constant Dynamo would specialise on, which would mean a graph per
+  block).
 - `cudagraphs` (O2, O3): a captured step replays one fixed decision (compute or reuse) on every
   step, which would be silently wrong. Until there is a graph per step kind, the step graph is
   dropped when a step cache is on, with a log line; the rest of the mode applies.

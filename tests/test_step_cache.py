@@ -195,15 +195,19 @@ def _cli(tmp_path, *args):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method", ["fastercache", "pab"])
-def test_demo_video_with_step_cache(method, tmp_path, write_prompts):
+@pytest.mark.parametrize("method, mode, runs_as", [("fastercache", "none", "none"),
+                                                   ("pab", "O2", "cache-all")])
+def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts):
+    """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block compile,
+    its step graph dropped because of the step cache)."""
     write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
-    r = _cli(tmp_path, f"step_cache.method={method}")
+    r = _cli(tmp_path, f"step_cache.method={method}", f"compile.mode={mode}")
     assert r.returncode == 0, r.stderr[-4000:]
     job = tmp_path / "demo_video"
     assert len(os.listdir(job / "media")) == 3
     m = json.load(open(job / "metrics" / "worker-0.json"))
     assert m["step_cache_reused"] > 0                  # the worker's hooks did skip attention
+    assert m["compile_mode"] == runs_as
     # another step-cache setting into the same directory: refused like any output setting
     other = "pab" if method == "fastercache" else "fastercache"
     r = _cli(tmp_path, f"step_cache.method={other}")
