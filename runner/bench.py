@@ -18,7 +18,8 @@ Builds `source=random` (published size, random weights) fp16 on CUDA and measure
      then applied to the compiled one (whose mode then runs without its cudagraphs step graph);
   5. warm-up with cache: a second Python process on the filled cache directory (and the packed
      `save_cache_artifacts` artifact) times its first call;
-  6. `extra=`: more modes on fresh copies of the denoiser, it/s only (ablations: what each part gives).
+  6. `extra=`: more modes on fresh copies of the denoiser (ablations: what each part gives): it/s,
+     and max abs error and PSNR against eager at the same step count (at most 10 steps).
 `profile=1`: torch.profiler kernel tables of a 4-step eager and compiled call; `profile=2` also a
 cProfile of the second process's first call (where a warm start's CPU time goes). `prewarm=1`
 (default): the second process starts `compiler.prewarm()` before building the model, as the runner's
@@ -368,13 +369,21 @@ def main(argv: list[str]) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    # extra variants (ablations), it/s only, on fresh copies of the eager denoiser
+    # extra variants (ablations) on fresh copies of the eager denoiser: it/s, and error and PSNR
+    # against eager at the same (shorter) step count, so a lossy ablation states what it costs
     res["extra"] = {}
+    extras = [m for m in args["extra"].split(",") if m]
+    short = min(steps, 10)
+    ref_short = ref
+    if extras and short != steps:
+        setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
+        ref_short = run_call(pipe, spec, args, short)[0].float().cpu()
+        setattr(pipe, attr, None)
     # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority /
     # GELU epilogue / short-sequence attention kernel
     off = {"-nofuse": "fuse_qkv", "-nosdpa": "sdpa_priority", "-nogelu": "fuse_gelu",
            "-noshort": "short_attention"}
-    for mode in [m for m in args["extra"].split(",") if m]:
+    for mode in extras:
         name, opts = mode, {**args["compile"], **{key: suffix not in mode for suffix, key in off.items()}}
         opts["mode"] = mode
         for suffix in off:
@@ -387,11 +396,11 @@ def main(argv: list[str]) -> dict:
         try:
             compile_pipe(pipe, opts)
             t0 = time.perf_counter()
-            run_call(pipe, spec, args, min(steps, 10))
+            run_call(pipe, spec, args, short)
             first = time.perf_counter() - t0
-            m, _ = measure(pipe, spec, args, min(steps, 10))
+            m, out = measure(pipe, spec, args, short)
             res["extra"][name] = dict(its=m["its"], first_call_s=first, speedup=m["its"] / res["eager"]["its"],
-                                      peak_mem_gib=m["peak_mem_gib"])
+                                      peak_mem_gib=m["peak_mem_gib"], **error_vs(out, ref_short))
         except Exception as e:  # an ablation failing must not lose the rest of the run
             res["extra"][name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
         setattr(pipe, attr, None)
@@ -459,7 +468,8 @@ def table(r: dict) -> str:
         if "error" in x:
             lines.append(f"| ablation `{mode}` | | failed: {x['error'][:120]} |")
             continue
-        lines.append(f"| ablation `{mode}` | | {x['its']:.2f} it/s ({x['speedup']:.2f}x), first call {x['first_call_s']:.1f} s |")
+        lines.append(f"| ablation `{mode}` | | {x['its']:.2f} it/s ({x['speedup']:.2f}x), first call {x['first_call_s']:.1f} s, "
+                     f"max abs {x['max_abs_err']:.2e}, PSNR {x['psnr_db']:.1f} dB |")
     return "\n".join(lines)
 
 

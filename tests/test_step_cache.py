@@ -246,12 +246,13 @@ def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
 
 @pytest.mark.e2e
 def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
-    """`python -m runner.bench` on the tiny Latte on CPU: the step cache alone and compiled + step
-    cache, each with its speed-up, max abs error and PSNR against eager on the same seed."""
+    """`python -m runner.bench` on the tiny Latte on CPU: the step cache alone, compiled + step
+    cache and an ablation, each with its speed-up, max abs error and PSNR against eager on the
+    same seed."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "runner.bench", "model=latte1", "source=tiny",
                         "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
-                        "step_cache.method=pab", "reps=1", f"out={out}"],
+                        "step_cache.method=pab", "reps=1", "extra=cache-all", f"out={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(out))
@@ -263,6 +264,8 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
     # per-block compile + step cache gives the eager step cache's output
     assert abs(res["psnr_vs_eager_db"] - alone["psnr_db"]) < 1.0
     assert "PSNR" in r.stdout and "step cache `pab` alone" in r.stdout
+    # ablations state their error too (without the step cache: lossless here, fp32 on CPU)
+    assert res["extra"]["cache-all"]["max_abs_err"] < 1e-3 and res["extra"]["cache-all"]["psnr_db"] > 60
 
 
 def test_bad_step_cache_argument_of_the_bench_names_the_valid_ones():
