@@ -80,10 +80,12 @@ def test_good_parameters_reach_the_diffusers_config():
     (["job=demo_video", "step_cache.method=fastcache"], "choose one of ['none', 'fastercache', 'pab']"),
     (["job=demo_image", "step_cache.method=pab"], "is not offered for pixart_alpha models; it is "
                                                   "for: ['latte']"),
+    (["job=demo_video", "step_cache.method=pab", "step_cache.block_skip_range=1"],
+     "step_cache.block_skip_range=1 must be >= 2"),
 ])
 def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "runner", *args, f"output.dir={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr
     assert not (tmp_path / "demo_video").exists() and not (tmp_path / "demo_image").exists()
