@@ -119,7 +119,9 @@ BUILDERS = {"fastercache": _fastercache, "pab": _pab}
 
 def apply(pipe, sc: StepCacheSection) -> int:
     """Install the step cache on `pipe.transformer` (after compile_pipe: Latte's compiled forward
-    replaces `transformer.forward`, which FasterCache's denoiser hook must wrap, not be replaced by)."""
+    replaces `transformer.forward`, which FasterCache's denoiser hook must wrap, not be replaced by;
+    and after the pipeline is on its device and dtype: the opaque op finds each module by the
+    address of its key buffer, which moving it would change)."""
     if sc.method == "none":
         return 0
     den = pipe.transformer
