@@ -2,7 +2,8 @@
 
     python -m runner.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
         [frames=16] [batch=1] [reps=3] [profile=0|1|2] [prewarm=1] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
-        [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}']
+        [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}'] \
+        [step_cache.method=fastercache|pab] [step_cache.block_skip_range=2] [...]
 
 Builds `source=random` (published size, random weights) fp16 on CUDA and measures, in this order:
   1. matmul peak: a big fp16 and bf16 GEMM (TFLOP/s), for the "fraction of peak" column;
@@ -11,10 +12,14 @@ Builds `source=random` (published size, random weights) fp16 on CUDA and measure
      from CUDA events recorded in the step callback, median E2E wall time of a call, peak memory
      (reset after warm-up);
   4. compiled (`compile.mode`) on a fresh cache directory: warm-up with compilation (first call),
-     then the same timed calls; max abs error of the output vs eager (same seed);
+     then the same timed calls; max abs error and PSNR of the decoded output vs eager (same seed);
+     with `step_cache.method=...` (step reuse, runner/step_cache.py; keys as in a job) the step cache
+     is also measured alone on the eager pipeline (it/s, speed-up, error and PSNR vs eager) and
+     then applied to the compiled one (whose mode then runs without its cudagraphs step graph);
   5. warm-up with cache: a second Python process on the filled cache directory (and the packed
      `save_cache_artifacts` artifact) times its first call;
-  6. `extra=`: more modes on fresh copies of the denoiser, it/s only (ablations: what each part gives).
+  6. `extra=`: more modes on fresh copies of the denoiser (ablations: what each part gives): it/s,
+     and max abs error and PSNR against eager at the same step count (at most 10 steps).
 `profile=1`: torch.profiler kernel tables of a 4-step eager and compiled call; `profile=2` also a
 cProfile of the second process's first call (where a warm start's CPU time goes). `prewarm=1`
 (default): the second process starts `compiler.prewarm()` before building the model, as the runner's
@@ -25,9 +30,11 @@ Prints a markdown table and writes JSON (`out=`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import inspect
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +51,7 @@ def parse_argv(argv: list[str]) -> dict:
     a = dict(model="pixart_alpha_1024", steps=20, height=None, width=None, frames=16, batch=1, out=None,
              extra="", profile=0, prewarm=1, reps=3, seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
     comp: dict = {"mode": "O2"}
+    sc: dict = {}
     for item in argv:
         if "=" not in item:
             raise SystemExit(f"arguments are key=value, got {item!r}")
@@ -53,12 +61,29 @@ def parse_argv(argv: list[str]) -> dict:
             comp[sub] = json.loads(v) if sub == "options" or sub in BOOL_KEYS else v
         elif k == "compile":
             comp = json.loads(v)
+        elif k.startswith("step_cache."):
+            import yaml   # values as a job's command line parses them: 2, [100, 800], null
+            sc[k[len("step_cache."):]] = yaml.safe_load(v)
         elif k in a:
             a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width", "profile", "prewarm", "reps") else v
         else:
             raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)} and compile.*")
-    a["compile"] = parse_options(comp).to_dict()
+    from . import step_cache
+    from .config import ConfigError, StepCacheSection
+    try:
+        a["step_cache"] = StepCacheSection(**sc)
+    except (ConfigError, TypeError) as e:
+        raise SystemExit(f"step_cache: {e}")
+    a["compile"] = step_cache.compile_options(parse_options(comp).to_dict(), a["step_cache"])
     return a
+
+
+def error_vs(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Max abs error and PSNR (dB, peak 1: decoded outputs in [0, 1]) of `out` against `ref`."""
+    d = out.float().cpu() - ref.float().cpu()
+    mse = d.pow(2).mean().item()
+    return dict(max_abs_err=d.abs().max().item(),
+                psnr_db=float("inf") if mse == 0 else 10 * math.log10(1.0 / mse))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +250,8 @@ def child(args) -> dict:
     hit = blob is not None and cache.unpack_and_load(blob, key)
     t_loaded = time.perf_counter()
     compile_pipe(pipe, args["compile"])
+    from . import step_cache
+    step_cache.apply(pipe, args["step_cache"])
     start: list = []
     if args["profile"] >= 2:  # where the warm first call's CPU time goes (Python profile)
         import cProfile
@@ -273,7 +300,8 @@ def main(argv: list[str]) -> dict:
     cache_dir = args["cache_dir"] or tempfile.mkdtemp(prefix="compile-cache-")
     cache.configure_cache_dir(cache_dir)  # fresh: warm-up with compilation compiles everything
     res: dict = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "versions": versions(), "argv": argv, "args": {k: v for k, v in args.items() if k != "child"}}
+                 "versions": versions(), "argv": argv, "args": {k: (dataclasses.asdict(v) if k == "step_cache" else v)
+                                                          for k, v in args.items() if k != "child"}}
     res["matmul_tflops"] = {"fp16": matmul_peak(torch.float16), "bf16": matmul_peak(torch.bfloat16)}
 
     t0 = time.perf_counter()
@@ -295,17 +323,30 @@ def main(argv: list[str]) -> dict:
         print(res["profile_eager"])
     ref = ref.float().cpu()
 
+    # step cache alone (eager), then off again for the compiled run (which gets it after compiling)
+    from . import step_cache
+    sc = args["step_cache"]
+    if sc.method != "none":
+        step_cache.apply(pipe, sc)
+        run_call(pipe, spec, args, steps)
+        res["step_cache_eager"], out = measure_reps(pipe, spec, args, steps)
+        res["step_cache_eager"].update(error_vs(out, ref), reused=step_cache.skipped(pipe),
+                                       speedup=res["step_cache_eager"]["its"] / res["eager"]["its"])
+        pipe.transformer.disable_cache()
+
     # compiled, fresh cache
     try:
         torch._dynamo.reset()
         compile_pipe(pipe, args["compile"])
+        step_cache.apply(pipe, sc)
         res["compile_report"] = pipe._compile_report
         t0 = time.perf_counter()
         run_call(pipe, spec, args, steps)
         res["warmup_with_compile_s"] = time.perf_counter() - t0
         res["compiled"], out = measure_reps(pipe, spec, args, steps)
         out = out.float().cpu()
-        res["max_abs_err_vs_eager"] = (out - ref).abs().max().item()
+        err = error_vs(out, ref)
+        res["max_abs_err_vs_eager"], res["psnr_vs_eager_db"] = err["max_abs_err"], err["psnr_db"]
         res["output_finite"] = bool(torch.isfinite(ref).all() and torch.isfinite(out).all())
         res["speedup"] = res["compiled"]["its"] / res["eager"]["its"]
         if args["profile"]:
@@ -321,18 +362,28 @@ def main(argv: list[str]) -> dict:
         import traceback
         res["compiled_error"] = traceback.format_exc()[-4000:]
         print(res["compiled_error"], file=sys.stderr)
+    if sc.method != "none":  # the ablations below run without the step cache
+        pipe.transformer.disable_cache()
     setattr(pipe, attr, None)  # free the compiled denoiser before the ablations
     torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    # extra variants (ablations), it/s only, on fresh copies of the eager denoiser
+    # extra variants (ablations) on fresh copies of the eager denoiser: it/s, and error and PSNR
+    # against eager at the same (shorter) step count, so a lossy ablation states what it costs
     res["extra"] = {}
+    extras = [m for m in args["extra"].split(",") if m]
+    short = min(steps, 10)
+    ref_short = ref
+    if extras and short != steps:
+        setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
+        ref_short = run_call(pipe, spec, args, short)[0].float().cpu()
+        setattr(pipe, attr, None)
     # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority /
     # GELU epilogue / short-sequence attention kernel
     off = {"-nofuse": "fuse_qkv", "-nosdpa": "sdpa_priority", "-nogelu": "fuse_gelu",
            "-noshort": "short_attention"}
-    for mode in [m for m in args["extra"].split(",") if m]:
+    for mode in extras:
         name, opts = mode, {**args["compile"], **{key: suffix not in mode for suffix, key in off.items()}}
         opts["mode"] = mode
         for suffix in off:
@@ -345,11 +396,11 @@ def main(argv: list[str]) -> dict:
         try:
             compile_pipe(pipe, opts)
             t0 = time.perf_counter()
-            run_call(pipe, spec, args, min(steps, 10))
+            run_call(pipe, spec, args, short)
             first = time.perf_counter() - t0
-            m, _ = measure(pipe, spec, args, min(steps, 10))
+            m, out = measure(pipe, spec, args, short)
             res["extra"][name] = dict(its=m["its"], first_call_s=first, speedup=m["its"] / res["eager"]["its"],
-                                      peak_mem_gib=m["peak_mem_gib"])
+                                      peak_mem_gib=m["peak_mem_gib"], **error_vs(out, ref_short))
         except Exception as e:  # an ablation failing must not lose the rest of the run
             res["extra"][name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
         setattr(pipe, attr, None)
@@ -405,12 +456,20 @@ def table(r: dict) -> str:
              f"{r.get('cache_process', {}).get('first_call_steps_s', float('nan')):.1f} s) |",
              f"| fraction of measured matmul peak ({r['matmul_tflops']['fp16']:.0f} TFLOP/s fp16) "
              f"| {e['frac_of_matmul_peak']:.1%} | {c['frac_of_matmul_peak']:.1%} |",
-             f"| max abs error vs eager (output in [0,1]) | | {r['max_abs_err_vs_eager']:.2e} |"]
+             f"| error vs eager, same seed (output in [0,1]) | | max abs {r['max_abs_err_vs_eager']:.2e}, "
+             f"PSNR {r['psnr_vs_eager_db']:.1f} dB |"]
+    sc = r.get("step_cache_eager")
+    if sc:   # a lossy variant: its error next to its speed-up
+        lines.append(f"| step cache `{a['step_cache']['method']}` alone (eager; in the compiled "
+                     f"column too) | | {sc['its']:.2f} it/s ({sc['speedup']:.2f}x), max abs "
+                     f"{sc['max_abs_err']:.2e}, PSNR {sc['psnr_db']:.1f} dB, {sc['reused']} "
+                     f"attention calls reused |")
     for mode, x in r.get("extra", {}).items():
         if "error" in x:
             lines.append(f"| ablation `{mode}` | | failed: {x['error'][:120]} |")
             continue
-        lines.append(f"| ablation `{mode}` | | {x['its']:.2f} it/s ({x['speedup']:.2f}x), first call {x['first_call_s']:.1f} s |")
+        lines.append(f"| ablation `{mode}` | | {x['its']:.2f} it/s ({x['speedup']:.2f}x), first call {x['first_call_s']:.1f} s, "
+                     f"max abs {x['max_abs_err']:.2e}, PSNR {x['psnr_db']:.1f} dB |")
     return "\n".join(lines)
 
 

@@ -174,6 +174,37 @@ class CompileSection:
                             "e.g. compile.options.coordinate_descent_tuning=true")
 
 
+STEP_CACHE_METHODS = ("none", "fastercache", "pab")
+
+
+@dataclass(frozen=True)
+class StepCacheSection:
+    """Step reuse (lossy): README "Step reuse"; applied by runner/step_cache.py."""
+    method: str = key("none", "none | fastercache | pab: reuse attention outputs across denoising "
+                              "steps (lossy; video models; README \"Step reuse\")")
+    block_skip_range: int = key(2, "spatial self-attention computed every N steps, reused in "
+                                   "between (>= 2)")
+    timestep_range: list | None = key(None, "[low, high]: reuse only at timesteps strictly inside; "
+                                            "null = the method's default (fastercache [-1, 681], "
+                                            "pab [100, 800])")
+    uncond_skip_range: int = key(5, "fastercache: the unconditional (CFG) branch computed every N "
+                                    "steps, approximated in between (1 = always computed)")
+
+    def __post_init__(self):
+        _choice("step_cache.method", self.method, STEP_CACHE_METHODS)
+        if self.block_skip_range is None or self.block_skip_range < 2:
+            raise ConfigError(f"step_cache.block_skip_range={self.block_skip_range!r} must be >= 2 "
+                              f"(2 = compute every other step; 1 would never reuse)")
+        _positive("step_cache.uncond_skip_range", self.uncond_skip_range)
+        r = self.timestep_range
+        if r is not None and (len(r) != 2 or not all(isinstance(v, (int, float)) and
+                                                     not isinstance(v, bool) for v in r)
+                              or r[0] >= r[1]):
+            raise ConfigError(f"step_cache.timestep_range={list(r)!r} must be two numbers "
+                              f"[low, high] with low < high (timesteps run from ~1000 down to 0), "
+                              f"or null")
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole tree: one field per section."""
@@ -185,12 +216,13 @@ class Config:
     ray: RayOptions = field(default_factory=RayOptions)
     output: OutputSection = field(default_factory=OutputSection)
     compile: CompileSection = field(default_factory=CompileSection)
+    step_cache: StepCacheSection = field(default_factory=StepCacheSection)
 
 
 # The keys `--help` shows; every key is in `python -m runner.config` and the README.
 COMMON_KEYS = ("model.preset", "model.source", "model.path", "prompts.path",
                "generation.num_inference_steps", "run.batch_size", "ray.num_workers", "output.dir",
-               "output.overwrite", "compile.mode")
+               "output.overwrite", "compile.mode", "step_cache.method")
 
 
 @dataclass(frozen=True)
@@ -426,6 +458,13 @@ class CompileConfig:
         return self.options.get("fuse_qkv", True)
 
 
+def _step_cache(section: dict) -> StepCacheSection:
+    try:
+        return StepCacheSection(**section)
+    except TypeError as e:   # e.g. a string where a number belongs inside timestep_range
+        raise ConfigError(f"step_cache: {e}") from e
+
+
 def _as_paths(value) -> tuple[str, ...]:
     if isinstance(value, (list, tuple, ListConfig)):
         return tuple(str(v) for v in value)
@@ -460,6 +499,7 @@ def split(cfg: DictConfig) -> dict:
         ray=RayOptions(**section("ray")),
         output=OutputOptions(job_dir=os.path.join(str(cfg.output.dir), name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
+        step_cache=_step_cache(section("step_cache")),
         compile=CompileConfig(
             options=_compile_options(c),
             cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),

@@ -35,6 +35,7 @@ from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table, write_json, write_text
 from .progress import PhasePrinter, Progress, StatusBoard
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
+from . import step_cache
 from .results import (JOURNAL, Plan, Results, config_changes, fingerprint, remove_temp_files,
                       settings_id, start_fresh)
 
@@ -106,6 +107,7 @@ def run(argv: list[str]) -> dict:
 
     # 2. Prompts and output directory: all checked before Ray or any model.
     limits = _constraints(model)
+    step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
     compile_flags = _check_compile(job["compile"])
     files, _, items = check_prompts(job["prompts"].paths, job["generation"], limits,
                                     job["prompts"].on_empty)
@@ -307,6 +309,7 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool):
                         job_dir=os.path.abspath(job["output"].job_dir),
                         batch_size=job["run"].batch_size, warmup_steps=job["run"].warmup_steps,
                         fps=job["output"].fps, compile=job["compile"],
+                        step_cache=job["step_cache"],
                         num_threads=None if on_gpu else job["ray"].cpus_per_worker,
                         cache_wait_s=job["ray"].worker_start_timeout_s)
 

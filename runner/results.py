@@ -13,7 +13,7 @@ Contract:
   new rows, rows whose parameters changed, failed rows. Ids of the journal that are no longer in
   the input keep their outputs and lines and are reported, never dropped silently.
 - `fingerprint()` is the job-level part that must not change between runs into one directory
-  (model, dtype, fps, lossy compilation, `generation.*` defaults): a change is refused unless
+  (model, dtype, fps, lossy compilation, step reuse, `generation.*` defaults): a change is refused unless
   `output.overwrite=true`, which starts the directory afresh.
 """
 
@@ -48,6 +48,11 @@ def lossy(mode) -> bool:
 def _output_settings(cfg: DictConfig) -> dict:
     out = {k: OmegaConf.select(cfg, k) for k in OUTPUT_KEYS}
     out["lossy"] = lossy(cfg.compile.mode)
+    # Step reuse changes every output; absent when off, so directories made before it existed
+    # (whose config.yaml has no step_cache) keep their settings id.
+    sc = OmegaConf.select(cfg, "step_cache")
+    if sc is not None and sc.method != "none":
+        out["step_cache"] = OmegaConf.to_container(sc, resolve=True)
     return out
 
 

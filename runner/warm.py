@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 
+from . import step_cache
 from .config import ConfigError, load_config, split
 from .job import JobError, _check_compile, _constraints, worker_config
 from .prompts import PromptError
@@ -24,6 +25,7 @@ def main(argv: list[str]) -> int:
     try:
         job = split(load_config(argv))
         limits = _constraints(job["model"])
+        step_cache.prepare(job)
         if "cache-all" not in _check_compile(job["compile"]):
             raise ConfigError(f"compile.mode={job['compile'].options['mode']!r} does not keep a "
                               f"cache: use a mode with cache-all (or O2 / O3)")

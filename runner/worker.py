@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import CompileConfig, GenerationDefaults
+from . import step_cache
+from .config import CompileConfig, GenerationDefaults, StepCacheSection
 from .models import ModelSpec, build_pipeline
 from .outputs import write_mp4, write_png
 from .prompts import Constraints, Item
@@ -58,6 +59,7 @@ class WorkerConfig:
     warmup_steps: int = 2
     fps: int = 8
     compile: CompileConfig = CompileConfig()
+    step_cache: StepCacheSection = StepCacheSection()
     num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
     cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
@@ -69,6 +71,8 @@ def generate(pipe, family: str, items: list[Item], device: str, clock=None,
     both in [0, 1]. `clock.step()` is called at the end of each denoising step.
     One generator per item: an item's output depends on its seed, not on its batch-mates."""
     first = items[0]
+    # a step cache's state starts fresh: outputs do not depend on call order
+    step_cache.reset(pipe, guidance=first.guidance_scale > 1)
     kw = dict(prompt=[i.prompt for i in items], negative_prompt=[i.negative_prompt for i in items],
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,
@@ -245,6 +249,7 @@ class Worker:
         else:
             t_compile = t0
             self._phase("warming up")
+        step_cache.apply(self.pipe, self.cfg.step_cache)   # after compile_pipe: see step_cache.py
         try:
             self._warmup_call()
         except BaseException:
@@ -449,6 +454,8 @@ class Worker:
         m["batches"] = len(self.m["e2e"])
         m["steady_it_s"] = self.m["steps"] / self.m["steady_s"] if self.m["steady_s"] else None
         m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        # step reuse: attention calls answered from the cache (warm-up included); 0 when off
+        m["step_cache_reused"] = step_cache.skipped(self.pipe)
         # The serving window: the first pipeline call's start to the last batch on the host.
         span = t1 - t0 if t0 is not None and t1 is not None and t1 > t0 else None
         m["serving_s"] = span

@@ -1,0 +1,276 @@
+"""Step reuse (`step_cache.*`, runner/step_cache.py) on the tiny Latte, on CPU.
+
+What could break: a bad method or parameter reaching Ray (exit 2 naming the valid values, before
+any model); the hooks not skipping anything; state leaking from one pipeline call into the next
+(outputs depending on call order, or on a call that raised); per-block compile tracing into the
+hooks (a full-graph error) or recompiling per block; a rerun with another step-cache setting
+silently mixing outputs in one directory. GPU tests (marked `gpu`) check the compiled modes there.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runner import step_cache
+from runner.config import ConfigError, StepCacheSection, load_config, split
+from runner.models import ModelSpec, build_pipeline
+from runner.prompts import Item
+from runner.worker import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6   # DDIM over 1000: timesteps 834..1: several inside both methods' reuse ranges
+
+
+def item(seed: int, steps: int = STEPS, guidance: float = 4.5) -> Item:
+    return Item(id=f"s{seed}", prompt="a cat walking in the city", negative_prompt="", seed=seed,
+                height=64, width=64, num_frames=4, guidance_scale=guidance,
+                num_inference_steps=steps, file="p.parquet", row=seed)
+
+
+def run(pipe, it: Item) -> torch.Tensor:
+    with torch.inference_mode():
+        return generate(pipe, "latte", [it], "cpu", output_type="pt")
+
+
+def latte(method: str = "none", compile_mode: str | None = None, **params):
+    pipe = build_pipeline(ModelSpec("latte1", source="tiny"))
+    sc = StepCacheSection(method=method, **params)
+    if compile_mode:
+        import compiler
+        compiler.compile_pipe(pipe, step_cache.compile_options({"mode": compile_mode}, sc))
+    step_cache.apply(pipe, sc)
+    return pipe
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: checked before Ray, naming the key and the valid values.
+
+@pytest.mark.parametrize("arg, needle", [
+    ("step_cache.method=teacache", "step_cache.method='teacache' is not valid; choose one of "
+                                   "['none', 'fastercache', 'pab']"),
+    ("step_cache.block_skip_range=1", "step_cache.block_skip_range=1 must be >= 2"),
+    ("step_cache.uncond_skip_range=0", "step_cache.uncond_skip_range=0 must be > 0"),
+    ("step_cache.timestep_range=[800,100]", "must be two numbers [low, high] with low < high"),
+    ("step_cache.timestep_range=[1,2,3]", "must be two numbers"),
+    ("step_cache.block_skip_range=two", "step_cache.block_skip_range='two' has the wrong type"),
+    ("step_cache.skip=2", "unknown config key 'step_cache.skip'"),
+])
+def test_bad_step_cache_settings_are_config_errors(arg, needle):
+    with pytest.raises(ConfigError) as e:
+        split(load_config(["job=demo_video", "step_cache.method=pab", arg]))
+    assert needle in str(e.value)
+
+
+def test_good_parameters_reach_the_diffusers_config():
+    job = split(load_config(["job=demo_video", "step_cache.method=fastercache",
+                             "step_cache.timestep_range=[-1, 900]", "step_cache.block_skip_range=3",
+                             "step_cache.uncond_skip_range=2"]))
+    cfg = step_cache.BUILDERS["fastercache"](job["step_cache"], lambda: 500.0)
+    assert cfg.spatial_attention_timestep_skip_range == (-1, 900)
+    assert cfg.spatial_attention_block_skip_range == 3 and cfg.unconditional_batch_skip_range == 2
+    pab = step_cache.BUILDERS["pab"](StepCacheSection(method="pab"), lambda: 500.0)
+    assert pab.spatial_attention_timestep_skip_range == (100, 800)      # null: the method's default
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["job=demo_video", "step_cache.method=fastcache"], "choose one of ['none', 'fastercache', 'pab']"),
+    (["job=demo_image", "step_cache.method=pab"], "is not offered for pixart_alpha models; it is "
+                                                  "for: ['latte']"),
+    (["job=demo_video", "step_cache.method=pab", "step_cache.block_skip_range=1"],
+     "step_cache.block_skip_range=1 must be >= 2"),
+])
+def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "runner", *args, f"output.dir={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr
+    assert not (tmp_path / "demo_video").exists() and not (tmp_path / "demo_image").exists()
+
+
+def test_cudagraphs_is_dropped_from_the_mode_when_a_step_cache_is_on():
+    job = split(load_config(["job=demo_video", "compile.mode=O3", "step_cache.method=pab"]))
+    step_cache.prepare(job)
+    assert job["compile"].options["mode"] == "cache-all:low-precision:max-optimize"
+    job = split(load_config(["job=demo_video", "compile.mode=O2"]))   # off: untouched
+    step_cache.prepare(job)
+    assert job["compile"].options["mode"] == "O2"
+
+
+def test_step_cache_is_part_of_the_settings_id_only_when_on():
+    from runner.results import fingerprint, settings_id
+    ids = {m: settings_id(load_config(["job=demo_video", f"step_cache.method={m}"]))
+           for m in ("none", "fastercache", "pab")}
+    assert len(set(ids.values())) == 3
+    # a changed parameter is a different output, too
+    assert settings_id(load_config(["job=demo_video", "step_cache.method=pab",
+                                    "step_cache.block_skip_range=3"])) != ids["pab"]
+    # a directory made before step_cache existed (its config.yaml has no such section)
+    old = load_config(["job=demo_video"])
+    from omegaconf import OmegaConf
+    old = OmegaConf.create({k: v for k, v in OmegaConf.to_container(old).items() if k != "step_cache"})
+    assert settings_id(old) == ids["none"] and "step_cache" not in fingerprint(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hooks on the tiny Latte, in process.
+
+@pytest.mark.parametrize("method", ["fastercache", "pab"])
+def test_cache_reuses_and_outputs_are_independent_of_call_order(method):
+    ref = run(latte(), item(1))
+    pipe = latte(method)
+    a = run(pipe, item(1))
+    assert step_cache.skipped(pipe) > 0              # it did reuse something
+    assert not torch.equal(a, ref)                   # ... and that changed the output (lossy)
+    b = run(pipe, item(2))
+    assert torch.equal(run(pipe, item(1)), a)        # same item after another: identical
+    assert torch.equal(run(pipe, item(2)), b)
+    # a call that raises mid-denoising leaves hook state behind (diffusers resets only at the end
+    # of a call that finished); the next call must not see it
+    def boom(p, i, t, kw):
+        if i == 2:
+            raise RuntimeError("stop")
+        return kw
+    with pytest.raises(RuntimeError, match="stop"), torch.inference_mode():
+        pipe(prompt="x", num_inference_steps=STEPS, height=64, width=64, video_length=4,
+             clean_caption=False, output_type="pt", callback_on_step_end=boom)
+    assert torch.equal(run(pipe, item(1)), a)
+
+
+def test_fastercache_without_guidance_reuses_attention_only():
+    """guidance_scale <= 1: Latte runs no CFG batch; FasterCache must not split one (it raised)."""
+    pipe = latte("fastercache")
+    a = run(pipe, item(1, guidance=1.0))
+    assert step_cache.skipped(pipe) > 0 and torch.isfinite(a).all()
+    assert torch.equal(run(pipe, item(1, guidance=1.0)), a)
+    run(pipe, item(1))                                 # and CFG again after it
+    assert torch.equal(run(pipe, item(1, guidance=1.0)), a)
+
+
+def test_fastercache_skips_the_unconditional_branch():
+    pipe = latte("fastercache", uncond_skip_range=2)
+    seen = []   # the batch the transformer's own forward gets: (B * frames, C, H, W) into pos_embed
+    h = pipe.transformer.pos_embed.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    run(pipe, item(1))
+    h.remove()
+    # the CFG batch (2 x 4 frames) on some steps, the conditional half alone on the others
+    assert len(seen) == STEPS and 8 in seen and 4 in seen
+
+
+@pytest.mark.parametrize("method", ["fastercache", "pab"])
+def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
+    """Per-block compile (Latte's compiled block pairs; `O2` on CPU, whose step graph is dropped)
+    with the hooked attentions as opaque ops: the eager step cache's output, graphs shared by the
+    block pairs (never one per pair), no recompiles on later calls."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from compiler import latte as compiled_latte
+    torch._dynamo.reset()
+    ref = run(latte(method), item(1))
+    pipe = latte(method, compile_mode="O2")
+    assert pipe._compile_options.mode == "cache-all" and pipe._compile_report["compiled_blocks"]
+    out = run(pipe, item(1))
+    assert step_cache.skipped(pipe) > 0
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(run(pipe, item(1)), ref, atol=1e-4, rtol=1e-4)
+        run(pipe, item(2))
+    # Graphs of the pair function: FasterCache also runs the conditional half of the CFG batch
+    # alone on some steps (one more batch size). And under inference_mode (as in the worker) pair
+    # 0's temporal position (a buffer) and the later pairs' zeros (made in inference mode) differ in
+    # dispatch keys: two graphs per batch size, with or without a step cache (compiler/latte.py,
+    # not this module). The hooks themselves add none.
+    graphs = len(_debug_get_cache_entry_list(compiled_latte._pair.__code__))
+    assert graphs == 2 * (2 if method == "fastercache" else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real CLI: the demo video job with a step cache, one CPU worker.
+
+def _cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "runner", "job=demo_video", f"output.dir={tmp_path}",
+                           "ray.cpu_workers=1", f"prompts.path={tmp_path / 'p.parquet'}",
+                           f"generation.num_inference_steps={STEPS}", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("method, mode, runs_as", [("fastercache", "none", "none"),
+                                                   ("pab", "O2", "cache-all")])
+def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts):
+    """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block compile,
+    its step graph dropped because of the step cache)."""
+    write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
+    r = _cli(tmp_path, f"step_cache.method={method}", f"compile.mode={mode}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    job = tmp_path / "demo_video"
+    assert len(os.listdir(job / "media")) == 3
+    m = json.load(open(job / "metrics" / "worker-0.json"))
+    assert m["step_cache_reused"] > 0                  # the worker's hooks did skip attention
+    assert m["compile_mode"] == runs_as
+    # another step-cache setting into the same directory: refused like any output setting
+    other = "pab" if method == "fastercache" else "fastercache"
+    r = _cli(tmp_path, f"step_cache.method={other}")
+    assert r.returncode == 2 and "step_cache" in r.stderr and "output.overwrite=true" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (not run on CPU): step cache with the compiled modes, within a tolerance of step cache alone.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, tol", [("O2", 2e-2), ("O3", 1.5e-1)])
+@pytest.mark.parametrize("method", ["fastercache", "pab"])
+def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
+    """Tiny Latte in fp16 on CUDA: step cache + O2 (its step graph dropped) within fp16 tolerance of
+    the eager step cache; + O3 (FP8 linears, lossy) within 0.15 on outputs in [0, 1]."""
+    def pipe_of(m):
+        p = build_pipeline(ModelSpec("latte1", source="tiny", dtype="fp16", device="cuda"))
+        sc = StepCacheSection(method=method)
+        if m:
+            import compiler
+            compiler.compile_pipe(p, step_cache.compile_options({"mode": m}, sc))
+        step_cache.apply(p, sc)
+        return p
+
+    def call(p):
+        with torch.inference_mode():
+            return generate(p, "latte", [item(1)], "cuda", output_type="pt").float()
+
+    ref = call(pipe_of(None))
+    pipe = pipe_of(mode)
+    call(pipe)
+    out = call(pipe)
+    assert step_cache.skipped(pipe) > 0 and torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= tol
+
+
+@pytest.mark.e2e
+def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
+    """`python -m runner.bench` on the tiny Latte on CPU: the step cache alone, compiled + step
+    cache and an ablation, each with its speed-up, max abs error and PSNR against eager on the
+    same seed."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "runner.bench", "model=latte1", "source=tiny",
+                        "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
+                        "step_cache.method=pab", "reps=1", "extra=cache-all", f"out={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.load(open(out))
+    alone = res["step_cache_eager"]
+    assert alone["reused"] > 0 and alone["speedup"] > 0
+    assert 0 < alone["max_abs_err"] <= 1 and 10 < alone["psnr_db"] < float("inf")
+    assert res["args"]["compile"]["mode"] == "cache-all"      # step graph dropped
+    assert res["max_abs_err_vs_eager"] > 0 and res["psnr_vs_eager_db"] > 10
+    # per-block compile + step cache gives the eager step cache's output
+    assert abs(res["psnr_vs_eager_db"] - alone["psnr_db"]) < 1.0
+    assert "PSNR" in r.stdout and "step cache `pab` alone" in r.stdout
+    # ablations state their error too (without the step cache: lossless here, fp32 on CPU)
+    assert res["extra"]["cache-all"]["max_abs_err"] < 1e-3 and res["extra"]["cache-all"]["psnr_db"] > 60
+
+
+def test_bad_step_cache_argument_of_the_bench_names_the_valid_ones():
+    from runner.bench import parse_argv
+    with pytest.raises(SystemExit, match=r"choose one of \['none', 'fastercache', 'pab'\]"):
+        parse_argv(["step_cache.method=teacache"])
