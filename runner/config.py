@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
 JOBS_DIR = ROOT / "jobs"
+LOCAL_CACHE = "~/.cache/runner/compile-cache"   # compile cache of a job whose output.dir is s3:// or gs://
 REQUIRED = "???"   # OmegaConf's "missing" marker: a key the job file or command line must set
 
 
@@ -82,7 +83,8 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class PromptsSection:
-    path: str | list = key(REQUIRED, "a .parquet file, a directory of them, or a list of either")
+    path: str | list = key(REQUIRED, "a .parquet file, a directory of them, or a list of either; "
+                                     "local, s3:// or gs://")
     on_empty: str = key("error", "null/empty prompt: error (before any model is built) | skip")
 
 
@@ -144,7 +146,8 @@ class RayOptions:
 
 @dataclass(frozen=True)
 class OutputSection:
-    dir: str = key("outputs", "outputs go to <dir>/<job name>/")
+    dir: str = key("outputs", "outputs go to <dir>/<job name>/: a local path, s3://bucket/prefix "
+                              "or gs://bucket/prefix")
     fps: int = key(8, "frame rate of mp4 outputs")
     results_every_s: float = key(30.0, "results.parquet is rewritten (atomically) at most this "
                                        "often while running, in seconds")
@@ -167,9 +170,10 @@ class CompileSection:
     compile_text_encoder: bool = key(False, "also compile the text encoder's blocks")
     compile_vae: bool | None = key(None, "also compile the VAE decoder's blocks; null: for image "
                                          "models, not video")
-    cache_dir: str | None = key(None, "compile cache shared by jobs (a path; URIs are not "
-                                      "supported yet); null = "
-                                      "<output.dir>/.compile-cache")
+    cache_dir: str | None = key(None, "compile cache shared by jobs (a local or shared path; "
+                                      "s3/gs URIs are not supported yet); null = "
+                                      "<output.dir>/.compile-cache, or ~/.cache/runner/compile-cache "
+                                      "on each node if output.dir is s3:// or gs://")
     options: dict = key({}, "Inductor config overrides (free-form), "
                             "e.g. compile.options.coordinate_descent_tuning=true")
 
@@ -435,6 +439,7 @@ def _as_paths(value) -> tuple[str, ...]:
 def split(cfg: DictConfig) -> dict:
     """The typed pieces of a merged config (see the dataclasses above)."""
     from .models import ModelSpec  # models imports torch; keep `config` light for the CLI's errors
+    from . import storage
 
     def section(name):
         return OmegaConf.to_container(cfg[name], resolve=True)
@@ -447,10 +452,19 @@ def split(cfg: DictConfig) -> dict:
     if not name or "/" in name or name in (".", ".."):
         raise ConfigError(f"job.name={name!r} must be a plain directory name")
     c = section("compile")
+    for k, v in [("output.dir", cfg.output.dir), *(("prompts.path", p) for p in _as_paths(cfg.prompts.path))]:
+        try:
+            storage.check(str(v))
+        except ValueError as e:
+            raise ConfigError(f"{k}={str(v)!r}: {e}") from e
     if c["cache_dir"] and "://" in str(c["cache_dir"]):
         raise ConfigError(f"compile.cache_dir={c['cache_dir']!r}: URIs are not supported yet; use a "
                           f"path every node can reach (a shared filesystem, or an object store "
-                          f"mounted with FUSE), or null for <output.dir>/.compile-cache")
+                          f"mounted with FUSE), or null for <output.dir>/.compile-cache (with an "
+                          f"s3:// or gs:// output.dir: a local {LOCAL_CACHE} on each node)")
+    out_dir = str(cfg.output.dir)
+    cache_dir = c["cache_dir"] or (LOCAL_CACHE if storage.is_uri(out_dir)
+                                   else os.path.join(out_dir, ".compile-cache"))
     return dict(
         name=name,
         model=model,
@@ -458,11 +472,12 @@ def split(cfg: DictConfig) -> dict:
         generation=GenerationDefaults(**section("generation")),
         run=RunOptions(**section("run")),
         ray=RayOptions(**section("ray")),
-        output=OutputOptions(job_dir=os.path.join(str(cfg.output.dir), name), fps=cfg.output.fps,
+        output=OutputOptions(job_dir=f"{out_dir.rstrip('/')}/{name}" if storage.is_uri(out_dir)
+                             else os.path.join(out_dir, name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
         compile=CompileConfig(
             options=_compile_options(c),
-            cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),
+            cache_dir=os.path.abspath(os.path.expanduser(cache_dir))),
     )
 
 

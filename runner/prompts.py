@@ -1,7 +1,8 @@
 """Prompts in: Parquet files -> validated `Item`s, and the shard plan.
 
 Contract:
-- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable).
+- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable),
+  local or on an object store (`s3://`, `gs://`: read on the driver through `runner.storage`).
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
   job's `generation` defaults. Unknown columns are ignored.
@@ -25,8 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import GenerationDefaults
 
 OPTIONAL_COLUMNS = ("id", "negative_prompt", "seed", "height", "width", "num_frames",
@@ -89,9 +92,10 @@ class Shard:
 def list_files(paths: tuple[str, ...]) -> list[str]:
     files: list[str] = []
     for p in paths:
+        storage.check_or(p, PromptError, "prompts.path")
         if "://" in p:
-            raise PromptError(f"prompts.path {p!r}: URIs are not supported; use a path every node "
-                              f"can read (a shared filesystem, or an object store mounted with FUSE)")
+            files += _list_uri(p)
+            continue
         if os.path.isdir(p):
             found = sorted(str(f) for f in Path(p).rglob("*.parquet"))
             if not found:
@@ -107,8 +111,30 @@ def list_files(paths: tuple[str, ...]) -> list[str]:
     return files
 
 
+def _list_uri(p: str) -> list[str]:
+    """The .parquet files at an s3:// or gs:// location (one object, or every one under a prefix)."""
+    try:
+        store = storage.resolve(p)
+        kind = store.fs.get_file_info(store.base).type
+        if kind == pafs.FileType.File:
+            return [p]
+        found = sorted(n for n in store.list() if n.endswith(".parquet")) \
+            if kind == pafs.FileType.Directory else []
+    except (OSError, ValueError) as e:
+        raise PromptError(f"prompts.path {p!r}: cannot read it ({e}); check the URI and the "
+                          f"credentials in the environment (README: Cloud storage)") from e
+    if kind == pafs.FileType.NotFound:
+        raise PromptError(f"prompts.path {p!r} does not exist")
+    if not found:
+        raise PromptError(f"prompts.path {p!r} has no .parquet files")
+    return [store.uri(n) for n in found]
+
+
 def _read_table(file: str) -> pa.Table:
     try:
+        if "://" in file:
+            store = storage.resolve(file)
+            return pq.read_table(store.base, filesystem=store.fs)
         return pq.read_table(file)
     except Exception as e:
         raise PromptError(f"cannot read Parquet file {file!r}: {e}") from e

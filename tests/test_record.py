@@ -20,7 +20,7 @@ from runner.config import ConfigError, load_config
 from runner.job import JobError, run
 from runner.prompts import Item, PromptError
 from runner.results import Results, lossy
-from test_faults import ROOT, cli, rows, wait_for_journal
+from test_faults import ROOT, cli, record_rows, rows, wait_for_journal
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_bad_output_dir_is_exit_2_on_the_command_line(tmp_path, write_prompts):
 # End to end: the real CLI on a local Ray, tiny model, 64x64, 2 steps.
 
 def journal_lines(job_dir):
-    return sum(1 for _ in open(job_dir / "journal.jsonl"))
+    return len(record_rows(job_dir))
 
 
 @pytest.mark.e2e
@@ -198,7 +198,7 @@ def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, writ
     assert rc == 0, err[-3000:]
     assert "4 to run (3 changed: 3 in " in out and "2 already done" in out
     assert "1 no longer in the input (kept): a5" in out
-    assert journal_lines(job_dir) == 6
+    assert journal_lines(job_dir) == 6                                   # compacted: one per id
     rc, out, err = cli(args)
     assert rc == 0, err[-3000:]
     assert "3 rows changed since their outputs were made (3 in " in err and "2 already done" in err
@@ -216,7 +216,8 @@ def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, writ
     assert summary["resumed"] == 2 and summary["regenerated"] == 3 and summary["ok"] == 6
     assert summary["not_in_input"] == 1 and summary["not_in_input_ids"] == ["a5"]
     assert "1 outputs of ids no longer in the input (kept): a5" in open(job_dir / "summary.txt").read()
-    assert journal_lines(job_dir) == 6 + 4                               # exactly once each
+    assert journal_lines(job_dir) == 6 + 1            # compacted: one row per id, a5's kept
+    assert len(os.listdir(job_dir / "records")) == 1
 
 
 @pytest.mark.e2e
