@@ -166,7 +166,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         board = ray.remote(StatusBoard).options(num_cpus=0).remote()
         phases = PhasePrinter(board)
 
-        # 4. Stream: dynamic hand-out, each shard's rows journaled as they arrive.
+        # 4. Stream: dynamic hand-out, each shard's rows recorded as they arrive (records/).
         progress = Progress(sum(len(items_of(s)) for s in shards))
         last_write = time.monotonic()
 
@@ -235,7 +235,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         import ray
         for s in slots:
             ray.kill(s.actor)
-        # A worker that died mid-write left a temp file (its item was requeued, or is not journalled).
+        # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
         remove_temp_files(out.job_dir)
     if stopped is not None:
         raise stopped

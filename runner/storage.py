@@ -37,8 +37,9 @@ Contract
   `exists(rel)` is true for a file (object), not for a "directory" prefix.
 - Object stores have no directories, append or rename; nothing here needs them.
 
-Design note: the job record on a store that cannot append or rename (integration is issue 16's
-follow-up, after the job-record rework)
+Design note: the job record on a store that cannot append or rename (as integrated: results.py's
+records are per finished shard, named `records/<run>-<seq>.jsonl` rather than by shard key, so a
+replanned shard of a resumed run never replaces rows of an earlier record; see results.py)
 - Media: `media/<id>.<ext>`, one atomic put per file (encode in memory or to a local temp file, then
   `write_bytes_atomic`/`atomic_local`). A retried prompt overwrites the same key; last writer wins.
 - Record: when a shard finishes (all its media written), its result rows go to ONE small object,
