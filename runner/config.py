@@ -32,7 +32,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
 JOBS_DIR = ROOT / "jobs"
-LOCAL_CACHE = "~/.cache/runner/compile-cache"   # compile cache of a job whose output.dir is s3:// or gs://
 REQUIRED = "???"   # OmegaConf's "missing" marker: a key the job file or command line must set
 
 
@@ -170,10 +169,8 @@ class CompileSection:
     compile_text_encoder: bool = key(False, "also compile the text encoder's blocks")
     compile_vae: bool | None = key(None, "also compile the VAE decoder's blocks; null: for image "
                                          "models, not video")
-    cache_dir: str | None = key(None, "compile cache shared by jobs (a local or shared path; "
-                                      "s3/gs URIs are not supported yet); null = "
-                                      "<output.dir>/.compile-cache, or ~/.cache/runner/compile-cache "
-                                      "on each node if output.dir is s3:// or gs://")
+    cache_dir: str | None = key(None, "compile cache shared by jobs: a path, s3:// or gs:// "
+                                      "URI; null = <output.dir>/.compile-cache")
     options: dict = key({}, "Inductor config overrides (free-form), "
                             "e.g. compile.options.coordinate_descent_tuning=true")
 
@@ -430,6 +427,11 @@ class CompileConfig:
         return self.options.get("fuse_qkv", True)
 
 
+def _join(location: str, name: str) -> str:
+    """location/name for a local path or an s3:// / gs:// URI."""
+    return f"{location.rstrip('/')}/{name}" if "://" in location else os.path.join(location, name)
+
+
 def _as_paths(value) -> tuple[str, ...]:
     if isinstance(value, (list, tuple, ListConfig)):
         return tuple(str(v) for v in value)
@@ -452,19 +454,14 @@ def split(cfg: DictConfig) -> dict:
     if not name or "/" in name or name in (".", ".."):
         raise ConfigError(f"job.name={name!r} must be a plain directory name")
     c = section("compile")
-    for k, v in [("output.dir", cfg.output.dir), *(("prompts.path", p) for p in _as_paths(cfg.prompts.path))]:
+    for k, v in [("output.dir", cfg.output.dir), ("compile.cache_dir", c["cache_dir"] or ""),
+                 *(("prompts.path", p) for p in _as_paths(cfg.prompts.path))]:
         try:
-            storage.check(str(v))
+            v and storage.check(str(v))
         except ValueError as e:
             raise ConfigError(f"{k}={str(v)!r}: {e}") from e
-    if c["cache_dir"] and "://" in str(c["cache_dir"]):
-        raise ConfigError(f"compile.cache_dir={c['cache_dir']!r}: URIs are not supported yet; use a "
-                          f"path every node can reach (a shared filesystem, or an object store "
-                          f"mounted with FUSE), or null for <output.dir>/.compile-cache (with an "
-                          f"s3:// or gs:// output.dir: a local {LOCAL_CACHE} on each node)")
     out_dir = str(cfg.output.dir)
-    cache_dir = c["cache_dir"] or (LOCAL_CACHE if storage.is_uri(out_dir)
-                                   else os.path.join(out_dir, ".compile-cache"))
+    cache_dir = str(c["cache_dir"] or _join(out_dir, ".compile-cache"))
     return dict(
         name=name,
         model=model,
@@ -472,12 +469,11 @@ def split(cfg: DictConfig) -> dict:
         generation=GenerationDefaults(**section("generation")),
         run=RunOptions(**section("run")),
         ray=RayOptions(**section("ray")),
-        output=OutputOptions(job_dir=f"{out_dir.rstrip('/')}/{name}" if storage.is_uri(out_dir)
-                             else os.path.join(out_dir, name), fps=cfg.output.fps,
+        output=OutputOptions(job_dir=_join(out_dir, name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
         compile=CompileConfig(
             options=_compile_options(c),
-            cache_dir=os.path.abspath(os.path.expanduser(cache_dir))),
+            cache_dir=cache_dir if storage.is_uri(cache_dir) else storage.resolve(cache_dir).base),
     )
 
 

@@ -234,8 +234,8 @@ class Worker:
             import compiler
             from compiler.cache import cache_key, configure_cache_dir
             if "cache-all" in compiler.parse_options(opts.options).flags:
-                from .compile_cache import warm_from_shared_cache
-                configure_cache_dir(opts.cache_dir)
+                from .compile_cache import local_dir, warm_from_shared_cache
+                configure_cache_dir(local_dir(opts.cache_dir))
                 key = cache_key(self.pipe, opts.options, self._warmup_shape())
                 self._phase("looking up the compile cache")
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,

@@ -110,12 +110,13 @@ def test_unusable_output_dir_is_a_clear_error(tmp_path, write_prompts, no_models
         run(["job=demo_image", f"prompts.path={p}", f"output.dir={out.format(tmp=tmp_path)}"])
 
 
-def test_cache_dir_uri_and_empty_job_name_are_refused(tmp_path, write_prompts, no_models_no_ray):
+def test_cache_dir_of_unknown_scheme_and_empty_job_name_are_refused(tmp_path, write_prompts,
+                                                                     no_models_no_ray):
     p = write_prompts({"prompt": ["a"]})
-    with pytest.raises(ConfigError, match=r"compile.cache_dir='s3://b/c': URIs are not supported"):
-        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "compile.cache_dir=s3://b/c",
+    with pytest.raises(ConfigError, match=r"compile.cache_dir='ftp://b/c': .*scheme 'ftp'.*s3://"):
+        run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "compile.cache_dir=ftp://b/c",
              "compile.mode=cache-all"])
-    assert not os.path.exists(os.path.join(ROOT, "s3:"))
+    assert not os.path.exists(os.path.join(ROOT, "ftp:"))
     with pytest.raises(ConfigError, match=r"job.name is empty.*job.name=NAME"):
         run(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}", "job.name="])
     assert os.listdir(tmp_path) == ["prompts.parquet"]
