@@ -148,8 +148,8 @@ class OutputSection:
     dir: str = key("outputs", "outputs go to <dir>/<job name>/: a local path, s3://bucket/prefix "
                               "or gs://bucket/prefix")
     fps: int = key(8, "frame rate of mp4 outputs")
-    results_every_s: float = key(30.0, "results.parquet is rewritten (atomically) at most this "
-                                       "often while running, in seconds")
+    results_every_s: float = key(30.0, "results.parquet and report.html are rewritten at most "
+                                       "this often while running (in the background), in seconds")
     overwrite: bool = key(False, "false: a rerun resumes (skips finished prompts); "
                                  "true: regenerate everything")
 

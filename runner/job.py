@@ -5,8 +5,9 @@ Everything that can be wrong with the input is checked before Ray starts or any 
 A rerun into the same directory resumes: prompts whose output is complete are skipped (see
 `results.py`); with nothing left it says so in one line and keeps the last summary. Shards are
 handed out dynamically and survive worker failures (see `dispatch.py`). Each shard's rows are
-recorded as they arrive (one `records/` object per shard); `results.parquet` is rewritten atomically
-at most every `output.results_every_s` and at the end. One driver per job directory (`lock.py`).
+recorded as they arrive (one `records/` object per shard); `results.parquet` and report.html are
+rewritten atomically at most every `output.results_every_s` by a background thread (the dispatch
+loop never waits for a full rewrite), and at the end. One driver per job directory (`lock.py`).
 The job directory is a `storage.Store`: a local directory, `s3://` or `gs://`, through the same
 calls; workers write their media to it themselves, so no filesystem needs to be shared.
 `run.dry_run=true` stops after the checks and prints the plan against the job directory.
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from omegaconf import OmegaConf
 
@@ -142,6 +144,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     timeline = []                          # (s since start, ok, failed) of this run: report.html
     t_ready = t_done = t_all_ready = None
     ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
+    background, pending = ThreadPoolExecutor(1, thread_name_prefix="snapshot"), None
     if shards:
         import ray
         from .worker import Worker
@@ -170,8 +173,14 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         progress = Progress(sum(len(items_of(s)) for s in shards))
         last_write = time.monotonic()
 
+        def snapshot():
+            """results.parquet and report.html so far, off the dispatch loop's thread (a full
+            rewrite costs seconds at a million rows; the loop only records O(shard) per shard)."""
+            _report(out.job_dir, results.write_table(ids), dict(job=job["name"], items=len(items)),
+                    timeline=list(timeline), thumb_budget_s=5)
+
         def on_rows(rows):
-            nonlocal last_write, steady_items
+            nonlocal last_write, steady_items, pending
             results.add(rows)
             progress.update(len(rows))
             n_ok, n_failed = timeline[-1][1:] if timeline else (0, 0)
@@ -179,9 +188,9 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             timeline.append((time.perf_counter() - t_start, n_ok + ok, n_failed + len(rows) - ok))
             if t_all_ready is not None:
                 steady_items += work_after(rows, time.perf_counter(), t_all_ready)
-            if time.monotonic() - last_write >= out.results_every_s:
-                _report(out.job_dir, results.write_table(ids), dict(job=job["name"], items=len(items)),
-                        timeline=timeline, thumb_budget_s=5)
+            if time.monotonic() - last_write >= out.results_every_s and (
+                    pending is None or pending.done()):      # at most one snapshot at a time
+                pending = background.submit(snapshot)
                 last_write = time.monotonic()
 
         def on_ready(slot):
@@ -213,6 +222,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             raise JobError(str(e)) from e
         finally:
             progress.close()
+            _settle(pending)          # a stale snapshot must not land after the final write
         t_done = time.perf_counter()
 
     # 5. Summarize.
@@ -250,6 +260,13 @@ def _store(job_dir: str) -> Store:
 
 def json_text(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def _settle(future) -> None:
+    """Waits for a background snapshot (its errors are logged by `_report`)."""
+    if future is not None:
+        with contextlib.suppress(Exception):
+            future.result()
 
 
 def _report(job_dir: str, *args, **kw) -> None:
