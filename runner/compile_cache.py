@@ -9,7 +9,10 @@ Contract (used by `Worker.warmup` when the compile mode has `cache-all`):
   `compiler.cache.unpack_and_load` checks the artifact's own header and hash, before anything is
   unpickled.
 - The artifact is also written to `compile.cache_dir` (atomically), where the next job's first
-  worker finds it. Artifacts are read only from there or from the broker.
+  worker finds it. Artifacts are read only from there or from the broker. `compile.cache_dir` may
+  be a local path or an `s3://`/`gs://` URI (`<cache_dir>/<key>.artifact`, one get / one put
+  through `runner.storage`); Inductor's and Triton's own working caches stay on a local disk
+  (`local_dir`): the artifact carries everything a warm start needs.
 - Anything wrong (a timeout waiting for the compiling worker, a corrupt or mismatched artifact)
   is logged and the worker compiles itself: never a crash, never unverified code.
 """
@@ -19,9 +22,43 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 
 log = logging.getLogger("runner")
+LOCAL_CACHE = "~/.cache/runner/compile-cache"   # Inductor/Triton caches when cache_dir is a URI
+
+
+def local_dir(cache_dir: str) -> str:
+    """Where Inductor and Triton keep their working caches for `cache_dir`."""
+    from .storage import is_uri
+    return os.path.expanduser(LOCAL_CACHE) if is_uri(cache_dir) else cache_dir
+
+
+def read_artifact(cache_dir: str, key: str) -> bytes | None:
+    from compiler import cache as cc
+    from .storage import is_uri, resolve
+    if not is_uri(cache_dir):
+        return cc.read_artifact(cache_dir, key)
+    try:
+        return resolve(cache_dir).read_bytes(cc.artifact_path("", key).name)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:        # the store unreachable: compile, never crash
+        log.warning("compile cache %s not readable (%s); compiling", cache_dir, e)
+        return None
+
+
+def write_artifact(cache_dir: str, key: str, blob: bytes) -> None:
+    from compiler import cache as cc
+    from .storage import is_uri, resolve
+    if not is_uri(cache_dir):
+        cc.write_artifact(cache_dir, key, blob)
+        return
+    try:
+        resolve(cache_dir).write_bytes_atomic(cc.artifact_path("", key).name, blob)
+    except (OSError, ValueError) as e:
+        log.warning("compile artifact not saved to %s (%s)", cache_dir, e)
 
 
 class CacheBroker:
@@ -76,7 +113,7 @@ def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, wait_s: 
         elif cc.unpack_and_load(blob, key):
             report.update(cache_hit=True, cache_source="broker")
         return report
-    blob = cc.read_artifact(cache_dir, key)
+    blob = read_artifact(cache_dir, key)
     if blob is not None and cc.unpack_and_load(blob, key):
         report.update(cache_hit=True, cache_source="cache_dir", blob=blob)
     return report
@@ -92,7 +129,7 @@ def publish(broker, report: dict, cache_dir: str) -> None:
     if blob is None:
         blob = cc.pack_artifact(key)
         if blob is not None:
-            cc.write_artifact(cache_dir, key, blob)
+            write_artifact(cache_dir, key, blob)
             report["artifact_bytes"] = len(blob)
     if broker is not None:
         ray.get(broker.publish.remote(key, blob))

@@ -82,7 +82,8 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class PromptsSection:
-    path: str | list = key(REQUIRED, "a .parquet file, a directory of them, or a list of either")
+    path: str | list = key(REQUIRED, "a .parquet file, a directory of them, or a list of either; "
+                                     "local, s3:// or gs://")
     on_empty: str = key("error", "null/empty prompt: error (before any model is built) | skip")
 
 
@@ -144,10 +145,11 @@ class RayOptions:
 
 @dataclass(frozen=True)
 class OutputSection:
-    dir: str = key("outputs", "outputs go to <dir>/<job name>/")
+    dir: str = key("outputs", "outputs go to <dir>/<job name>/: a local path, s3://bucket/prefix "
+                              "or gs://bucket/prefix")
     fps: int = key(8, "frame rate of mp4 outputs")
-    results_every_s: float = key(30.0, "results.parquet is rewritten (atomically) at most this "
-                                       "often while running, in seconds")
+    results_every_s: float = key(30.0, "results.parquet and report.html are rewritten at most "
+                                       "this often while running (in the background), in seconds")
     overwrite: bool = key(False, "false: a rerun resumes (skips finished prompts); "
                                  "true: regenerate everything")
 
@@ -167,9 +169,8 @@ class CompileSection:
     compile_text_encoder: bool = key(False, "also compile the text encoder's blocks")
     compile_vae: bool | None = key(None, "also compile the VAE decoder's blocks; null: for image "
                                          "models, not video")
-    cache_dir: str | None = key(None, "compile cache shared by jobs (a path; URIs are not "
-                                      "supported yet); null = "
-                                      "<output.dir>/.compile-cache")
+    cache_dir: str | None = key(None, "compile cache shared by jobs: a path, s3:// or gs:// "
+                                      "URI; null = <output.dir>/.compile-cache")
     options: dict = key({}, "Inductor config overrides (free-form), "
                             "e.g. compile.options.coordinate_descent_tuning=true")
 
@@ -465,6 +466,11 @@ def _step_cache(section: dict) -> StepCacheSection:
         raise ConfigError(f"step_cache: {e}") from e
 
 
+def _join(location: str, name: str) -> str:
+    """location/name for a local path or an s3:// / gs:// URI."""
+    return f"{location.rstrip('/')}/{name}" if "://" in location else os.path.join(location, name)
+
+
 def _as_paths(value) -> tuple[str, ...]:
     if isinstance(value, (list, tuple, ListConfig)):
         return tuple(str(v) for v in value)
@@ -474,6 +480,7 @@ def _as_paths(value) -> tuple[str, ...]:
 def split(cfg: DictConfig) -> dict:
     """The typed pieces of a merged config (see the dataclasses above)."""
     from .models import ModelSpec  # models imports torch; keep `config` light for the CLI's errors
+    from . import storage
 
     def section(name):
         return OmegaConf.to_container(cfg[name], resolve=True)
@@ -486,10 +493,14 @@ def split(cfg: DictConfig) -> dict:
     if not name or "/" in name or name in (".", ".."):
         raise ConfigError(f"job.name={name!r} must be a plain directory name")
     c = section("compile")
-    if c["cache_dir"] and "://" in str(c["cache_dir"]):
-        raise ConfigError(f"compile.cache_dir={c['cache_dir']!r}: URIs are not supported yet; use a "
-                          f"path every node can reach (a shared filesystem, or an object store "
-                          f"mounted with FUSE), or null for <output.dir>/.compile-cache")
+    for k, v in [("output.dir", cfg.output.dir), ("compile.cache_dir", c["cache_dir"] or ""),
+                 *(("prompts.path", p) for p in _as_paths(cfg.prompts.path))]:
+        try:
+            v and storage.check(str(v))
+        except ValueError as e:
+            raise ConfigError(f"{k}={str(v)!r}: {e}") from e
+    out_dir = str(cfg.output.dir)
+    cache_dir = str(c["cache_dir"] or _join(out_dir, ".compile-cache"))
     return dict(
         name=name,
         model=model,
@@ -497,12 +508,12 @@ def split(cfg: DictConfig) -> dict:
         generation=GenerationDefaults(**section("generation")),
         run=RunOptions(**section("run")),
         ray=RayOptions(**section("ray")),
-        output=OutputOptions(job_dir=os.path.join(str(cfg.output.dir), name), fps=cfg.output.fps,
+        output=OutputOptions(job_dir=_join(out_dir, name), fps=cfg.output.fps,
                              results_every_s=cfg.output.results_every_s),
         step_cache=_step_cache(section("step_cache")),
         compile=CompileConfig(
             options=_compile_options(c),
-            cache_dir=os.path.abspath(c["cache_dir"] or os.path.join(str(cfg.output.dir), ".compile-cache"))),
+            cache_dir=cache_dir if storage.is_uri(cache_dir) else storage.resolve(cache_dir).base),
     )
 
 

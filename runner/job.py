@@ -5,8 +5,11 @@ Everything that can be wrong with the input is checked before Ray starts or any 
 A rerun into the same directory resumes: prompts whose output is complete are skipped (see
 `results.py`); with nothing left it says so in one line and keeps the last summary. Shards are
 handed out dynamically and survive worker failures (see `dispatch.py`). Each shard's rows are
-journaled as they arrive; `results.parquet` is rewritten atomically at most every
-`output.results_every_s` and at the end. One driver per job directory (`lock.py`).
+recorded as they arrive (one `records/` object per shard); `results.parquet` and report.html are
+rewritten atomically at most every `output.results_every_s` by a background thread (the dispatch
+loop never waits for a full rewrite), and at the end. One driver per job directory (`lock.py`).
+The job directory is a `storage.Store`: a local directory, `s3://` or `gs://`, through the same
+calls; workers write their media to it themselves, so no filesystem needs to be shared.
 `run.dry_run=true` stops after the checks and prints the plan against the job directory.
 
 Exit status: 0 all ok (or a dry run, or nothing to do); 1 some items failed; 2 bad input or the job
@@ -18,6 +21,8 @@ stopped, finished outputs are kept and the summary and metrics of what was done 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import logging
 import os
 import signal
@@ -26,18 +31,20 @@ import tempfile
 import threading
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from omegaconf import OmegaConf
 
 from .config import ConfigError, help_text, load_config, split
 from .dispatch import DispatchError, dispatch
 from .lock import LockedError, job_lock, holder as lock_holder
-from .outputs import format_table, write_json, write_text
+from .outputs import format_table
 from .progress import PhasePrinter, Progress, StatusBoard
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
 from . import step_cache
-from .results import (JOURNAL, Plan, Results, config_changes, fingerprint, remove_temp_files,
-                      settings_id, start_fresh)
+from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fingerprint,
+                      remove_temp_files, settings_id, start_fresh)
+from .storage import Store, resolve
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
@@ -114,7 +121,7 @@ def run(argv: list[str]) -> dict:
     _check_output_dir(out.job_dir, create=not opts.dry_run)
     if opts.dry_run:
         return _dry_run(cfg, job, items)
-    with job_lock(out.job_dir):                  # one driver per job directory
+    with job_lock(_store(out.job_dir)):                  # one driver per job directory
         return _run_locked(cfg, job, limits, compile_flags, files, items)
 
 
@@ -125,7 +132,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     plan = results.plan(items)
     done = plan.done
     shards = plan_shards(items, opts.shard_size, done)
-    write_text(os.path.join(out.job_dir, "config.yaml"), OmegaConf.to_yaml(cfg, resolve=True))
+    _store(out.job_dir).write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     if items and not shards:
         return _nothing_to_do(results, items, out)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
@@ -143,6 +150,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     timeline = []                          # (s since start, ok, failed) of this run: report.html
     t_ready = t_done = t_all_ready = None
     ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
+    background, pending = ThreadPoolExecutor(1, thread_name_prefix="snapshot"), None
     if shards:
         import ray
         from .worker import Worker
@@ -167,12 +175,18 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         board = ray.remote(StatusBoard).options(num_cpus=0).remote()
         phases = PhasePrinter(board)
 
-        # 4. Stream: dynamic hand-out, each shard's rows journaled as they arrive.
+        # 4. Stream: dynamic hand-out, each shard's rows recorded as they arrive (records/).
         progress = Progress(sum(len(items_of(s)) for s in shards))
         last_write = time.monotonic()
 
+        def snapshot():
+            """results.parquet and report.html so far, off the dispatch loop's thread (a full
+            rewrite costs seconds at a million rows; the loop only records O(shard) per shard)."""
+            _report(out.job_dir, results.write_table(ids), dict(job=job["name"], items=len(items)),
+                    timeline=list(timeline), thumb_budget_s=5)
+
         def on_rows(rows):
-            nonlocal last_write, steady_items
+            nonlocal last_write, steady_items, pending
             results.add(rows)
             progress.update(len(rows))
             n_ok, n_failed = timeline[-1][1:] if timeline else (0, 0)
@@ -180,9 +194,9 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             timeline.append((time.perf_counter() - t_start, n_ok + ok, n_failed + len(rows) - ok))
             if t_all_ready is not None:
                 steady_items += work_after(rows, time.perf_counter(), t_all_ready)
-            if time.monotonic() - last_write >= out.results_every_s:
-                _report(out.job_dir, results.write_table(ids), dict(job=job["name"], items=len(items)),
-                        timeline=timeline, thumb_budget_s=5)
+            if time.monotonic() - last_write >= out.results_every_s and (
+                    pending is None or pending.done()):      # at most one snapshot at a time
+                pending = background.submit(snapshot)
                 last_write = time.monotonic()
 
         def on_ready(slot):
@@ -209,14 +223,17 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             _cancel_queued(slots)
         except DispatchError as e:           # every worker gone
             results.write_table(ids)
+            results.compact()
             remove_temp_files(out.job_dir)
             raise JobError(str(e)) from e
         finally:
             progress.close()
+            _settle(pending)          # a stale snapshot must not land after the final write
         t_done = time.perf_counter()
 
     # 5. Summarize.
     table = results.write_table(ids)
+    results.compact()
     results.close()
     metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
     timing = dict(startup_s=(t_ready or t_start) - t_start,
@@ -234,11 +251,28 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
         import ray
         for s in slots:
             ray.kill(s.actor)
-        # A worker that died mid-write left a temp file (its item was requeued, or is not journalled).
+        # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
         remove_temp_files(out.job_dir)
     if stopped is not None:
         raise stopped
     return summary
+
+
+@functools.lru_cache(maxsize=8)
+def _store(job_dir: str) -> Store:
+    """The job directory as a Store (one per location and process: an S3 client is not free)."""
+    return resolve(job_dir)
+
+
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def _settle(future) -> None:
+    """Waits for a background snapshot (its errors are logged by `_report`)."""
+    if future is not None:
+        with contextlib.suppress(Exception):
+            future.result()
 
 
 def _report(job_dir: str, *args, **kw) -> None:
@@ -266,7 +300,7 @@ def _few(ids: list[str], n: int = 10) -> str:
 def _dry_run(cfg, job, items) -> dict:
     """run.dry_run=true: the plan against the job directory; nothing written, no Ray."""
     out, opts, r = job["output"], job["run"], job["ray"]
-    results = Results(out.job_dir, settings_id(cfg))
+    results = Results(_store(out.job_dir), settings_id(cfg))
     if not cfg.output.overwrite:
         _check_same_config(cfg, out)
         results.load()
@@ -281,7 +315,7 @@ def _dry_run(cfg, job, items) -> dict:
              f"  {len(plan.done)} already done",
              f"  {len(plan.gone)} no longer in the input (kept){gone}",
              f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
-    held = lock_holder(out.job_dir)
+    held = lock_holder(_store(out.job_dir))
     if held is not None:
         lines.append(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
                      f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
@@ -306,7 +340,7 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool):
     from .worker import WorkerConfig
     return WorkerConfig(model=job["model"], generation=job["generation"], limits=limits,
                         on_empty=job["prompts"].on_empty,
-                        job_dir=os.path.abspath(job["output"].job_dir),
+                        job_dir=_store(job["output"].job_dir).uri(),
                         batch_size=job["run"].batch_size, warmup_steps=job["run"].warmup_steps,
                         fps=job["output"].fps, compile=job["compile"],
                         step_cache=job["step_cache"],
@@ -327,20 +361,20 @@ def _open_results(cfg, out) -> Results:
     """Resume what a previous run into this directory finished, if its config is compatible
     (called holding the job's lock: it removes files)."""
     if cfg.output.overwrite:
-        start_fresh(out.job_dir)
+        start_fresh(_store(out.job_dir))
     else:
         _check_same_config(cfg, out)
     removed = remove_temp_files(out.job_dir)
     if removed:
         log.info("removed %d half-written files left by an earlier run", removed)
-    os.makedirs(os.path.join(out.job_dir, "media"), exist_ok=True)
-    return Results(out.job_dir, settings_id(cfg)).load()
+    return Results(_store(out.job_dir), settings_id(cfg)).load()
 
 
 def _check_same_config(cfg, out) -> None:
-    old_cfg = os.path.join(out.job_dir, "config.yaml")
-    if os.path.exists(os.path.join(out.job_dir, JOURNAL)) and os.path.exists(old_cfg):
-        changes = config_changes(fingerprint(OmegaConf.load(old_cfg)), fingerprint(cfg))
+    store = _store(out.job_dir)
+    old_cfg = store.read_text("config.yaml")
+    if old_cfg is not None and (store.exists(JOURNAL) or store.list(RECORDS)):
+        changes = config_changes(fingerprint(OmegaConf.create(old_cfg)), fingerprint(cfg))
         if changes:
             raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
                            f"set output.overwrite=true to regenerate everything, or choose another "
@@ -350,19 +384,21 @@ def _check_same_config(cfg, out) -> None:
 def _nothing_to_do(results: Results, items, out) -> dict:
     """A rerun with every prompt done: say so in one line; the last real summary stays in place."""
     ids = [it.id for it in items]
-    table_path = os.path.join(out.job_dir, "results.parquet")
+    store = _store(out.job_dir)
+    table_path = store.uri("results.parquet")
     try:
         import pyarrow.parquet as pq
-        stale = pq.read_table(table_path, columns=["id"]).column("id").to_pylist() != ids
+        stale = pq.read_table(store.open_input("results.parquet"),
+                              columns=["id"]).column("id").to_pylist() != ids
     except Exception:                    # missing or unreadable (the driver died before writing it)
         stale = True
     if stale:
         results.write_table(ids)
-    results.close()
-    summary_txt = os.path.join(out.job_dir, "summary.txt")
-    if os.path.exists(summary_txt):
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(summary_txt)))
-        kept = f"summary from {when} kept in {summary_txt}"
+    results.compact()
+    info = store.fs.get_file_info(store.path("summary.txt"))
+    if info.is_file:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.mtime.timestamp()))
+        kept = f"summary from {when} kept in {store.uri('summary.txt')}"
     else:
         kept = f"results in {table_path}"
 
@@ -385,7 +421,7 @@ def _collect_metrics(slots, out, timeout_s: float = 60.0) -> list[dict]:
             log.warning("no metrics from worker %d: %s", s.rank, e)
             continue
         m["restarts"] = s.restarts
-        write_json(os.path.join(out.job_dir, "metrics", f"worker-{m['rank']}.json"), m)
+        _store(out.job_dir).write_text(f"metrics/worker-{m['rank']}.json", json_text(m))
         metrics.append(m)
     return metrics
 
@@ -404,11 +440,23 @@ def _constraints(model) -> Constraints:
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:
     """The job directory can be created and written (created if `create`; else its nearest
-    existing parent is probed, so a dry run writes nothing that stays)."""
-    if "://" in job_dir:
-        raise JobError(f"output.dir {job_dir!r}: URIs are not supported; use a path every node can "
-                       f"reach (a shared filesystem, or an object store mounted with FUSE)")
-    p = os.path.abspath(job_dir)
+    existing parent is probed, so a dry run writes nothing that stays). On an object store: a
+    probe object is written and deleted (a dry run only lists)."""
+    if "://" in job_dir and not job_dir.startswith("file://"):
+        store = _store(job_dir)
+        try:
+            if create:
+                probe = f".probe-{os.getpid()}-{time.time_ns()}"
+                store.write_text(probe, "")
+                store.delete(probe)
+            else:
+                store.list(RECORDS)
+        except (OSError, ValueError) as e:
+            raise JobError(f"output.dir: cannot write {job_dir!r} ({e}); check the bucket and the "
+                           f"credentials in the environment (README: Cloud storage)") from e
+        return
+    job_dir = _store(job_dir).base
+    p = job_dir
     while not os.path.exists(p):
         p = os.path.dirname(p)
     if not os.path.isdir(p):
@@ -501,7 +549,7 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, 
                                                 "peak_mem_gb", "busy_fraction", "gpu_busy_fraction",
                                                 "gpu_util", "serving_s", "time_s")} for m in metrics],
     )
-    write_json(os.path.join(out.job_dir, "summary.json"), summary)
+    _store(out.job_dir).write_text("summary.json", json_text(summary))
     table_txt = format_table(summary["workers_detail"],
                              ["rank", "host", "items", "failed", "restarts", "model_load_s",
                               "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
@@ -525,6 +573,6 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, 
                  f"{', '.join(plan.gone)}\n")
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
-    write_text(os.path.join(out.job_dir, "summary.txt"), text)
+    _store(out.job_dir).write_text("summary.txt", text)
     print("\n" + text)
     return summary

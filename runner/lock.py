@@ -7,6 +7,15 @@ holder is gone (same host, pid not alive) is stale and taken over. Otherwise `Lo
 who holds it and what to do: wait for that driver, stop it, or, if it is gone (its host died),
 remove the file. A SIGKILLed driver leaves its lock behind; the next run on the same host finds
 its pid dead and takes over.
+
+On an object store (`s3://`, `gs://` output.dir) there is no exclusive create: the lock is an
+object holding the same JSON plus `heartbeat` (unix seconds), which a thread of the holder rewrites
+every `HEARTBEAT_S`. A lock whose heartbeat is older than `STALE_S` (its driver died, on any host)
+is stale and taken over. This is best effort: two drivers starting within the same second can both
+see no lock and both write one; each then reads the lock back after a short pause and only the one
+whose write is there proceeds, which narrows the race to near-simultaneous writes but does not
+close it (S3 has no compare-and-swap in the API pyarrow speaks). Do not start two drivers on one
+job directory on purpose.
 """
 
 from __future__ import annotations
@@ -16,9 +25,15 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
+import uuid
+
+from .storage import Store, resolve
 
 LOCK = ".lock"
+HEARTBEAT_S = 15.0      # object stores: how often the holder rewrites its lock
+STALE_S = 120.0         # object stores: a lock not rewritten for this long is stale
 
 
 class LockedError(RuntimeError):
@@ -78,18 +93,17 @@ def acquire(job_dir: str) -> str:
                 os.remove(path)
             continue
         break
-    who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
-           if holder else "an unreadable lock file")
-    raise LockedError(
-        f"{job_dir} is in use by another driver ({who}; lock file {path}). Wait for it to finish "
-        f"or stop it, or use another job.name/output.dir. If that driver is gone (its host died), "
-        f"remove {path} and rerun.")
+    raise _locked(job_dir, path, holder)
 
 
-def holder(job_dir: str) -> dict | None:
+def holder(job_dir: "str | Store") -> dict | None:
     """Who holds the lock of `job_dir` now (None if nobody, or only a stale lock)."""
-    h = _read(os.path.join(job_dir, LOCK))
-    return None if h is None or _stale(h) else h
+    store = job_dir if isinstance(job_dir, Store) else resolve(job_dir)
+    if store.local:
+        h = _read(store.path(LOCK))
+        return None if h is None or _stale(h) else h
+    h = _read_remote(store)
+    return None if h is None or _stale_remote(h) else h
 
 
 def release(path: str) -> None:
@@ -100,9 +114,73 @@ def release(path: str) -> None:
             os.remove(path)
 
 
+# -- object stores ---------------------------------------------------------------------------
+def _read_remote(store: Store) -> dict | None:
+    text = store.read_text(LOCK)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
+def _stale_remote(h: dict) -> bool:
+    return _stale(h) or time.time() - float(h.get("heartbeat") or 0) > STALE_S
+
+
+def _acquire_remote(store: Store) -> dict:
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
+          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+    h = _read_remote(store)
+    if h is None or _stale_remote(h):
+        store.write_text(LOCK, json.dumps(me))
+        time.sleep(0.5)                    # a driver that wrote at the same moment: last writer wins
+        h = _read_remote(store)
+        if h and h.get("token") == me["token"]:
+            return me
+    raise _locked(store.uri(), store.uri(LOCK), h)
+
+
 @contextlib.contextmanager
-def job_lock(job_dir: str):
-    path = acquire(job_dir)
+def _remote_lock(store: Store):
+    me = _acquire_remote(store)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(Exception):       # a missed beat; the next one retries
+                store.write_text(LOCK, json.dumps({**me, "heartbeat": time.time()}))
+
+    t = threading.Thread(target=beat, name="lock-heartbeat", daemon=True)
+    t.start()
+    try:
+        yield store.uri(LOCK)
+    finally:
+        stop.set()
+        t.join(5)
+        h = _read_remote(store)
+        if h and h.get("token") == me["token"]:
+            store.delete(LOCK)
+
+
+def _locked(job_dir: str, path: str, holder: dict | None) -> LockedError:
+    who = (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+           if holder else "an unreadable lock file")
+    return LockedError(
+        f"{job_dir} is in use by another driver ({who}; lock file {path}). Wait for it to finish "
+        f"or stop it, or use another job.name/output.dir. If that driver is gone (its host died), "
+        f"remove {path} and rerun.")
+
+
+@contextlib.contextmanager
+def job_lock(job_dir: "str | Store"):
+    store = job_dir if isinstance(job_dir, Store) else resolve(job_dir)
+    if not store.local:
+        with _remote_lock(store) as path:
+            yield path
+        return
+    path = acquire(store.base)
     atexit.register(release, path)
     try:
         yield path

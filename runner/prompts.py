@@ -1,7 +1,8 @@
 """Prompts in: Parquet files -> validated `Item`s, and the shard plan.
 
 Contract:
-- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable).
+- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable),
+  local or on an object store (`s3://`, `gs://`: read on the driver through `runner.storage`).
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
   job's `generation` defaults. Unknown columns are ignored.
@@ -25,8 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from . import storage
 from .config import GenerationDefaults
 
 OPTIONAL_COLUMNS = ("id", "negative_prompt", "seed", "height", "width", "num_frames",
@@ -89,9 +92,10 @@ class Shard:
 def list_files(paths: tuple[str, ...]) -> list[str]:
     files: list[str] = []
     for p in paths:
+        storage.check_or(p, PromptError, "prompts.path")
         if "://" in p:
-            raise PromptError(f"prompts.path {p!r}: URIs are not supported; use a path every node "
-                              f"can read (a shared filesystem, or an object store mounted with FUSE)")
+            files += _list_uri(p)
+            continue
         if os.path.isdir(p):
             found = sorted(str(f) for f in Path(p).rglob("*.parquet"))
             if not found:
@@ -107,8 +111,30 @@ def list_files(paths: tuple[str, ...]) -> list[str]:
     return files
 
 
+def _list_uri(p: str) -> list[str]:
+    """The .parquet files at an s3:// or gs:// location (one object, or every one under a prefix)."""
+    try:
+        store = storage.resolve(p)
+        kind = store.fs.get_file_info(store.base).type
+        if kind == pafs.FileType.File:
+            return [p]
+        found = sorted(n for n in store.list() if n.endswith(".parquet")) \
+            if kind == pafs.FileType.Directory else []
+    except (OSError, ValueError) as e:
+        raise PromptError(f"prompts.path {p!r}: cannot read it ({e}); check the URI and the "
+                          f"credentials in the environment (README: Cloud storage)") from e
+    if kind == pafs.FileType.NotFound:
+        raise PromptError(f"prompts.path {p!r} does not exist")
+    if not found:
+        raise PromptError(f"prompts.path {p!r} has no .parquet files")
+    return [store.uri(n) for n in found]
+
+
 def _read_table(file: str) -> pa.Table:
     try:
+        if "://" in file:
+            store = storage.resolve(file)
+            return pq.read_table(store.base, filesystem=store.fs)
         return pq.read_table(file)
     except Exception as e:
         raise PromptError(f"cannot read Parquet file {file!r}: {e}") from e
@@ -143,6 +169,9 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
         bad(f"{file}: column 'prompt' has type {table.schema.field('prompt').type}; it must be "
             f"text (string); convert it, e.g. df['prompt'] = df['prompt'].astype(str)")
         return []
+    fast = _fast_items(table, file, first_row, gen, limits, on_empty)
+    if fast is not None:
+        return fast
     cols = {c: table.column(c).to_pylist() for c in ("prompt", *OPTIONAL_COLUMNS)
             if c in table.column_names}
     stem = Path(file).stem
@@ -156,6 +185,77 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
         if item is not None:
             items.append(item)
     return items
+
+
+def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
+                limits: Constraints, on_empty: str) -> list[Item] | None:
+    """The same items as the row-by-row path, checked column-wise with pyarrow compute (a million
+    rows in seconds, not tens of seconds). None if any row might be bad, or a column is of a type
+    this path does not handle: the row-by-row path then finds (and words) every error."""
+    import pyarrow.compute as pc
+    n = table.num_rows
+    if n == 0:
+        return []
+    names = set(table.column_names)
+
+    def column(name, default, check_type):
+        if name not in names:
+            return pa.repeat(default, n) if default is not None else pa.nulls(n)
+        c = table.column(name).combine_chunks()
+        if not check_type(c.type):
+            raise _Slow
+        return c.fill_null(default) if default is not None else c
+
+    try:
+        prompt = column("prompt", None, _is_text)
+        if prompt.null_count or not pc.all(pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(
+                prompt.cast(pa.string()))), 0)).as_py():
+            raise _Slow                                   # null/empty prompts: skip or error
+        ints = {c: column(c, getattr(gen, c), pa.types.is_integer) for c in _INT_COLUMNS}
+        guidance = column("guidance_scale", float(gen.guidance_scale),
+                          lambda t: pa.types.is_integer(t) or pa.types.is_floating(t))
+        if pa.types.is_floating(guidance.type) and pc.any(pc.is_nan(guidance)).as_py():
+            raise _Slow
+        if not isinstance(gen.negative_prompt, str):
+            raise _Slow
+        negative = column("negative_prompt", gen.negative_prompt, _is_text)
+        raw_ids = column("id", None, _is_text) if "id" in names else None
+        f = limits.size_factor
+        ok = [pc.all(pc.and_(pc.greater(ints[k], 0), pc.equal(pc.bit_wise_and(ints[k], f - 1), 0)
+                             if f & (f - 1) == 0 else pc.equal(pc.subtract(ints[k], pc.multiply(
+                                 pc.divide(ints[k], f), f)), 0))) for k in ("height", "width")]
+        ok.append(pc.all(pc.greater_equal(ints["num_inference_steps"], limits.min_steps)))
+        ok.append(pc.all(pc.greater_equal(ints["seed"], 0)))
+        if limits.video_length is not None:
+            ok.append(pc.all(pc.equal(ints["num_frames"], limits.video_length)))
+        if pa.types.is_uint64(ints["seed"].type):
+            ok.append(pc.all(pc.less(ints["seed"], 2**63)))
+        if not all(x.as_py() for x in ok):
+            raise _Slow
+    except (_Slow, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    rows = range(first_row, first_row + n)
+    if raw_ids is None:
+        stem = Path(file).stem
+        ids = [f"{stem}-{r:06d}" for r in rows]
+    else:
+        ids = []
+        for raw in raw_ids.to_pylist():
+            if raw is None:
+                return None                               # mixed: the row-by-row path words it
+            ids.append(sanitize_id(raw))
+        if not all(ids):
+            return None
+    frames = ints["num_frames"].to_pylist() if limits.video_length is not None else [None] * n
+    return list(map(Item, ids, prompt.cast(pa.string()).to_pylist(),
+                    negative.cast(pa.string()).to_pylist(), ints["seed"].to_pylist(),
+                    ints["height"].to_pylist(), ints["width"].to_pylist(), frames,
+                    ints["num_inference_steps"].to_pylist(),
+                    pc.cast(guidance, pa.float64()).to_pylist(), [file] * n, rows))
+
+
+class _Slow(Exception):
+    """A column the fast path leaves to the row-by-row one."""
 
 
 def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: GenerationDefaults,
@@ -231,9 +331,9 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
         for item in _items_from_table(table, f, 0, gen, limits, on_empty, errors):
             if item.id in seen:
                 errors.append(f"{item.source}: id {item.id!r} (after sanitizing) is also used by "
-                              f"{seen[item.id]}; ids must be unique, they name the output files")
+                              f"{seen[item.id].source}; ids must be unique, they name the output files")
                 continue
-            seen[item.id] = item.source
+            seen[item.id] = item
             items.append(item)
     if len(errors) == 1:
         raise PromptError(errors[0])

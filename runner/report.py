@@ -18,22 +18,31 @@ Contract:
 - Plots are matplotlib PNGs: throughput over time and each worker's time breakdown (whatever
   numeric breakdown a worker reports, see `time_breakdown`).
 
-`python -m runner.report DIR` rebuilds the page of a finished job directory from its files.
+On an object store (`s3://`, `gs://` job directory) the page is built in a local staging directory
+(`stage_dir`): a thumbnail's media file is fetched through the Store once, the thumbnail made and
+kept there, and report.html plus every new or changed file of `report/` uploaded. The gallery's
+sampling bounds what is fetched.
+
+`python -m runner.report DIR` rebuilds the page of a finished job directory from its files (DIR may
+be a URI).
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import urllib.parse
 
 import numpy as np
 
-from .outputs import atomic_path, write_json, write_text
+from .outputs import atomic_path, write_json
+from .storage import Store, resolve
 
 log = logging.getLogger("runner")
 MAX_GALLERY = 200       # outputs shown in full; a larger job shows a sample (first/last, failures)
@@ -45,30 +54,56 @@ ASSETS = "report"       # sub-directory of the job directory for the page's pict
 def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
                  metrics: list[dict] = (), timeline: list | None = None,
                  config_yaml: str | None = None, thumb_budget_s: float | None = None) -> str:
-    """Writes `<job_dir>/report.html` (see the module docstring); returns its path."""
+    """Writes `<job_dir>/report.html` (see the module docstring); returns its path (URI)."""
+    store = resolve(job_dir)
+    job_dir = store.base if store.local else stage_dir(store)
     assets = os.path.join(job_dir, ASSETS)
     os.makedirs(assets, exist_ok=True)
+    if not timeline and not store.local and not os.path.exists(os.path.join(assets, "timeline.json")):
+        timeline = json.loads(store.read_text(f"{ASSETS}/timeline.json") or "[]") or None
     timeline = _timeline(assets, timeline)
     if config_yaml is None:
-        config_yaml = _read(os.path.join(job_dir, "config.yaml"))
+        config_yaml = store.read_text("config.yaml")
     shown, hidden = sample_gallery(rows, MAX_GALLERY)
     deadline = None if thumb_budget_s is None else time.monotonic() + thumb_budget_s
     plots = [p for p in (throughput_plot(timeline, summary or {}, os.path.join(assets, "throughput.png")),
                          workers_plot(metrics, os.path.join(assets, "workers.png"))) if p]
     page = PAGE.format(
         title=html.escape(f"{(summary or {}).get('job') or os.path.basename(os.path.abspath(job_dir))}"),
-        css=CSS, header=_header(rows, summary or {}, metrics), files=_files(job_dir),
+        css=CSS, header=_header(rows, summary or {}, metrics), files=_files(store),
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics), failures=_failure_list(rows),
-        gallery="\n".join(_entry(job_dir, r, deadline) for r in shown),
+        gallery="\n".join(_entry(job_dir, r, deadline, store) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
                 f"<a href='media/'>media/</a> and <code>results.parquet</code>.</p>" if hidden else ""),
         config=html.escape(config_yaml or "(no config.yaml)"))
-    path = os.path.join(job_dir, "report.html")
-    write_text(path, page)
-    return path
+    if not store.local:
+        _upload(store, job_dir)
+    store.write_text("report.html", page)
+    return store.uri("report.html")
+
+
+def stage_dir(store: Store) -> str:
+    """The local directory where the report of a job on an object store is built (kept between
+    rewrites, so thumbnails are made and uploaded once)."""
+    tag = hashlib.sha1(store.uri().encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), "runner-report", tag)
+
+
+_uploaded: dict[str, tuple] = {}    # staged file -> (size, mtime) when it was last uploaded
+
+
+def _upload(store: Store, stage: str) -> None:
+    for root, _, files in os.walk(os.path.join(stage, ASSETS)):
+        for f in files:
+            src = os.path.join(root, f)
+            st = os.stat(src)
+            if f.startswith(".tmp-") or _uploaded.get(src) == (st.st_size, st.st_mtime_ns):
+                continue
+            store.write_file_atomic(os.path.relpath(src, stage).replace(os.sep, "/"), src)
+            _uploaded[src] = (st.st_size, st.st_mtime_ns)
 
 
 def sample_gallery(rows: list[dict], limit: int = MAX_GALLERY) -> tuple[list[dict], int]:
@@ -181,19 +216,48 @@ def workers_plot(metrics: list[dict], path: str) -> str | None:
 
 # ------------------------------------------------------------------------------- thumbnails
 
-def thumbnail(job_dir: str, row: dict, deadline: float | None = None) -> str | None:
+def thumbnail(job_dir: str, row: dict, deadline: float | None = None,
+              store: Store | None = None) -> str | None:
     """Relative path of the row's thumbnail (made if missing or older than its media file; None
-    if it would have to be made after `deadline`, a time.monotonic())."""
+    if it would have to be made after `deadline`, a time.monotonic()). With an object `store`,
+    `job_dir` is the staging directory and the media file is fetched from the store."""
     media = row.get("output")
+    if store is not None and not store.local:
+        return _remote_thumbnail(job_dir, media, deadline, store) if media else None
     if not media or not os.path.isfile(os.path.join(job_dir, media)):
         return None
     video = media.endswith(".mp4")
-    rel = f"{ASSETS}/thumbs/{os.path.splitext(os.path.basename(media))[0]}.{_video_ext() if video else 'jpg'}"
+    rel = _thumb_rel(media)
     src, dst = os.path.join(job_dir, media), os.path.join(job_dir, rel)
     if not (os.path.exists(dst) and os.path.getmtime(dst) >= os.path.getmtime(src)):
         if deadline is not None and time.monotonic() > deadline:
             return None
         (_video_preview if video else _image_thumb)(src, dst)
+    return rel
+
+
+def _thumb_rel(media: str) -> str:
+    video = media.endswith(".mp4")
+    return f"{ASSETS}/thumbs/{os.path.splitext(os.path.basename(media))[0]}.{_video_ext() if video else 'jpg'}"
+
+
+def _remote_thumbnail(stage: str, media: str, deadline: float | None, store: Store) -> str | None:
+    """Outputs are named by prompt id and deterministic, so a staged thumbnail stays valid."""
+    rel = _thumb_rel(media)
+    dst = os.path.join(stage, rel)
+    if os.path.exists(dst):
+        return rel
+    if deadline is not None and time.monotonic() > deadline:
+        return None
+    try:
+        data = store.read_bytes(media)
+    except FileNotFoundError:
+        return None
+    with tempfile.TemporaryDirectory(prefix="runner-thumb-") as d:
+        src = os.path.join(d, os.path.basename(media))
+        with open(src, "wb") as f:
+            f.write(data)
+        (_video_preview if media.endswith(".mp4") else _image_thumb)(src, dst)
     return rel
 
 
@@ -234,7 +298,7 @@ def _video_preview(src: str, dst: str) -> None:
 
 # -------------------------------------------------------------------------------------- html
 
-def _entry(job_dir: str, r: dict, deadline: float | None) -> str:
+def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = None) -> str:
     ok = r.get("status") == "ok"
     prompt = str(r.get("prompt") or "")
     short = prompt if len(prompt) <= 90 else prompt[:87] + "..."
@@ -244,7 +308,7 @@ def _entry(job_dir: str, r: dict, deadline: float | None) -> str:
     if ok and r.get("e2e_s"):
         meta.append(f"{r['e2e_s']:.2g} s")
     try:
-        thumb = thumbnail(job_dir, r, deadline) if ok else None
+        thumb = thumbnail(job_dir, r, deadline, store) if ok else None
     except Exception as e:            # an unreadable file: the entry stays, without a picture
         log.warning("report: no thumbnail of %s: %s", r.get("output"), e)
         thumb = None
@@ -293,9 +357,10 @@ def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
             f"<div class='stats'>{cards}</div>")
 
 
-def _files(job_dir: str) -> str:
-    names = [n for n in ("summary.txt", "results.parquet", "journal.jsonl", "config.yaml", "metrics/", "media/")
-             if os.path.exists(os.path.join(job_dir, n))]
+def _files(store: Store) -> str:
+    names = [n for n in ("summary.txt", "results.parquet", "config.yaml") if store.exists(n)]
+    names += [n for n in ("records/", "metrics/", "media/")       # a "directory" of an object store
+              if not store.local or os.path.isdir(store.path(n))]   # exists once it has files
     return "<p class='files'>files: " + " &middot; ".join(f"<a href='{n}'>{n}</a>" for n in names) + "</p>"
 
 
@@ -420,14 +485,13 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m runner.report JOB_DIR", file=sys.stderr)
         return 2
-    import glob
-
     import pyarrow.parquet as pq
-    job_dir = argv[0]
-    rows = pq.read_table(os.path.join(job_dir, "results.parquet")).to_pylist()
-    summary = json.loads(_read(os.path.join(job_dir, "summary.json")) or "{}")
-    metrics = [json.loads(_read(p)) for p in sorted(glob.glob(os.path.join(job_dir, "metrics", "*.json")))]
-    print(write_report(job_dir, rows, summary, metrics))
+    store = resolve(argv[0])
+    rows = pq.read_table(store.open_input("results.parquet")).to_pylist()
+    summary = json.loads(store.read_text("summary.json") or "{}")
+    metrics = [json.loads(store.read_text(f"metrics/{n}")) for n in sorted(store.list("metrics"))
+               if n.endswith(".json")]
+    print(write_report(argv[0], rows, summary, metrics))
     return 0
 
 

@@ -37,8 +37,9 @@ Contract
   `exists(rel)` is true for a file (object), not for a "directory" prefix.
 - Object stores have no directories, append or rename; nothing here needs them.
 
-Design note: the job record on a store that cannot append or rename (integration is issue 16's
-follow-up, after the job-record rework)
+Design note: the job record on a store that cannot append or rename (as integrated: results.py's
+records are per finished shard, named `records/<run>-<seq>.jsonl` rather than by shard key, so a
+replanned shard of a resumed run never replaces rows of an earlier record; see results.py)
 - Media: `media/<id>.<ext>`, one atomic put per file (encode in memory or to a local temp file, then
   `write_bytes_atomic`/`atomic_local`). A retried prompt overwrites the same key; last writer wins.
 - Record: when a shard finishes (all its media written), its result rows go to ONE small object,
@@ -116,6 +117,13 @@ class Store:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return f.read()
 
+    def read_text(self, rel: str) -> str | None:
+        """The file's text, or None if it does not exist."""
+        try:
+            return self.read_bytes(rel).decode()
+        except FileNotFoundError:
+            return None
+
     def open_input(self, rel: str):
         """A random-access file, as pyarrow.parquet needs: `pq.read_table(store.open_input(rel))`."""
         return self.fs.open_input_file(self.path(rel))
@@ -166,6 +174,13 @@ class Store:
             yield tmp
             self.write_file_atomic(rel, tmp)
 
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes_atomic(rel, text.encode())
+
+    def delete_prefix(self, rel: str) -> None:
+        """Deletes everything under rel (a "directory"); a missing one is not an error."""
+        self.fs.delete_dir_contents(self.path(rel), missing_dir_ok=True)
+
     def delete(self, rel: str) -> None:
         """Deletes a file; a missing one is not an error (cleanup is idempotent)."""
         try:
@@ -186,6 +201,36 @@ def _local_tmp(path: str):
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def check(value: str | os.PathLike) -> str:
+    """The location's scheme ("file", "s3", "gs"), without touching any filesystem; ValueError
+    (naming the value and the accepted forms) otherwise. For config checks before anything runs."""
+    text = os.fspath(value)
+    if not text:
+        raise ValueError(f"empty storage location; expected {FORMS}")
+    if "://" not in text:
+        return "file"
+    scheme, rest = text.split("://", 1)
+    scheme = scheme.lower()
+    if scheme not in ("file", "s3", "gs"):
+        raise ValueError(f"unsupported storage location {text!r}: scheme {scheme!r}; expected {FORMS}")
+    if scheme != "file" and not rest.split("/", 1)[0]:
+        raise ValueError(f"storage location {text!r} names no bucket; expected {FORMS}")
+    return scheme
+
+
+def check_or(value: str, error: type, key: str) -> str:
+    """`check(value)`, raising `error` naming the config key instead of ValueError."""
+    try:
+        return check(value)
+    except ValueError as e:
+        raise error(f"{key}={value!r}: {e}") from e
+
+
+def is_uri(value: str | os.PathLike) -> bool:
+    """An object-store location (s3://, gs://), as opposed to a local path or file://."""
+    return check(value) != "file"
 
 
 def resolve(value: str | os.PathLike) -> Store:

@@ -13,8 +13,10 @@ Three stages, so the GPU never waits for the host:
               denoising, VAE decode, then uint8 conversion and the finiteness check on the device
               and one non-blocking copy of the uint8 result into pinned host memory;
     finish    `HOST_THREADS` threads wait for a batch's copy, encode PNG/mp4 (zlib and ffmpeg
-              release the GIL) and write each file atomically under `media/<id>.<ext>`; a row is
-              returned only after its file is complete under its final name.
+              release the GIL) to a local temporary file and put it under `media/<id>.<ext>` of the
+              job's store (`storage.Store.atomic_local`: a rename in a local directory, one upload
+              to s3:// or gs://, never a partial object); a row is returned only after its file is
+              complete under its final name.
 While the GPU generates batch k+1, batch k is encoded and written. Queues are bounded by the shards
 the driver has in flight per worker (`runner.job.INFLIGHT`), so host memory stays flat. Seeds and
 per-item generators are as before, and the uint8 rounding equals `outputs.to_uint8` on diffusers'
@@ -42,6 +44,7 @@ from .models import ModelSpec, build_pipeline
 from .outputs import write_mp4, write_png
 from .prompts import Constraints, Item
 from .results import failed_row
+from .storage import resolve
 from .timing import Marks, UtilSampler, instrument
 
 HOST_THREADS = 2   # encode/write threads: one batch's files while the next batch's arrive
@@ -184,8 +187,7 @@ class Worker:
         self.cuda = self.spec.device.startswith("cuda")
         self.family = self.spec.info["family"]
         self.ext = "mp4" if self.spec.info["kind"] == "video" else "png"
-        self.media_dir = os.path.join(cfg.job_dir, "media")
-        os.makedirs(self.media_dir, exist_ok=True)
+        self.store = resolve(cfg.job_dir)    # this process's credentials and endpoint
         # Every model call (compile and warm-up included) runs on this one thread, in submission
         # order: Inductor's per-thread state and the CUDA graphs stay with one thread.
         self._gpu = ThreadPoolExecutor(1, thread_name_prefix="gpu")
@@ -236,8 +238,8 @@ class Worker:
             import compiler
             from compiler.cache import cache_key, configure_cache_dir
             if "cache-all" in compiler.parse_options(opts.options).flags:
-                from .compile_cache import warm_from_shared_cache
-                configure_cache_dir(opts.cache_dir)
+                from .compile_cache import local_dir, warm_from_shared_cache
+                configure_cache_dir(local_dir(opts.cache_dir))
                 key = cache_key(self.pipe, opts.options, self._warmup_shape())
                 self._phase("looking up the compile cache")
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
@@ -404,14 +406,15 @@ class Worker:
                                              f"of {item.id!r}", worker=self.rank))
                 continue
             t = time.perf_counter()
-            path = os.path.join(self.media_dir, f"{item.id}.{self.ext}")
-            if self.ext == "mp4":
-                write_mp4(path, media, self.cfg.fps)
-            else:
-                write_png(path, media)
+            rel = f"media/{item.id}.{self.ext}"
+            with self.store.atomic_local(rel) as tmp:
+                if self.ext == "mp4":
+                    write_mp4(tmp, media, self.cfg.fps)
+                else:
+                    write_png(tmp, media)
             write_s += time.perf_counter() - t
             rows.append({**item.params(), "status": "ok", "error": None,
-                         "output": os.path.relpath(path, self.cfg.job_dir), "worker": self.rank,
+                         "output": rel, "worker": self.rank,
                          "node_id": self.m["node_id"], "batch_size": len(g.items),
                          "denoise_it_s": steps / steady_s if steady_s else None})
         t_end = time.perf_counter()

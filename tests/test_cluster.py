@@ -11,6 +11,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 from conftest import fault_env
+from test_faults import record_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -85,9 +86,8 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
              "generation.num_inference_steps=2", "ray.worker_start_timeout_s=20"],
             cwd=ROOT, env={**ENV, **fault_env("slow:0.5")}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        journal = job_dir / "journal.jsonl"
         t0 = time.time()
-        while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
+        while len(record_rows(job_dir)) < 3:
             assert time.time() - t0 < 120 and p.poll() is None, "job made no progress"
             time.sleep(0.2)
         cluster.remove_node(doomed)

@@ -57,14 +57,23 @@ def assert_complete(job_dir, failed=()):
     return table
 
 
+def record_rows(job_dir):
+    """Every row of the job's record (runner/results.py: one records/*.jsonl object per shard,
+    compacted at the end of a run), in write order."""
+    d = os.path.join(job_dir, "records")
+    names = sorted(os.listdir(d)) if os.path.isdir(d) else []
+    return [json.loads(line) for n in names if n.endswith(".jsonl")
+            for line in open(os.path.join(d, n))]
+
+
 def wait_for_journal(job_dir, n, timeout=120):
-    path = os.path.join(job_dir, "journal.jsonl")
+    """Until the record holds n rows."""
     t0 = time.time()
     while time.time() - t0 < timeout:
-        if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+        if len(record_rows(job_dir)) >= n:
             return
         time.sleep(0.2)
-    raise AssertionError(f"journal never reached {n} rows")
+    raise AssertionError(f"the record never reached {n} rows")
 
 
 def test_worker_crash_mid_job_loses_nothing(job):
@@ -113,8 +122,7 @@ def test_worker_killed_while_writing_leaves_no_partial_output_and_the_rerun_does
     media = job["dir"] / "media"
     assert not (media / "p07.png").exists()                  # never under its final name
     assert [f for f in os.listdir(media) if f.startswith(".tmp-")] == []   # its temp file removed
-    journal = job["dir"] / "journal.jsonl"
-    done = {json.loads(line)["id"] for line in open(journal)} if journal.exists() else set()
+    done = {r["id"] for r in record_rows(job["dir"])}
     assert "p07" not in done
     for i in done:                                           # what is journalled is complete
         assert iio.imread(media / f"{i}.png").shape == (64, 64, 3)

@@ -100,7 +100,8 @@ def test_gpu_stage_runs_ahead_of_the_writes(tmp_path, monkeypatch):
     events, write, generate_ = [], worker.write_png, worker.generate
 
     def slow_write(path, media):
-        name = os.path.basename(str(path))
+        # the worker encodes to a temporary name (Store.atomic_local), then puts it in place
+        name = os.path.basename(str(path)).split("-", 2)[-1]
         events.append(("write", name))
         time.sleep(1.0)
         write(path, media)
@@ -198,12 +199,27 @@ def test_missing_pretrained_weights_rejected_on_the_driver(tmp_path, write_promp
         run(["job=pixart_batch", f"prompts.path={p}", f"output.dir={tmp_path}", f"model.path={tmp_path}/empty"])
 
 
-def test_uris_are_refused_with_the_supported_alternative(tmp_path, write_prompts, no_models_no_ray):
-    with pytest.raises(PromptError, match="URIs are not supported; use a path every node can read"):
-        run(["job=demo_image", "prompts.path=s3://bucket/prompts.parquet", f"output.dir={tmp_path}"])
+def test_unknown_schemes_are_refused_naming_the_key(tmp_path, write_prompts, no_models_no_ray):
+    from runner.config import ConfigError
     p = write_prompts({"prompt": ["a"]})
-    with pytest.raises(JobError, match="URIs are not supported; use a path every node can reach"):
-        run(["job=demo_image", f"prompts.path={p}", "output.dir=s3://bucket/out"])
+    with pytest.raises(ConfigError, match=r"prompts.path='ftp://h/p.parquet'.*scheme 'ftp'.*s3://bucket"):
+        run(["job=demo_image", "prompts.path=ftp://h/p.parquet", f"output.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"output.dir='ftp://h/out'.*scheme 'ftp'.*gs://bucket"):
+        run(["job=demo_image", f"prompts.path={p}", "output.dir=ftp://h/out"])
+
+
+def test_prompts_and_outputs_on_s3_are_checked_before_ray(s3_bucket, write_prompts, no_models_no_ray):
+    from runner.storage import resolve
+    with pytest.raises(PromptError, match=f"prompts.path 's3://{s3_bucket}/nope.parquet' does not exist"):
+        run(["job=demo_image", f"prompts.path=s3://{s3_bucket}/nope.parquet",
+             f"output.dir=s3://{s3_bucket}/out"])
+    p = write_prompts({"prompt": ["a", "b", "c"]})
+    resolve(f"s3://{s3_bucket}/in").write_file_atomic("p.parquet", p)
+    for path in (f"s3://{s3_bucket}/in/p.parquet", f"s3://{s3_bucket}/in"):   # a file, a prefix
+        summary = run(["job=demo_image", f"prompts.path={path}", f"output.dir=s3://{s3_bucket}/out",
+                       "run.dry_run=true"])
+        assert summary["to_run"] == 3 and summary["done"] == 0
+    assert resolve(f"s3://{s3_bucket}").list() == {"in/p.parquet": os.path.getsize(p)}  # nothing written
 
 
 def test_output_dir_that_is_a_file(tmp_path, write_prompts, no_models_no_ray):

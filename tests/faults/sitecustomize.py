@@ -46,6 +46,8 @@ def _generate_with_faults(generate):
 def _write_with_faults(write, atomic_path):
     def wrapped(path, media, *args):
         stem = os.path.basename(str(path)).rsplit(".", 1)[0]
+        if stem.startswith(".tmp-"):        # the worker encodes to a temp name (Store.atomic_local)
+            stem = stem.split("-", 2)[-1]
         if ("crash_write", stem) in FAULTS:
             with atomic_path(path) as tmp:
                 open(tmp, "wb").write(b"\x89PNG half a file")

@@ -1,0 +1,145 @@
+"""Jobs with prompts and outputs on a real S3-compatible server (moto, tests/s3server.py, on
+127.0.0.1): the real CLI, tiny models, 64x64, 2 steps. Nothing is written to a local job directory;
+every check reads the bucket through runner.storage."""
+import json
+import os
+import signal
+import tempfile
+import time
+
+import imageio.v3 as iio
+import imageio_ffmpeg
+import pyarrow.parquet as pq
+import pytest
+from test_cluster import RAY, ROOT, ray_cluster, sh  # noqa: F401  (ray_cluster is a fixture)
+from test_faults import cli
+
+from runner.storage import resolve
+
+pytestmark = pytest.mark.e2e
+SAMPLE = os.path.join(ROOT, "jobs", "prompts", "sample.parquet")
+
+
+def upload_prompts(bucket: str) -> str:
+    uri = f"s3://{bucket}/in/sample.parquet"
+    resolve(f"s3://{bucket}/in").write_file_atomic("sample.parquet", SAMPLE)
+    return uri
+
+
+def args(job, prompts, bucket, *extra):
+    return [f"job={job}", f"prompts.path={prompts}", f"output.dir=s3://{bucket}/out", "job.name=j",
+            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+            *extra]
+
+
+def record_rows(store):
+    return [json.loads(line) for n in sorted(store.list("records"))
+            for line in store.read_bytes(f"records/{n}").splitlines()]
+
+
+def check_store(store, ids, ext, resumed=None):
+    """Exactly one output and one result row per prompt, and the driver's files, all in the store."""
+    files = store.list()
+    assert sorted(n for n in files if n.startswith("media/")) == sorted(f"media/{i}.{ext}" for i in ids)
+    assert all(files[f"media/{i}.{ext}"] > 0 for i in ids)
+    table = pq.read_table(store.open_input("results.parquet")).to_pylist()
+    assert sorted(r["id"] for r in table) == sorted(ids)                 # one row per prompt
+    assert all(r["status"] == "ok" and r["output"] == f"media/{r['id']}.{ext}" for r in table)
+    for name in ("config.yaml", "summary.json", "summary.txt", "report.html"):
+        assert name in files, name
+    assert any(n.startswith("metrics/worker-") for n in files)
+    assert any(n.startswith("report/thumbs/") for n in files)          # thumbnails uploaded
+    assert ".lock" not in files                                         # released
+    records = [n for n in files if n.startswith("records/")]
+    assert len(records) == 1 and records[0].endswith("-compact.jsonl")  # compacted at the end
+    assert sorted(r["id"] for r in record_rows(store)) == sorted(ids)
+    summary = json.loads(store.read_text("summary.json"))
+    assert summary["ok"] == len(ids) and summary["failed"] == 0
+    if resumed is not None:
+        assert summary["resumed"] >= resumed
+    return table
+
+
+@pytest.mark.parametrize("job,ext", [("demo_image", "png"), ("demo_video", "mp4")])
+def test_demo_job_with_prompts_and_outputs_on_s3(s3_bucket, job, ext):
+    prompts = upload_prompts(s3_bucket)
+    rc, out, err = cli(args(job, prompts, s3_bucket))
+    assert rc == 0, err[-4000:]
+    ids = pq.read_table(SAMPLE).column("id").to_pylist()
+    store = resolve(f"s3://{s3_bucket}/out/j")
+    table = check_store(store, ids, ext)
+    row = table[0]
+    with tempfile.TemporaryDirectory() as d:                            # a complete, decodable file
+        local = os.path.join(d, f"x.{ext}")
+        open(local, "wb").write(store.read_bytes(row["output"]))
+        if ext == "png":
+            assert iio.imread(local).shape == (64, 64, 3)
+        else:
+            reader = imageio_ffmpeg.read_frames(local)
+            meta = next(reader)
+            assert meta["size"] == (64, 64) and len(list(reader)) == 4
+    assert not os.path.exists(os.path.join(ROOT, "s3:")), "a URI was used as a local path"
+    # A rerun has nothing to do: one listing, no worker started.
+    rc, out, err = cli(args(job, prompts, s3_bucket))
+    assert rc == 0 and "nothing to do: all 8 prompts already done" in out, err[-3000:]
+
+
+def test_driver_sigkill_then_rerun_on_s3(s3_bucket, write_prompts):
+    ids = [f"k{i:02d}" for i in range(8)]
+    local = write_prompts({"prompt": [f"prompt {i}" for i in range(8)], "id": ids})
+    resolve(f"s3://{s3_bucket}/in").write_file_atomic("p.parquet", local)
+    a = args("demo_image", f"s3://{s3_bucket}/in/p.parquet", s3_bucket, "run.shard_size=2",
+             "run.batch_size=1", "output.results_every_s=0")
+    store = resolve(f"s3://{s3_bucket}/out/j")
+    p = cli(a, faults="slow:0.5", wait=False)
+    t0 = time.time()
+    while len(record_rows(store)) < 2:
+        assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)                     # the driver and its embedded Ray, at once
+    p.wait()
+    done = {r["id"] for r in record_rows(store)}
+    assert 2 <= len(done) < 8
+    assert ".lock" in store.list()                      # left behind by the killed driver
+    time.sleep(2)
+    rc, out, err = cli(a)
+    assert rc == 0, err[-4000:]
+    check_store(store, ids, "png", resumed=len(done))
+
+
+def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_bucket):
+    """The job's processes get the S3 endpoint and credentials through runtime_env env_vars only;
+    the output directory is in the bucket, so no node needs a filesystem another can see."""
+    prompts = upload_prompts(s3_bucket)
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    runtime_env = {"excludes": [".venv", "outputs", ".git"],
+                   "env_vars": {"RUNNER_FAULTS": "slow:1.0", "PYTHONPATH": "tests/faults", **aws}}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}   # not from the shell
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    r = sh([*RAY, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ROOT,
+            "--runtime-env-json", json.dumps(runtime_env), "--",
+            "python", "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
+            f"output.dir=s3://{s3_bucket}/out", "generation.num_inference_steps=2",
+            "generation.height=64", "generation.width=64", "run.shard_size=1"],
+           timeout=400, env=env)
+    assert "Job 'raysubmit_" in r.stdout and "succeeded" in r.stdout
+    store = resolve(f"s3://{s3_bucket}/out/demo_image")
+    table = check_store(store, pq.read_table(SAMPLE).column("id").to_pylist(), "png")
+    assert len({row["node_id"] for row in table}) == 2       # both worker nodes wrote to S3
+
+
+def test_compile_cache_on_s3_warms_the_next_job(s3_bucket):
+    """compile.cache_dir on the store: the first job's worker compiles and puts the artifact there;
+    the next job's worker (a fresh process, its local Inductor cache aside) loads it from S3."""
+    prompts = upload_prompts(s3_bucket)
+    common = ["compile.mode=cache-all", f"compile.cache_dir=s3://{s3_bucket}/cc", "ray.cpu_workers=1",
+              "run.batch_size=1"]
+    for name in ("a", "b"):
+        rc, out, err = cli(args("demo_image", prompts, s3_bucket, *common, f"job.name={name}"))
+        assert rc == 0, err[-4000:]
+    cache = resolve(f"s3://{s3_bucket}/cc").list()
+    assert len(cache) == 1 and next(iter(cache)).endswith(".artifact")
+    first, second = (json.loads(resolve(f"s3://{s3_bucket}/out/{n}").read_text("metrics/worker-0.json"))
+                     for n in ("a", "b"))
+    assert not first["cache_hit"] and first["artifact_bytes"] == next(iter(cache.values()))
+    assert second["cache_hit"] and second["cache_source"] == "cache_dir"
