@@ -35,7 +35,6 @@ import datetime
 import inspect
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile

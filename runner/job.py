@@ -220,7 +220,6 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             stopped = e
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
                         "terminated" if TERMINATED.is_set() else "interrupted")
-            _cancel_queued(slots)
         except DispatchError as e:           # every worker gone
             results.write_table(ids)
             results.compact()
@@ -234,7 +233,6 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     # 5. Summarize.
     table = results.write_table(ids)
     results.compact()
-    results.close()
     metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
     timing = dict(startup_s=(t_ready or t_start) - t_start,
                   generate_s=(t_done or t_start) - (t_ready or t_start))
@@ -323,16 +321,6 @@ def _dry_run(cfg, job, items) -> dict:
     return dict(dry_run=True, items=len(items), to_run=len(items) - len(plan.done),
                 done=len(plan.done), changed=len(plan.changed), not_in_input=len(plan.gone),
                 shards=len(shards), failed=0)
-
-
-def _cancel_queued(slots) -> None:
-    """After an interrupt: drop the shards queued on workers (a running one finishes), so the
-    workers can answer for their metrics."""
-    import ray
-    for s in slots:
-        for ref in s.running:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
 
 
 def worker_config(job: dict, limits: Constraints, on_gpu: bool):

@@ -77,13 +77,6 @@ def write_mp4(path, frames: np.ndarray, fps: int) -> None:
         writer.close()
 
 
-def write_parquet(path, rows: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    with atomic_path(path) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-
-
 def format_table(rows: list[dict], columns: list[str]) -> str:
     """A plain fixed-width table (no extra dependency)."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]

@@ -150,11 +150,6 @@ class Results:
                 continue              # torn line of an old journal.jsonl (crash mid-append)
             self.rows[row["id"]] = row
 
-    def made_from(self, row: dict, item) -> bool:
-        """`row` (a record row) was made from `item`'s parameters and this job's settings."""
-        return row.get("settings") == self.settings and all(
-            row.get(k) == getattr(item, k) for k in ROW_KEYS)
-
     def plan(self, items: list) -> Plan:
         plan = Plan()
         media = self.store.list("media") if self.rows else {}    # one listing, not a stat per row
@@ -163,7 +158,8 @@ class Results:
             r = rows.get(it.id)
             if r is None:
                 continue
-            # made_from(r, it), inlined: this loop runs once per prompt of a resumed job
+            # the row was made from this item: the same settings and ROW_KEYS (spelt out: this
+            # loop runs once per prompt of a resumed job)
             if r.get("settings") != settings or (
                     r.get("prompt"), r.get("negative_prompt"), r.get("seed"), r.get("height"),
                     r.get("width"), r.get("num_frames"), r.get("num_inference_steps"),
@@ -208,9 +204,6 @@ class Results:
         table = [{c: r.get(c) for c in columns} for r in table]
         write_parquet(self.store, "results.parquet", table)
         return table
-
-    def close(self) -> None:
-        pass
 
 
 def _jsonl(rows) -> bytes:

@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
@@ -56,7 +54,6 @@ def test_plan_compares_each_row_with_what_its_output_was_made_from(tmp_path):
     for it in old:
         (tmp_path / "media" / f"{it.id}.png").write_bytes(b"x")
     r.add([{**it.params(), "status": "ok", "output": f"media/{it.id}.png"} for it in old])
-    r.close()
     r2 = Results(str(tmp_path), settings="s1").load()
     now = [item("a", file="q.parquet", row=7),      # moved to another file/row: still done
            item("b", prompt="a dog", row=1),        # edited under the same id
