@@ -7,6 +7,14 @@ Contract: `compile_pairs(transformer, compile_kwargs) -> {"LattePair": n}` gives
 diffusers' forward for what it does not cover (`enable_temporal_attentions=False`, gradient
 checkpointing during training).
 
+Step reuse (`step_reuse=`, the caller's choice per denoising step; runner/step_cache.py decides it
+from a fixed schedule): `"compute"` runs the blocks and keeps their residual (what the 28 pairs add
+to the patch embedding, (B*F, HW, C)) in a buffer of the transformer; `"reuse"` skips every pair and
+adds the kept residual instead (the embeddings and the final layer still run, with this step's
+timestep), as TeaCache and LeMiCa reuse a step. The decision is a Python argument, never read from
+a tensor: no host sync, and under `cudagraphs` each kind of step is its own captured graph
+(`StepGraph` keys on non-tensor arguments), reading and writing the same fixed buffer.
+
 Why: between the blocks diffusers re-lays the activations out twice per pair,
 (B*F, H*W, C) -> (B*H*W, F, C) and back, as eager permute copies. At Latte's 512² x 16 frames with
 CFG that is 2 x 28 copies of a 32768 x 1152 fp16 tensor (75 MB) per step, ~0.2 ms each on an H100
@@ -34,13 +42,14 @@ def _pair(spatial, temporal, hidden_states, enc_spatial, enc_mask, t_spatial, t_
 
 
 def forward(self, pair, hidden_states, timestep=None, encoder_hidden_states=None, encoder_attention_mask=None,
-            enable_temporal_attentions: bool = True, return_dict: bool = True):
-    """diffusers 0.42 `LatteTransformer3DModel.forward` with the block loop calling `pair`."""
+            enable_temporal_attentions: bool = True, return_dict: bool = True, step_reuse: str | None = None):
+    """diffusers 0.42 `LatteTransformer3DModel.forward` with the block loop calling `pair`;
+    `step_reuse`: None | "compute" | "reuse" (module docstring)."""
     if not enable_temporal_attentions or (torch.is_grad_enabled() and self.gradient_checkpointing):
+        if step_reuse is not None:
+            raise ValueError("step reuse needs the pair forward (temporal attention on, no gradient checkpointing)")
         return type(self).forward(self, hidden_states, timestep, encoder_hidden_states, encoder_attention_mask,
                                   enable_temporal_attentions, return_dict)
-    from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
     batch_size, channels, num_frame, height, width = hidden_states.shape
     hidden_states = hidden_states.permute(0, 2, 1, 3, 4).reshape(-1, channels, height, width)
     height, width = hidden_states.shape[-2] // self.config.patch_size, hidden_states.shape[-1] // self.config.patch_size
@@ -51,6 +60,18 @@ def forward(self, pair, hidden_states, timestep=None, encoder_hidden_states=None
     added_cond_kwargs = {"resolution": None, "aspect_ratio": None}
     timestep, embedded_timestep = self.adaln_single(
         timestep, added_cond_kwargs=added_cond_kwargs, batch_size=batch_size, hidden_dtype=hidden_states.dtype)
+    if step_reuse == "reuse":
+        hidden_states = hidden_states + _residual(self, hidden_states, create=False)
+    else:
+        hidden_states = _blocks(self, pair, hidden_states, encoder_hidden_states, encoder_attention_mask,
+                                timestep, num_frame, num_patches, batch_size, keep=step_reuse == "compute")
+    return _final_layer(self, hidden_states, embedded_timestep, num_frame, height, width, batch_size, return_dict)
+
+
+def _blocks(self, pair, hidden_states, encoder_hidden_states, encoder_attention_mask, timestep,
+            num_frame: int, num_patches: int, batch_size: int, keep: bool):
+    """The 28 block pairs, (B*F, HW, C) -> (B*F, HW, C); `keep`: also store what they added."""
+    blocks_in = hidden_states
     encoder_hidden_states = self.caption_projection(encoder_hidden_states)
     enc_spatial = encoder_hidden_states.repeat_interleave(
         num_frame, dim=0, output_size=encoder_hidden_states.shape[0] * num_frame
@@ -73,6 +94,31 @@ def forward(self, pair, hidden_states, timestep=None, encoder_hidden_states=None
     for i, (spatial, temporal) in enumerate(zip(self.transformer_blocks, self.temporal_transformer_blocks)):
         hidden_states = pair(spatial, temporal, hidden_states, enc_spatial, encoder_attention_mask,
                              t_spatial, t_temp, temp_pos if i == 0 else no_pos, batch_size)
+    if keep:
+        # One fixed buffer per shape (its address is what a captured graph writes and reads).
+        torch.sub(hidden_states, blocks_in, out=_residual(self, hidden_states, create=True))
+    return hidden_states
+
+
+def _residual(self, like: torch.Tensor, create: bool) -> torch.Tensor:
+    """The kept residual for `like`'s shape: (B*F, HW, C), batch items in the order of the call."""
+    store = self.__dict__.setdefault("_step_residual", {})
+    key = (tuple(like.shape), like.dtype, like.device)
+    buf = store.get(key)
+    if buf is None:
+        if not create:
+            raise RuntimeError(f"step reuse: no computed step of shape {tuple(like.shape)} to reuse "
+                               f"(a call's first step must be computed)")
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            # allocating here would place it in the graph's private pool, shared with other graphs
+            raise RuntimeError("step reuse: residual buffer first needed during CUDA graph capture")
+        buf = store[key] = torch.empty_like(like)
+    return buf
+
+
+def _final_layer(self, hidden_states, embedded_timestep, num_frame: int, height: int, width: int,
+                 batch_size: int, return_dict: bool):
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     embedded_timestep = embedded_timestep.repeat_interleave(
         num_frame, dim=0, output_size=embedded_timestep.shape[0] * num_frame).view(-1, embedded_timestep.shape[-1])
@@ -99,4 +145,10 @@ def compile_pairs(transformer: torch.nn.Module, compile_kwargs: dict | None) -> 
     """Install the pair forward on `transformer` (compiled with `compile_kwargs`; None: eager)."""
     pair = torch.compile(_pair, **compile_kwargs) if compile_kwargs is not None else _pair
     transformer.forward = functools.partial(forward, transformer, pair)
+    transformer._pair_forward = True   # wrappers added later (SDPA priority, StepGraph) pass kwargs on
     return {"LattePair": len(transformer.transformer_blocks)}
+
+
+def has_pair_forward(transformer: torch.nn.Module) -> bool:
+    """Whether `compile_pairs` installed the forward above (so calls take `step_reuse=`)."""
+    return transformer.__dict__.get("_pair_forward", False)

@@ -175,14 +175,24 @@ class CompileSection:
                             "e.g. compile.options.coordinate_descent_tuning=true")
 
 
-STEP_CACHE_METHODS = ("none", "fastercache", "pab")
+STEP_CACHE_METHODS = ("none", "residual", "fastercache", "pab")
+# The keys each method reads (what decides its outputs, its settings hash and compile-cache key).
+STEP_CACHE_KEYS = {"none": (), "residual": ("compute_ratio", "compute_steps"),
+                   "fastercache": ("block_skip_range", "timestep_range", "uncond_skip_range"),
+                   "pab": ("block_skip_range", "timestep_range")}
 
 
 @dataclass(frozen=True)
 class StepCacheSection:
     """Step reuse (lossy): README "Step reuse"; applied by runner/step_cache.py."""
-    method: str = key("none", "none | fastercache | pab: reuse attention outputs across denoising "
-                              "steps (lossy; video models; README \"Step reuse\")")
+    method: str = key("none", "none | residual (whole steps skipped on a fixed schedule; composes "
+                              "with O2/O3) | fastercache | pab (attention outputs reused); lossy, "
+                              "video models, README \"Step reuse\"")
+    compute_ratio: float = key(0.54, "residual: share of the steps computed in full, the rest reuse "
+                                     "the last computed step's residual (0.54 = 27 of 50 steps)")
+    compute_steps: list | None = key(None, "residual: the step indices computed in full (0 = first; "
+                                           "overrides compute_ratio); null = a schedule from "
+                                           "compute_ratio")
     block_skip_range: int = key(2, "spatial self-attention computed every N steps, reused in "
                                    "between (>= 2)")
     timestep_range: list | None = key(None, "[low, high]: reuse only at timesteps strictly inside; "
@@ -197,6 +207,15 @@ class StepCacheSection:
             raise ConfigError(f"step_cache.block_skip_range={self.block_skip_range!r} must be >= 2 "
                               f"(2 = compute every other step; 1 would never reuse)")
         _positive("step_cache.uncond_skip_range", self.uncond_skip_range)
+        if not isinstance(self.compute_ratio, (int, float)) or not 0 < self.compute_ratio <= 1:
+            raise ConfigError(f"step_cache.compute_ratio={self.compute_ratio!r} must be in (0, 1] "
+                              f"(the share of steps computed in full; 1 = never reuse)")
+        c = self.compute_steps
+        if c is not None and (not c or not all(isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 0 for v in c) or 0 not in c
+                              or len(set(c)) != len(c)):
+            raise ConfigError(f"step_cache.compute_steps={list(c)!r} must be distinct step indices "
+                              f">= 0 that include 0 (the first step is always computed), or null")
         r = self.timestep_range
         if r is not None and (len(r) != 2 or not all(isinstance(v, (int, float)) and
                                                      not isinstance(v, bool) for v in r)
@@ -204,6 +223,10 @@ class StepCacheSection:
             raise ConfigError(f"step_cache.timestep_range={list(r)!r} must be two numbers "
                               f"[low, high] with low < high (timesteps run from ~1000 down to 0), "
                               f"or null")
+
+    def settings(self) -> dict:
+        """The method and the keys it reads: what makes its outputs (hashes, cache keys)."""
+        return {"method": self.method, **{k: getattr(self, k) for k in STEP_CACHE_KEYS[self.method]}}
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ def _output_settings(cfg: DictConfig) -> dict:
     # (whose config.yaml has no step_cache) keep their settings id.
     sc = OmegaConf.select(cfg, "step_cache")
     if sc is not None and sc.method != "none":
-        out["step_cache"] = OmegaConf.to_container(sc, resolve=True)
+        from .config import StepCacheSection
+        out["step_cache"] = StepCacheSection(**OmegaConf.to_container(sc, resolve=True)).settings()
     return out
 
 

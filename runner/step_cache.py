@@ -1,46 +1,47 @@
 """Step reuse: skip part of a denoising step by reusing what earlier steps computed (lossy).
 
+Methods (`step_cache.method`, README "Step reuse"):
+- `residual`: whole denoiser calls skipped on a fixed schedule. A computed step keeps what the
+  blocks added to their input (the residual); a reused step runs only the embeddings and the final
+  layer and adds the kept residual (TeaCache's reuse, on a LeMiCa-style fixed schedule instead of
+  a threshold). Which steps compute depends only on the step index, the step count and the
+  settings (`plan`), never on tensor values: no host sync per step, the same schedule for every
+  item of a batch, and under `cudagraphs` two captured graphs (compute, reuse) replayed as the
+  schedule says. The mechanism is `compiler/latte.py`'s `step_reuse=` argument.
+- `fastercache`, `pab`: diffusers' attention-level hooks (`FasterCacheConfig`,
+  `PyramidAttentionBroadcastConfig`), deciding per attention call in Python.
+
 Contract:
 - `check(step_cache, family)` (in `prepare`): the method is offered for this model family,
   else `ConfigError` naming the families that have it. The parameters themselves are checked by
   `config.StepCacheSection`.
-- `apply(pipe, step_cache)` (worker, after `compiler.compile_pipe`): installs diffusers' hooks
-  (`FasterCacheConfig` / `PyramidAttentionBroadcastConfig`) on the denoiser, with
-  `current_timestep_callback` reading the pipeline's `_current_timestep` (once per step). Returns
-  how many attention modules are hooked.
-- `reset(pipe, guidance)` (before every pipeline call): the hooks keep per-call state (step
-  counter, cached attention outputs); diffusers clears it at the end of a call, but not after a
-  call that raised, so the worker clears it before each call: an output depends on its seed and
+- `apply(pipe, step_cache)` (worker, after `compiler.compile_pipe`, on the pipeline's device):
+  installs the method on `pipe.transformer`. Returns what it hooked (modules, or 1 for `residual`).
+- `reset(pipe, guidance)` (before every pipeline call): per-call state (step counter, cached
+  outputs) starts fresh, also after a call that raised, so an output depends on its seed and
   settings only, never on what ran before it. `guidance=False` (a row with guidance_scale <= 1,
   no CFG batch): FasterCache runs as for a guidance-distilled model.
-- `prepare(job)` (driver): `check`, and `job["compile"]` without the `cudagraphs` step graph when
-  a step cache is on (see below), so workers, the compile cache key and the summary all see the
-  mode that runs.
+- `prepare(job)` (driver): `check`, and for the hook methods `job["compile"]` without the
+  `cudagraphs` step graph (see below), so workers, the compile cache key and the summary all see
+  the mode that runs. `residual` keeps the mode whole.
 
-How it composes with the compiler:
+How the hook methods compose with the compiler:
 - eager: the hooks as diffusers ships them.
-- per-block `torch.compile` (any mode that compiles; Latte's compiled block pairs): a hook decides
-  in Python, per step, whether to compute or reuse, which Dynamo cannot trace in a full graph (it
-  compares the timestep tensor with a bound). So each hooked attention module becomes one opaque
-  custom op inside the compiled block (`_hooked_attention`): the compiled graph calls it, and it runs
-  the hook (and the attention it may skip) eagerly. The rest of the block stays compiled, and the
-  blocks still share their graphs (the op finds its module through a one-element buffer, a graph
-  input, not through a Python constant Dynamo would specialise on, which would mean a graph per
-  block).
-- `cudagraphs` (O2, O3): a captured step replays one fixed decision (compute or reuse) on every
-  step, which would be silently wrong. Until there is a graph per step kind, the step graph is
-  dropped when a step cache is on, with a log line; the rest of the mode applies.
-- `low-precision` (FP8 linears): inside and outside the hooked attention alike (not run on CPU).
-
-Methods and their keys (`step_cache.*`, README "Step reuse"): a plain dict maps a method name to
-the function that builds its diffusers config.
+- per-block `torch.compile`: a hook decides in Python, per step, whether to compute or reuse,
+  which Dynamo cannot trace in a full graph. So each hooked attention module becomes one opaque
+  custom op inside the compiled block (`_hooked_attention`), and the module's class (not the
+  instance's `forward`, which Dynamo would guard on per module: a recompile per block pair) is
+  swapped for a subclass whose forward calls it. The rest of the block stays compiled and the
+  blocks share their graphs. Measured (H100, BENCHMARKS.md): this barely pays; `residual` does.
+- `cudagraphs` (O2, O3): a captured step would replay one fixed decision of the hooks on every
+  step, so the step graph is dropped for them, with a log line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
+import math
 
 import torch
 
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 # its pipeline exposes `_current_timestep`; FasterCache's unconditional-branch skip needs the CFG
 # batch in one denoiser call, which Latte's pipeline does (torch.cat([latents] * 2)). PixArt's
 # transformer (diffusers 0.42) is no CacheMixin and its pipeline keeps no current timestep: not yet.
-SUPPORTED = {"fastercache": ("latte",), "pab": ("latte",)}
+SUPPORTED = {"residual": ("latte",), "fastercache": ("latte",), "pab": ("latte",)}
+HOOKS = ("fastercache", "pab")   # diffusers' attention hooks (decide in Python, per call)
 DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffusers' defaults
 
 
@@ -75,8 +77,8 @@ def prepare(job: dict) -> None:
 
 
 def compile_options(options: dict, sc: StepCacheSection) -> dict:
-    """`options` without the `cudagraphs` flag when a step cache is on (see the module docstring)."""
-    if sc.method == "none":
+    """`options` without the `cudagraphs` flag when a hook method is on (module docstring)."""
+    if sc.method not in HOOKS:
         return options
     import compiler
     flags = compiler.parse_options(options).flags
@@ -125,6 +127,8 @@ def apply(pipe, sc: StepCacheSection) -> int:
     if sc.method == "none":
         return 0
     den = pipe.transformer
+    if sc.method == "residual":
+        return _apply_residual(pipe, sc)
     den.enable_cache(BUILDERS[sc.method](sc, _timestep_reader(pipe)))
     hooked = [m for name, m in den.named_modules()   # the attention modules with a hook
               if name and getattr(getattr(m, "_diffusers_hook", None), "_hook_order", None)]
@@ -148,12 +152,70 @@ def _timestep_reader(pipe):
     return read
 
 
+# ---------------------------------------------------------------------------------------------
+# residual: whole steps on a fixed schedule
+
+def plan(steps: int, sc: StepCacheSection) -> tuple[bool, ...]:
+    """Which of `steps` denoising steps are computed in full (True) or reuse the last computed
+    step's residual (False). `compute_steps` as given (indices past the end ignored); else
+    round(compute_ratio * steps) steps shaped as LeMiCa's published schedules are: the first ~40 %
+    of the budget on the first steps (where the latents change most), the last two steps, and the
+    rest evenly spread in between. Step 0 is always computed (there is nothing to reuse yet)."""
+    if sc.compute_steps is not None:
+        chosen = {i for i in sc.compute_steps if i < steps}
+    else:
+        budget = min(steps, max(1, round(sc.compute_ratio * steps)))
+        head = min(budget, max(1, math.ceil(0.4 * budget)))
+        tail = min(2, budget - head, steps - head)
+        middle = budget - head - tail                       # spread over [head, steps - tail)
+        span = steps - tail - head
+        chosen = set(range(head)) | set(range(steps - tail, steps))
+        chosen |= {head + int((j + 0.5) * span / middle) for j in range(middle)}
+    return tuple(i == 0 or i in chosen for i in range(steps))
+
+
+class Scheduled:
+    """The transformer's forward, told for each call (one call = one denoising step: Latte's
+    pipeline batches CFG into one call) whether it computes or reuses. The step count comes from
+    the scheduler when a call begins (`pipe.scheduler.timesteps`, set before the first step)."""
+
+    def __init__(self, inner, sc: StepCacheSection, pipe):
+        self.inner, self.sc, self.pipe = inner, sc, pipe
+        self.step, self.plan, self.calls, self.reused = 0, (), 0, 0
+
+    def reset(self) -> None:
+        self.step = 0
+
+    def __call__(self, *args, **kwargs):
+        if self.step == 0:
+            self.plan = plan(len(self.pipe.scheduler.timesteps), self.sc)
+        compute = self.plan[self.step] if self.step < len(self.plan) else True
+        self.step = self.step + 1 if self.step + 1 < len(self.plan) else 0   # next call's step
+        self.calls += 1
+        self.reused += not compute
+        return self.inner(*args, step_reuse="compute" if compute else "reuse", **kwargs)
+
+
+def _apply_residual(pipe, sc: StepCacheSection) -> int:
+    from compiler import latte
+    den = pipe.transformer
+    if not latte.has_pair_forward(den):   # eager: the same forward, pairs not compiled
+        latte.compile_pairs(den, None)
+    den.forward = Scheduled(den.forward, sc, pipe)
+    log.info("step cache residual: %s of %d steps computed at 50 steps",
+             sum(plan(50, sc)), 50)
+    return 1
+
+
 def reset(pipe, guidance: bool = True) -> None:
     """Clear the hooks' state before a call. `guidance`: the call runs classifier-free guidance
     (guidance_scale > 1, one batch of unconditional + conditional); without it FasterCache treats
     the call as guidance-distilled: no branch to skip, attention reuse by schedule alone (its
     denoiser hook would otherwise split a batch that has no unconditional half)."""
     den = getattr(pipe, "transformer", None)
+    if isinstance(getattr(den, "forward", None), Scheduled):
+        den.forward.reset()
+        return
     if not getattr(den, "is_cache_enabled", False):
         return
     den._reset_stateful_cache()
@@ -164,8 +226,11 @@ def reset(pipe, guidance: bool = True) -> None:
 
 
 def skipped(pipe) -> int:
-    """Attention calls the hooks answered from the cache so far (tests, benchmark)."""
+    """Attention calls the hooks answered from the cache so far, or for `residual` the denoiser
+    calls (steps) that reused (tests, benchmark, worker metrics)."""
     den = getattr(pipe, "transformer", None)
+    if isinstance(getattr(den, "forward", None), Scheduled):
+        return den.forward.reused
     return sum(getattr(m, "_step_cache_calls", 0) - getattr(m, "_step_cache_computed", 0)
                for m in den.modules()) if den is not None else 0
 
@@ -225,4 +290,17 @@ def _make_opaque(m: torch.nn.Module) -> None:
     m.register_buffer("_step_cache_key", torch.zeros(1, device=next(m.parameters()).device),
                       persistent=False)
     _MODULES[m._step_cache_key.data_ptr()] = m
-    m.forward = functools.partial(_opaque_forward, m)
+    # The class, not the instance, carries the opaque forward: Dynamo guards on the identity of an
+    # instance's own `forward` (one per module: a recompile per block pair, past Dynamo's limit at
+    # Latte-1's 28 pairs) but on the type of a class's, which every hooked attention shares.
+    del m.forward
+    m.__class__ = _opaque_class(type(m))
+
+
+_OPAQUE: dict[type, type] = {}
+
+
+def _opaque_class(cls: type) -> type:
+    if cls not in _OPAQUE:
+        _OPAQUE[cls] = type(f"StepCached{cls.__name__}", (cls,), {"forward": _opaque_forward})
+    return _OPAQUE[cls]

@@ -8,7 +8,10 @@ The same generated prompts (ids, seeds) go through:
                 or `export_to_video` per prompt, as the diffusers docs write it;
   loop_compile  the same loop after `pipe.<denoiser> = torch.compile(pipe.<denoiser>)`;
   job           `python -m runner` with each `compile.mode` of `modes` (its own process and
-                local Ray, one worker on the GPU).
+                local Ray, one worker on the GPU); `MODE+METHOD` (e.g. `O3+residual`) runs that
+                mode with `step_cache.method=METHOD`, and its outputs are compared with those of
+                MODE alone (else of the first mode): PSNR of each output's decoded frames, written
+                to the job's `metrics/psnr_vs_<mode>.json` and summarised in the table.
 Items/s are steady figures: a loop's from the end of its first item (warm-up, compilation) to
 the end of its last; the job's once its worker serves (`steady_items_per_s` of summary.json).
 GPU busy is NVML's utilisation over the same windows (what nvidia-smi shows; the job's comes from
@@ -100,12 +103,17 @@ def run_loop(job: dict, prompts: list[dict], out: str, compiled: bool) -> dict:
                 gpu_util=util.mean(*window) if util and window else None)
 
 
+def _job_name(mode: str) -> str:
+    return f"job-{mode.replace(':', '_').replace('+', '-')}"
+
+
 def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
-    name = f"job-{mode.replace(':', '_')}"
+    name = _job_name(mode)
+    mode, _, method = mode.partition("+")
     cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
            f"output.dir={opts['out']}", f"job.name={name}", f"compile.mode={mode}",
            "ray.num_workers=1", f"compile.cache_dir={opts['out']}/cache-{name}",
-           "output.overwrite=true", *rest]
+           "output.overwrite=true", *rest, *([f"step_cache.method={method}"] if method else [])]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}   # always its own local Ray
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -113,10 +121,43 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
     job_dir = os.path.join(opts["out"], name)
     s = json.load(open(os.path.join(job_dir, "summary.json")))
     ms = [json.load(open(p)) for p in glob.glob(os.path.join(job_dir, "metrics", "*.json"))]
+    m = ms[0] if ms else {}
     return dict(items=s["ok"], items_per_s=s.get("steady_items_per_s") or s["items_per_s"],
+                ready_s=(m["model_load_s"] + m["warmup_s"]) if "warmup_s" in m else None,
+                # Dynamo's recompile warnings in the job's log (there should be none)
+                recompiles=r.stderr.count("torch._dynamo hit config.recompile_limit")
+                + r.stderr.count("Recompiling function"),
                 gpu_util=ms[0].get("gpu_util") if ms else None,
                 gpu_busy_fraction=ms[0].get("gpu_busy_fraction") if ms else None,
                 time_s=ms[0].get("time_s") if ms else None)
+
+
+def _frames(path: str):
+    import imageio.v3 as iio
+    import numpy as np
+    return np.asarray(iio.imread(path, index=None) if path.endswith(".mp4") else iio.imread(path))
+
+
+def psnr(a, b) -> float:
+    """PSNR in dB of two uint8 arrays (inf when equal)."""
+    import numpy as np
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+
+
+def compare_outputs(out: str, mode: str, ref: str) -> dict:
+    """PSNR of each output of job `mode` against job `ref`'s output of the same id (decoded mp4
+    frames: the H.264 encoding at crf 18 adds its own error to both), written to the job's
+    metrics directory; returns the median and the worst."""
+    import numpy as np
+    a_dir, b_dir = (os.path.join(out, _job_name(m), "media") for m in (mode, ref))
+    per = {f: psnr(_frames(os.path.join(a_dir, f)), _frames(os.path.join(b_dir, f)))
+           for f in sorted(os.listdir(a_dir)) if os.path.exists(os.path.join(b_dir, f))}
+    write_json(os.path.join(out, _job_name(mode), "metrics", f"psnr_vs_{_job_name(ref)}.json"),
+               dict(reference=ref, psnr_db=per))
+    vals = list(per.values())
+    return dict(psnr_ref=ref, psnr_median_db=float(np.median(vals)) if vals else None,
+                psnr_min_db=min(vals) if vals else None)
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -137,16 +178,26 @@ def main(argv: list[str]) -> list[dict]:
             r = run_loop(job, prompts, os.path.join(opts["out"], arm), compiled=arm == "loop_compile")
             rows.append(dict(arm=arm, mode="torch.compile" if arm == "loop_compile" else "eager", **r))
     if "job" in arms:
-        for mode in opts["modes"].split(","):
+        modes = opts["modes"].split(",")
+        for mode in modes:
             rows.append(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode)))
+        for r in rows:   # step reuse against the same mode without it (else the first mode)
+            if r["arm"] == "job" and "+" in r["mode"]:
+                plain = r["mode"].partition("+")[0]
+                r.update(compare_outputs(opts["out"], r["mode"], plain if plain in modes else modes[0]))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
             r[f"x_{arm}"] = r["items_per_s"] / rate if rate and r["items_per_s"] else None
     write_json(os.path.join(opts["out"], "vs_loop.json"),
                dict(argv=argv, config=OmegaConf.to_container(cfg), rows=rows))
-    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "gpu_util",
-                              "gpu_busy_fraction", *[f"x_{a}" for a in base]]))
+    jobs = {r["mode"]: r["items_per_s"] for r in rows if r["arm"] == "job"}
+    for r in rows:   # step reuse: the speed-up over the same mode without it
+        plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
+        r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
+    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ready_s", "recompiles",
+                              "gpu_util", "gpu_busy_fraction", *[f"x_{a}" for a in base],
+                              "x_same_mode", "psnr_median_db", "psnr_min_db"]))
     return rows
 
 

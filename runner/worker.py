@@ -240,7 +240,9 @@ class Worker:
             if "cache-all" in compiler.parse_options(opts.options).flags:
                 from .compile_cache import local_dir, warm_from_shared_cache
                 configure_cache_dir(local_dir(opts.cache_dir))
-                key = cache_key(self.pipe, opts.options, self._warmup_shape())
+                # step reuse changes what is compiled and captured: part of the key
+                key = cache_key(self.pipe, opts.options, {**self._warmup_shape(),
+                                "step_cache": self.cfg.step_cache.settings()})
                 self._phase("looking up the compile cache")
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
                                                self.cfg.cache_wait_s)

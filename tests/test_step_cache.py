@@ -51,13 +51,18 @@ def latte(method: str = "none", compile_mode: str | None = None, **params):
 
 @pytest.mark.parametrize("arg, needle", [
     ("step_cache.method=teacache", "step_cache.method='teacache' is not valid; choose one of "
-                                   "['none', 'fastercache', 'pab']"),
+                                   "['none', 'residual', 'fastercache', 'pab']"),
     ("step_cache.block_skip_range=1", "step_cache.block_skip_range=1 must be >= 2"),
     ("step_cache.uncond_skip_range=0", "step_cache.uncond_skip_range=0 must be > 0"),
     ("step_cache.timestep_range=[800,100]", "must be two numbers [low, high] with low < high"),
     ("step_cache.timestep_range=[1,2,3]", "must be two numbers"),
     ("step_cache.block_skip_range=two", "step_cache.block_skip_range='two' has the wrong type"),
     ("step_cache.skip=2", "unknown config key 'step_cache.skip'"),
+    ("step_cache.compute_ratio=0", "step_cache.compute_ratio=0 must be in (0, 1]"),
+    ("step_cache.compute_ratio=1.5", "step_cache.compute_ratio=1.5 must be in (0, 1]"),
+    ("step_cache.compute_steps=[1,2]", "must be distinct step indices >= 0 that include 0"),
+    ("step_cache.compute_steps=[0,0,3]", "must be distinct step indices"),
+    ("step_cache.compute_steps=[0,-1]", "must be distinct step indices"),
 ])
 def test_bad_step_cache_settings_are_config_errors(arg, needle):
     with pytest.raises(ConfigError) as e:
@@ -77,7 +82,7 @@ def test_good_parameters_reach_the_diffusers_config():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["job=demo_video", "step_cache.method=fastcache"], "choose one of ['none', 'fastercache', 'pab']"),
+    (["job=demo_video", "step_cache.method=fastcache"], "choose one of ['none', 'residual', 'fastercache', 'pab']"),
     (["job=demo_image", "step_cache.method=pab"], "is not offered for pixart_alpha models; it is "
                                                   "for: ['latte']"),
     (["job=demo_video", "step_cache.method=pab", "step_cache.block_skip_range=1"],
@@ -91,20 +96,47 @@ def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path):
     assert not (tmp_path / "demo_video").exists() and not (tmp_path / "demo_image").exists()
 
 
-def test_cudagraphs_is_dropped_from_the_mode_when_a_step_cache_is_on():
+def test_cudagraphs_is_dropped_from_the_mode_for_the_hook_methods_only():
     job = split(load_config(["job=demo_video", "compile.mode=O3", "step_cache.method=pab"]))
     step_cache.prepare(job)
     assert job["compile"].options["mode"] == "cache-all:low-precision:max-optimize"
-    job = split(load_config(["job=demo_video", "compile.mode=O2"]))   # off: untouched
-    step_cache.prepare(job)
-    assert job["compile"].options["mode"] == "O2"
+    for method in ("none", "residual"):   # off, or residual (a graph per kind of step): untouched
+        job = split(load_config(["job=demo_video", "compile.mode=O2", f"step_cache.method={method}"]))
+        step_cache.prepare(job)
+        assert job["compile"].options["mode"] == "O2"
+
+
+def test_residual_schedule_depends_on_step_count_and_settings_only():
+    sc = StepCacheSection(method="residual")
+    p50 = step_cache.plan(50, sc)
+    assert sum(p50) == 27 and p50[0] and p50[-1] and p50[-2]      # the default: 27 of 50
+    assert all(p50[:10]) and not all(p50[10:])                       # dense first, then spread
+    computed = [i for i, c in enumerate(p50) if c]
+    assert max(b - a for a, b in zip(computed, computed[1:])) <= 3   # at most 2 reused in a row
+    for n in (1, 2, 3, 7, 20, 100):
+        p = step_cache.plan(n, sc)
+        assert len(p) == n and p[0] and sum(p) == max(1, round(0.54 * n))
+    assert step_cache.plan(50, StepCacheSection(method="residual", compute_ratio=1.0)) == (True,) * 50
+    explicit = StepCacheSection(method="residual", compute_steps=[0, 3, 60])
+    assert [i for i, c in enumerate(step_cache.plan(6, explicit)) if c] == [0, 3]
+
+
+def test_step_cache_settings_name_only_the_keys_the_method_reads():
+    assert StepCacheSection(method="residual").settings() == {
+        "method": "residual", "compute_ratio": 0.54, "compute_steps": None}
+    assert "compute_ratio" not in StepCacheSection(method="pab").settings()
 
 
 def test_step_cache_is_part_of_the_settings_id_only_when_on():
     from runner.results import fingerprint, settings_id
     ids = {m: settings_id(load_config(["job=demo_video", f"step_cache.method={m}"]))
-           for m in ("none", "fastercache", "pab")}
-    assert len(set(ids.values())) == 3
+           for m in ("none", "residual", "fastercache", "pab")}
+    assert len(set(ids.values())) == 4
+    assert settings_id(load_config(["job=demo_video", "step_cache.method=residual",
+                                    "step_cache.compute_ratio=0.6"])) != ids["residual"]
+    # a key the method does not read changes nothing
+    assert settings_id(load_config(["job=demo_video", "step_cache.method=residual",
+                                    "step_cache.block_skip_range=3"])) == ids["residual"]
     # a changed parameter is a different output, too
     assert settings_id(load_config(["job=demo_video", "step_cache.method=pab",
                                     "step_cache.block_skip_range=3"])) != ids["pab"]
@@ -118,7 +150,7 @@ def test_step_cache_is_part_of_the_settings_id_only_when_on():
 # ---------------------------------------------------------------------------------------------
 # The hooks on the tiny Latte, in process.
 
-@pytest.mark.parametrize("method", ["fastercache", "pab"])
+@pytest.mark.parametrize("method", ["residual", "fastercache", "pab"])
 def test_cache_reuses_and_outputs_are_independent_of_call_order(method):
     ref = run(latte(), item(1))
     pipe = latte(method)
@@ -138,6 +170,18 @@ def test_cache_reuses_and_outputs_are_independent_of_call_order(method):
         pipe(prompt="x", num_inference_steps=STEPS, height=64, width=64, video_length=4,
              clean_caption=False, output_type="pt", callback_on_step_end=boom)
     assert torch.equal(run(pipe, item(1)), a)
+
+
+def test_residual_output_is_independent_of_batch_mates():
+    """The schedule is per step, the residual per item: an item alone or in a batch of two (the
+    CFG batch then holds 4 videos) gets the same frames."""
+    pipe = latte("residual")
+    # mask_feature=False: full-length text, so that only the step reuse could couple the items
+    with torch.inference_mode():
+        alone = generate(pipe, "latte", [item(1)], "cpu", output_type="pt", mask_feature=False)
+        pair = generate(pipe, "latte", [item(1), item(5)], "cpu", output_type="pt", mask_feature=False)
+    torch.testing.assert_close(pair[0], alone[0], atol=1e-5, rtol=1e-5)
+    assert step_cache.skipped(pipe) == 2 * (STEPS - sum(step_cache.plan(STEPS, pipe.transformer.forward.sc)))
 
 
 def test_fastercache_without_guidance_reuses_attention_only():
@@ -160,7 +204,7 @@ def test_fastercache_skips_the_unconditional_branch():
     assert len(seen) == STEPS and 8 in seen and 4 in seen
 
 
-@pytest.mark.parametrize("method", ["fastercache", "pab"])
+@pytest.mark.parametrize("method", ["residual", "fastercache", "pab"])
 def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     """Per-block compile (Latte's compiled block pairs; `O2` on CPU, whose step graph is dropped)
     with the hooked attentions as opaque ops: the eager step cache's output, graphs shared by the
@@ -170,7 +214,8 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     torch._dynamo.reset()
     ref = run(latte(method), item(1))
     pipe = latte(method, compile_mode="O2")
-    assert pipe._compile_options.mode == "cache-all" and pipe._compile_report["compiled_blocks"]
+    assert pipe._compile_options.mode == ("cache-all:cudagraphs" if method == "residual" else "cache-all")
+    assert pipe._compile_report["compiled_blocks"]
     out = run(pipe, item(1))
     assert step_cache.skipped(pipe) > 0
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -184,6 +229,10 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     # not this module). The hooks themselves add none.
     graphs = len(_debug_get_cache_entry_list(compiled_latte._pair.__code__))
     assert graphs == 2 * (2 if method == "fastercache" else 1)
+    # hooked attentions: their class carries the opaque forward, never the instance (Dynamo would
+    # guard on each instance's forward: a recompile per block pair)
+    assert all("forward" not in m.__dict__ for m in pipe.transformer.modules()
+               if hasattr(m, "_step_cache_key"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +247,8 @@ def _cli(tmp_path, *args):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("method, mode, runs_as", [("fastercache", "none", "none"),
-                                                   ("pab", "O2", "cache-all")])
+                                                   ("pab", "O2", "cache-all"),
+                                                   ("residual", "O2", "O2")])
 def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts):
     """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block compile,
     its step graph dropped because of the step cache)."""
@@ -208,7 +258,7 @@ def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_promp
     job = tmp_path / "demo_video"
     assert len(os.listdir(job / "media")) == 3
     m = json.load(open(job / "metrics" / "worker-0.json"))
-    assert m["step_cache_reused"] > 0                  # the worker's hooks did skip attention
+    assert m["step_cache_reused"] > 0                  # the worker did skip attention or steps
     assert m["compile_mode"] == runs_as
     # another step-cache setting into the same directory: refused like any output setting
     other = "pab" if method == "fastercache" else "fastercache"
@@ -272,5 +322,58 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
 
 def test_bad_step_cache_argument_of_the_bench_names_the_valid_ones():
     from runner.bench import parse_argv
-    with pytest.raises(SystemExit, match=r"choose one of \['none', 'fastercache', 'pab'\]"):
+    with pytest.raises(SystemExit, match=r"choose one of \['none', 'residual', 'fastercache', 'pab'\]"):
         parse_argv(["step_cache.method=teacache"])
+
+
+@pytest.mark.gpu
+def test_full_size_latte_step_reuse_under_compiled_modes():
+    """Latte-1 at the published size (all 28 block pairs), random weights, fp16, 512² x 16 frames:
+    `residual` under O2 and O3 starts (no recompile on later calls, the pairs share one graph),
+    reuses the planned steps inside captured step graphs, O2 within fp16 tolerance of the eager
+    `residual` output, O3 (FP8, lossy) close to it; and `fastercache` under O2 starts too (its
+    opaque attentions recompiled once per pair, past Dynamo's limit, before their class carried
+    the forward)."""
+    import copy
+
+    import compiler
+    base = build_pipeline(ModelSpec("latte1", source="random", dtype="fp16", device="cuda"))
+    parts = dict(base.components)
+    steps, kw = 10, dict(height=512, width=512, video_length=16, clean_caption=False)
+
+    def variant(method, mode, **params):
+        # a fresh denoiser per variant; the text encoder and VAE (untouched here) are shared
+        pipe = type(base)(**{**parts, "transformer": copy.deepcopy(parts["transformer"])})
+        sc = StepCacheSection(method=method, **params)
+        if mode:
+            compiler.compile_pipe(pipe, step_cache.compile_options(
+                {"mode": mode, "compile_text_encoder": False, "compile_vae": False}, sc))
+        step_cache.apply(pipe, sc)
+        return pipe
+
+    def call(pipe, n=steps):
+        step_cache.reset(pipe)
+        with torch.inference_mode():
+            return pipe(prompt="a red fox running in the snow", num_inference_steps=n,
+                        output_type="latent", generator=torch.Generator("cuda").manual_seed(0),
+                        **kw).frames.float()
+
+    ref = call(variant("residual", None))
+    planned = steps - sum(step_cache.plan(steps, StepCacheSection(method="residual")))
+    scale = max(ref.abs().max().item(), 1.0)
+    for mode, tol in (("O2", 2e-2), ("O3", 0.25)):
+        pipe = variant("residual", mode)
+        assert pipe._compile_options.flags >= {"cudagraphs"}          # the step graph stays
+        call(pipe)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = call(pipe)
+        assert step_cache.skipped(pipe) == 2 * planned
+        graphs = pipe.transformer.forward.inner.graphs                 # StepGraph: compute, reuse
+        assert len(graphs) == 2
+        assert torch.isfinite(out).all()
+        assert (out - ref).abs().max().item() <= tol * scale, mode
+        del pipe
+        torch.cuda.empty_cache()
+    pipe = variant("fastercache", "O2")
+    out = call(pipe, 4)
+    assert step_cache.skipped(pipe) > 0 and torch.isfinite(out).all()

@@ -24,3 +24,23 @@ def test_loops_and_job_on_the_same_prompts(tmp_path):
     assert rows[1]["time_s"]["denoise"] > 0 and rows[0]["gpu_util"] is None   # CPU: no GPU figures
     assert sorted(os.listdir(tmp_path / "loop")) == ["v00000.png", "v00001.png", "v00002.png"]
     assert "items_per_s" in r.stdout                                   # the table is printed
+
+
+def test_step_reuse_arm_is_compared_with_its_mode_alone(tmp_path):
+    """`modes=O3,O3+residual`: each output of the reuse job against the same id of the O3 job,
+    PSNR of the decoded frames, written to the reuse job's metrics."""
+    import numpy as np
+
+    from runner.outputs import write_mp4
+    from runner.vs_loop import compare_outputs
+    rng = np.random.default_rng(0)
+    frames = (rng.random((4, 32, 32, 3)) * 255).astype(np.uint8)
+    noisy = np.clip(frames.astype(int) + rng.integers(-20, 21, frames.shape), 0, 255).astype(np.uint8)
+    for job, videos in (("job-O3", {"a": frames, "b": frames}), ("job-O3-residual", {"a": frames, "b": noisy})):
+        for vid, f in videos.items():
+            os.makedirs(tmp_path / job / "media", exist_ok=True)
+            write_mp4(tmp_path / job / "media" / f"{vid}.mp4", f, fps=8)
+    res = compare_outputs(str(tmp_path), "O3+residual", "O3")
+    per = json.load(open(tmp_path / "job-O3-residual" / "metrics" / "psnr_vs_job-O3.json"))["psnr_db"]
+    assert per["a.mp4"] == float("inf") and 10 < per["b.mp4"] < 40       # same frames; perturbed
+    assert res["psnr_min_db"] == per["b.mp4"] and res["psnr_ref"] == "O3"
