@@ -462,7 +462,7 @@ def table(r: dict) -> str:
         lines.append(f"| step cache `{a['step_cache']['method']}` alone (eager; in the compiled "
                      f"column too) | | {sc['its']:.2f} it/s ({sc['speedup']:.2f}x), max abs "
                      f"{sc['max_abs_err']:.2e}, PSNR {sc['psnr_db']:.1f} dB, {sc['reused']} "
-                     f"attention calls reused |")
+                     f"{'denoiser' if a['step_cache']['method'] == 'residual' else 'attention'} calls reused |")
     for mode, x in r.get("extra", {}).items():
         if "error" in x:
             lines.append(f"| ablation `{mode}` | | failed: {x['error'][:120]} |")
