@@ -157,12 +157,11 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
         else:
             report["compiled_blocks"] = transforms.compile_blocks(den, kw)
         aux_kw = compile_kwargs(opts, denoiser=False)
-        if opts.compile_text_encoder and getattr(pipe, "text_encoder", None) is not None:
+        if opts.compile_text_encoder is not False and getattr(pipe, "text_encoder", None) is not None:
             report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, aux_kw)
         # dynamic: the VAE's blocks specialise on sizes and strides and would recompile per
         # resolution, which `dynamic` promises not to do: the VAE stays eager there.
-        vae = opts.compile_vae if opts.compile_vae is not None else not latte.is_latte(den)
-        if vae and not opts.dynamic and getattr(pipe, "vae", None) is not None:
+        if opts.compile_vae is not False and not opts.dynamic and getattr(pipe, "vae", None) is not None:
             report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, aux_kw)
         # the VAE's ResnetBlock2D shares its code object (and Dynamo's graph count) with the UNet's
         _raise_recompile_limit(sum(sum(report.get(k, {}).values())

@@ -6,7 +6,7 @@ dict nexfort takes::
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
      "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "short_attention": true,
-     "compile_text_encoder": false, "compile_vae": null}
+     "compile_text_encoder": null, "compile_vae": null}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -35,8 +35,8 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
-| key `compile_vae` (default null = image pipelines only) | compiled, `dynamic: false`: also compile the VAE decoder's ResnetBlock2Ds, with the lossless settings only (fused GroupNorm+SiLU: PixArt-α 1024² peak memory 12.60 -> 11.63 GiB, E2E 0.81 -> 0.76 s). Not by default for video (Latte): it decodes in chunks of 14 and 2 frames, two sets of graphs that cost its warm-up ~10 s for ~3 % of a video's time |
-| key `compile_text_encoder` (default false) | compiled: also compile the text encoder's blocks, likewise (pays only for long prompts / big batches) |
+| key `compile_vae` (default null = on when compiling) | compiled, `dynamic: false`: also compile the VAE decoder's ResnetBlock2Ds, with the lossless settings only, in every mode (fused GroupNorm+SiLU: PixArt-α 1024² peak memory 12.60 -> 11.63 GiB, E2E 0.81 -> 0.76 s; Latte decodes in chunks of 14 and 2 frames: two sets of graphs) |
+| key `compile_text_encoder` (default null = on when compiling) | compiled: also compile the text encoder's blocks, with the lossless settings only in every mode (the runner encodes a shard's prompts in one call of a fixed batch: one graph) |
 
 `max-autotune` is in neither preset: on an H100 it took first-call compile from 6 s to 58 s for no
 gain on PixArt (see performance.md), and the presets must keep the first call short.
@@ -89,7 +89,7 @@ MEMORY_FORMATS = (None, "channels_last", "contiguous")
 # The boolean keys' defaults are CompileOptions' field defaults.
 BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder",
              "compile_vae")
-NULLABLE_KEYS = ("compile_vae",)  # null: the compiler decides per pipeline
+NULLABLE_KEYS = ("compile_vae", "compile_text_encoder")  # null: the compiler decides per pipeline
 TOP_LEVEL_KEYS = ("mode", "memory_format", "options", *BOOL_KEYS)
 
 FLAG_TABLE_MD = __doc__[__doc__.index("| flag |"):__doc__.index("\n\n`max-autotune` is in")]
@@ -105,8 +105,8 @@ class CompileOptions:
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
-    compile_text_encoder: bool = False  # pays only for long prompts / big batches: off by default
-    compile_vae: bool | None = None     # None: image pipelines yes, video no (see the table)
+    compile_text_encoder: bool | None = None  # None: yes when compiling (see the table)
+    compile_vae: bool | None = None     # None: yes when compiling, unless dynamic (see the table)
 
     def __hash__(self):  # the inductor field is a dict: hash the JSON of every field
         return hash(json.dumps(self.to_dict(), sort_keys=True))

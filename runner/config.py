@@ -166,9 +166,10 @@ class CompileSection:
                                       "(Latte temporal) as one Triton kernel")
     sdpa_priority: bool = key(True, "CUDA: attention takes the first of cuDNN, flash, "
                                     "mem-efficient, math that fits")
-    compile_text_encoder: bool = key(False, "also compile the text encoder's blocks")
-    compile_vae: bool | None = key(None, "also compile the VAE decoder's blocks; null: for image "
-                                         "models, not video")
+    compile_text_encoder: bool | None = key(None, "also compile the text encoder's blocks "
+                                                  "(lossless settings); null: when compiling")
+    compile_vae: bool | None = key(None, "also compile the VAE decoder's blocks (lossless "
+                                         "settings); null: when compiling, unless dynamic")
     cache_dir: str | None = key(None, "compile cache shared by jobs: a path, s3:// or gs:// "
                                       "URI; null = <output.dir>/.compile-cache")
     options: dict = key({}, "Inductor config overrides (free-form), "

@@ -56,14 +56,27 @@ LEGEND = ("model_load_s, warmup_s: seconds to load the model / to compile (or lo
           "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), from its "
           "start to its last file written, mean / 95th percentile; peak_mem_gb: peak GPU memory while "
           "serving, GiB. Over the serving window (first call to last batch): busy_fraction: share the "
-          "model thread was generating (not waiting for work); gpu_busy_fraction: share the GPU "
-          "stream was on our calls (CUDA events); gpu_util: NVML's utilisation, what nvidia-smi "
-          "shows (both null on CPU). Seconds per stage: summed per worker; encoding and writing "
-          "overlap with generating.")
+          "model thread was generating (not waiting for work); gpu_util: NVML's utilisation, what "
+          "nvidia-smi shows (it falls when the GPU idles). gpu_ms_text, gpu_ms_denoise, "
+          "gpu_ms_decode: GPU milliseconds per item of text encoding (a shard's prompts in one "
+          "call), denoising and VAE decoding, from CUDA events around each (GPU figures null on "
+          "CPU). Seconds per stage: summed per worker; encoding and writing overlap with "
+          "generating.")
 
 
 class JobError(RuntimeError):
     pass
+
+
+def _worker_detail(m: dict) -> dict:
+    """A worker's line of the summary: its metrics' headline figures, GPU ms per item flattened."""
+    d = {k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items", "failed", "restarts",
+                                "model_load_s", "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s",
+                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s")}
+    ms = m.get("gpu_ms_per_item") or {}
+    d.update(gpu_ms_text=ms.get("text_encode"), gpu_ms_denoise=ms.get("denoise"),
+             gpu_ms_decode=ms.get("decode"))
+    return d
 
 
 # Set by SIGTERM, which then takes Ctrl-C's path (KeyboardInterrupt). A flag, not an exception
@@ -331,7 +344,7 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool):
                         job_dir=_store(job["output"].job_dir).uri(),
                         batch_size=job["run"].batch_size, warmup_steps=job["run"].warmup_steps,
                         fps=job["output"].fps, compile=job["compile"],
-                        step_cache=job["step_cache"],
+                        step_cache=job["step_cache"], encode_batch=job["run"].shard_size,
                         num_threads=None if on_gpu else job["ray"].cpus_per_worker,
                         cache_wait_s=job["ray"].worker_start_timeout_s)
 
@@ -531,17 +544,14 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, 
         not_in_input_ids=plan.gone if plan else [],
         items_per_s=(len(ok) - resumed) / gen_s if gen_s else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
-        workers_detail=[{k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items",
-                                                "failed", "restarts", "model_load_s", "warmup_s",
-                                                "steady_it_s", "e2e_mean_s", "e2e_p95_s",
-                                                "peak_mem_gb", "busy_fraction", "gpu_busy_fraction",
-                                                "gpu_util", "serving_s", "time_s")} for m in metrics],
+        workers_detail=[_worker_detail(m) for m in metrics],
     )
     _store(out.job_dir).write_text("summary.json", json_text(summary))
     table_txt = format_table(summary["workers_detail"],
                              ["rank", "host", "items", "failed", "restarts", "model_load_s",
                               "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb",
-                              "busy_fraction", "gpu_busy_fraction", "gpu_util"])
+                              "busy_fraction", "gpu_util", "gpu_ms_text", "gpu_ms_denoise",
+                              "gpu_ms_decode"])
     table_txt += "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{summary['items_per_s']:.3g} items/s" if summary["items_per_s"] else "-"
     text = (f"job {summary['job']}: {summary['ok']}/{summary['items']} ok, {summary['failed']} failed"

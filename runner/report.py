@@ -378,9 +378,13 @@ def _secs(v) -> str:
 
 def _workers_table(metrics: list[dict]) -> str:
     cols = ["rank", "host", "gpu_name", "items", "failed", "restarts", "model_load_s", "warmup_s",
-            "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb", "busy_fraction"]
+            "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb", "busy_fraction", "gpu_util",
+            "gpu_ms_text", "gpu_ms_denoise", "gpu_ms_decode"]
     if not metrics:
         return ""
+    # per item GPU milliseconds of each model stage (CPU workers: none)
+    metrics = [{**m, **{f"gpu_ms_{k.split('_')[0]}": v
+                        for k, v in (m.get("gpu_ms_per_item") or {}).items()}} for m in metrics]
     cols = [c for c in cols if any(m.get(c) is not None for m in metrics)]
     head = "".join(f"<th>{c}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(m.get(c)))}</td>" for c in cols) + "</tr>"

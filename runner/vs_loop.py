@@ -128,7 +128,7 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
                 recompiles=r.stderr.count("torch._dynamo hit config.recompile_limit")
                 + r.stderr.count("Recompiling function"),
                 gpu_util=ms[0].get("gpu_util") if ms else None,
-                gpu_busy_fraction=ms[0].get("gpu_busy_fraction") if ms else None,
+                gpu_ms_per_item=m.get("gpu_ms_per_item"),
                 time_s=ms[0].get("time_s") if ms else None)
 
 
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> list[dict]:
         plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
     print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ready_s", "recompiles",
-                              "gpu_util", "gpu_busy_fraction", *[f"x_{a}" for a in base],
+                              "gpu_util", *[f"x_{a}" for a in base],
                               "x_same_mode", "psnr_median_db", "psnr_min_db"]))
     return rows
 

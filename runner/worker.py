@@ -9,9 +9,11 @@ in `ray.remote` (one actor per GPU, threaded: see `start_shard`), and tests also
 Three stages, so the GPU never waits for the host:
     prepare   the driver sends each shard's validated items with it (no Parquet reads here); items
               are grouped into batches of equal shape;
-    generate  one thread, `gpu`, runs every model call in submission order: text encoding,
-              denoising, VAE decode, then uint8 conversion and the finiteness check on the device
-              and one non-blocking copy of the uint8 result into pinned host memory;
+    generate  one thread, `gpu`, runs every model call in submission order: first the text
+              encoding of the whole shard (one text-encoder call for its prompts, each negative
+              prompt once per worker: `runner.text`), then per batch denoising, VAE decode, uint8
+              conversion and the finiteness check on the device and one non-blocking copy of the
+              uint8 result into pinned host memory;
     finish    `HOST_THREADS` threads wait for a batch's copy, encode PNG/mp4 (zlib and ffmpeg
               release the GIL) to a local temporary file and put it under `media/<id>.<ext>` of the
               job's store (`storage.Store.atomic_local`: a rename in a local directory, one upload
@@ -45,6 +47,7 @@ from .outputs import write_mp4, write_png
 from .prompts import Constraints, Item
 from .results import failed_row
 from .storage import resolve
+from .text import Embeds, TextCache
 from .timing import Marks, UtilSampler, instrument
 
 HOST_THREADS = 2   # encode/write threads: one batch's files while the next batch's arrive
@@ -64,30 +67,34 @@ class WorkerConfig:
     compile: CompileConfig = CompileConfig()
     step_cache: StepCacheSection = StepCacheSection()
     num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
+    encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
     cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
 
 def generate(pipe, family: str, items: list[Item], device: str, clock=None,
-             mask_feature: bool = True, output_type: str = "np"):
-    """One pipeline call for items of equal shape. `output_type="np"`: (B, H, W, 3) or (B, F, H, W, 3)
-    float32 on the host; `"pt"`: (B, 3, H, W) or (B, F, 3, H, W) on the device, in the model dtype;
-    both in [0, 1]. `clock.step()` is called at the end of each denoising step.
-    One generator per item: an item's output depends on its seed, not on its batch-mates."""
+             mask_feature: bool = True, output_type: str = "np",
+             embeds: dict[str, Embeds] | None = None):
+    """One pipeline call for items of equal shape (and equal `TextCache.key`). `output_type="np"`:
+    (B, H, W, 3) or (B, F, H, W, 3) float32 on the host; `"pt"`: (B, 3, H, W) or (B, F, 3, H, W)
+    on the device, in the model dtype; both in [0, 1]. `clock.step()` is called at the end of each
+    denoising step. `embeds`: the items' text embeddings (`TextCache.encode`, the worker encodes a
+    shard at once); None: encoded here. One generator per item, and text encoded with the same
+    padding alone or together: an item's output depends on its seed, not on its batch-mates."""
     first = items[0]
     # a step cache's state starts fresh: outputs do not depend on call order
     step_cache.reset(pipe, guidance=first.guidance_scale > 1)
-    kw = dict(prompt=[i.prompt for i in items], negative_prompt=[i.negative_prompt for i in items],
+    text = TextCache.of(pipe, family, mask_feature)
+    if embeds is None:
+        embeds = text.encode(items)
+    kw = dict(**text.call_kwargs(items, embeds),
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
     on_step = (lambda *a: clock.step()) if clock else None
     step_end = (lambda p, i, t, d: (on_step(), d)[1]) if clock else None   # the newer callback API
     if family == "latte":
-        # LattePipeline takes one negative prompt string for the whole batch.
-        negs = {i.negative_prompt for i in items}
-        assert len(negs) == 1, "latte batches must share the negative prompt"
-        kw.update(negative_prompt=negs.pop(), video_length=first.num_frames, clean_caption=False,
-                  mask_feature=mask_feature)
+        # embeddings given: the pipeline's own mask_feature trimming does not apply (runner.text)
+        kw.update(video_length=first.num_frames, clean_caption=False)
         if step_end:
             kw["callback_on_step_end"] = step_end
         return _out(pipe(**kw).frames)
@@ -123,12 +130,12 @@ def to_host_uint8(x: torch.Tensor, pin: bool) -> tuple[torch.Tensor, torch.Tenso
     return host_u8, host_finite
 
 
-def batches(items: list[Item], batch_size: int, family: str) -> list[list[Item]]:
-    """Group equal shapes (order of first appearance), then cut into batches."""
+def batches(items: list[Item], batch_size: int, key=lambda it: ()) -> list[list[Item]]:
+    """Group equal shapes and keys (`TextCache.key`; order of first appearance), then cut into
+    batches."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        key = it.shape_key() + ((it.negative_prompt,) if family == "latte" else ())
-        groups.setdefault(key, []).append(it)
+        groups.setdefault(it.shape_key() + key(it), []).append(it)
     return [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
 
 
@@ -201,13 +208,15 @@ class Worker:
             compiler.prewarm()
         t0 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
+        self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)
+        self.text.batch = cfg.encode_batch
         self._sync()
         instrument(self.pipe, lambda: self._marks)   # brackets text encoding and decoding
         self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(), node_id=_node_id(),
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
                       model_load_s=time.perf_counter() - t0, items=0, failed=0, steps=0,
-                      steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0), gpu_span_s=0.0)
+                      steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0))
         self.ready_at = None
         self._window = [None, None]           # first batch start, last batch on the host
         self._gpu_idle_since = time.perf_counter()
@@ -291,7 +300,8 @@ class Worker:
     def _warmup_shape(self) -> dict:
         g = self.cfg.generation
         return {"height": g.height, "width": g.width, "num_frames": self.cfg.limits.video_length,
-                "batch_size": self.cfg.batch_size, "guidance": g.guidance_scale > 1}
+                "batch_size": self.cfg.batch_size, "guidance": g.guidance_scale > 1,
+                "encode_batch": self.cfg.encode_batch}
 
     def _warmup_call(self) -> None:
         if not self.cfg.warmup_steps:
@@ -310,13 +320,40 @@ class Worker:
     # -- serving -------------------------------------------------------------------------------
 
     def submit(self, items: list[Item]) -> ShardRun:
-        """Queue a shard's items: each batch on the gpu thread, its finishing on a host thread."""
+        """Queue a shard's items: their text encoding, then each batch, on the gpu thread; each
+        batch's finishing on a host thread. The embeddings live as long as the shard's batches."""
         run = ShardRun()
-        for batch in batches(items, self.cfg.batch_size, self.family):
-            gen = self._gpu.submit(self._generate, batch)
+        enc = self._gpu.submit(self._encode, items)
+        run.gpu.append(enc)
+        run.rows.append(self._host.submit(self._account_encode, enc))
+        for batch in batches(items, self.cfg.batch_size, self.text.key):
+            gen = self._gpu.submit(self._generate, batch, enc)
             run.gpu.append(gen)
             run.rows.append(self._host.submit(self._finish, gen))
         return run
+
+    def _encode(self, items: list[Item]) -> tuple[dict[str, Embeds] | None, Marks]:
+        """gpu thread: the shard's prompts in one text-encoder call. An error here is left to the
+        batches (they encode alone, item by item), so one bad prompt fails only itself."""
+        marks = Marks(self.cuda)
+        marks.mark("text_encode_start")
+        try:
+            with torch.inference_mode():
+                embeds = self.text.encode(items)
+        except Exception as e:
+            if _fatal(e):
+                raise
+            embeds = None
+        marks.mark("text_encode_end")
+        return embeds, marks
+
+    def _account_encode(self, enc: Future) -> list[dict]:
+        """host thread: the shard encoding's seconds (GPU time on CUDA); no rows of its own."""
+        _, marks = enc.result()
+        marks.wait("text_encode_end")
+        with self._lock:
+            self.m["time_s"]["text_encode"] += marks.seconds("text_encode_start", "text_encode_end") or 0.0
+        return []
 
     def run_shard(self, items: list[Item]) -> list[dict]:
         """All of a shard's rows, once its files are written (in-process use and tests)."""
@@ -347,21 +384,22 @@ class Worker:
             with self._turn:
                 del self._runs[seq]
 
-    def _generate(self, batch: list[Item]) -> list[Generated]:
+    def _generate(self, batch: list[Item], enc: Future | None = None) -> list[Generated]:
         """gpu thread. One bad item (out of memory at one size, ...) must not fail its batch-mates:
         a failing batch is retried item by item, and an item that fails alone is recorded failed."""
+        embeds = enc.result()[0] if enc is not None else None   # done: this thread ran it first
         try:
-            return [self._call(batch)]
+            return [self._call(batch, embeds)]
         except Exception as e:
             if _fatal(e):
                 raise
             if self.cuda:
                 torch.cuda.empty_cache()
             if len(batch) > 1:
-                return [g for item in batch for g in self._generate([item])]
+                return [g for item in batch for g in self._generate([item], enc)]
             return [Generated(batch, time.perf_counter(), error=f"{type(e).__name__}: {e}")]
 
-    def _call(self, batch: list[Item]) -> Generated:
+    def _call(self, batch: list[Item], embeds: dict[str, Embeds] | None = None) -> Generated:
         """gpu thread: one pipeline call, conversion and copy queued; returns without waiting."""
         t0 = time.perf_counter()
         with self._lock:
@@ -376,7 +414,7 @@ class Worker:
             marks.mark("start")
             with torch.inference_mode():
                 x = generate(self.pipe, self.family, batch, self.spec.device, marks,
-                             mask_feature=self.spec.mask_feature, output_type="pt")
+                             mask_feature=self.spec.mask_feature, output_type="pt", embeds=embeds)
                 marks.mark("to_host_start")
                 media, finite = to_host_uint8(x, pin=self.cuda)
                 marks.mark("to_host_end")
@@ -441,15 +479,13 @@ class Worker:
             self.m["steps"] += steps
             self.m["steady_s"] += steady_s
             self.m["e2e"].append(t_end - g.t_start)
-            if self.cuda:
-                self.m["gpu_span_s"] += mk.seconds("start", "to_host_end") or 0.0
             self._window[1] = max(self._window[1] or 0.0, t_landed)
 
     # -- figures -------------------------------------------------------------------------------
 
     def metrics(self) -> dict:
         with self._lock:
-            m = {k: v for k, v in self.m.items() if k not in ("e2e", "gpu_span_s")}
+            m = {k: v for k, v in self.m.items() if k != "e2e"}
             m["time_s"] = dict(self.m["time_s"])
             e2e = np.array(self.m["e2e"]) if self.m["e2e"] else None
             t0, t1 = self._window
@@ -466,8 +502,11 @@ class Worker:
         m["serving_s"] = span
         # Model thread busy: the share of the window it was not waiting for work (host view).
         m["busy_fraction"] = min(1.0, 1 - self._wait_in_window / span) if span else None
-        # GPU busy, device view: batch spans on the stream (CUDA events) / the window; and NVML's
-        # utilisation over the window (what nvidia-smi shows). Both null on CPU.
-        m["gpu_busy_fraction"] = min(1.0, self.m["gpu_span_s"] / span) if span and self.cuda else None
+        # GPU, device view: NVML's utilisation over the window (what nvidia-smi shows: it falls when
+        # the GPU idles), and per item the GPU milliseconds of each model stage (CUDA events around
+        # them, so gaps between calls are not counted). Null on CPU.
         m["gpu_util"] = self._util.mean(t0, t1) if self._util and span else None
+        done = self.m["items"]
+        m["gpu_ms_per_item"] = ({k: 1e3 * m["time_s"][k] / done for k in ("text_encode", "denoise", "decode")}
+                                if self.cuda and done else None)
         return m

@@ -48,8 +48,8 @@ def test_compiled_matches_eager(compiled):
     preset, ref, pipe = compiled
     out = generate(pipe, preset)
     assert sum(pipe._compile_report["compiled_blocks"].values()) >= 2
-    # compile_vae's default: the VAE decoder is compiled for image pipelines, not for video
-    assert bool(pipe._compile_report.get("vae_blocks")) == (preset != "latte1")
+    # compile_vae's and compile_text_encoder's default: compiled with the mode, for every family
+    assert pipe._compile_report.get("vae_blocks") and pipe._compile_report.get("text_encoder_blocks")
     assert pipe._compile_report["fused_attention"] > 0
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)  # fp32 here; fp16 tolerance on GPU
 

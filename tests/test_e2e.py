@@ -6,6 +6,7 @@ import sys
 
 import imageio.v3 as iio
 import imageio_ffmpeg
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import fault_env
@@ -41,7 +42,7 @@ def check_job_dir(job_dir, ext, n_workers=2):
     assert sum(m["items"] for m in metrics) == len(ids)
     for m in metrics:
         for key in ("model_load_s", "warmup_s", "busy_fraction", "e2e_mean_s", "e2e_p95_s",
-                    "steady_it_s"):
+                    "steady_it_s", "gpu_ms_per_item", "gpu_util"):
             assert key in m
     summary = json.load(open(os.path.join(job_dir, "summary.json")))
     assert summary["ok"] == len(ids) and summary["failed"] == 0 and summary["workers"] == n_workers
@@ -64,6 +65,13 @@ def test_demo_video_writes_playable_mp4s(tmp_path):
         assert meta["codec"].startswith("h264")
     cfg = OmegaConf.load(job_dir / "config.yaml")              # the resolved config is saved
     assert cfg.model.preset == "latte1" and cfg.generation.num_frames == 4
+    # A video does not depend on its batch-mates: the same job at batch 1 gives the same frames
+    # (decoded mp4s: H.264 may move a few levels; before, up to 63 levels apart)
+    runner("job=demo_video", f"output.dir={tmp_path}", "run.batch_size=1", "job.name=b1")
+    frames = lambda path: iio.imread(str(path), index=None).astype(int)   # (F, H, W, 3)
+    diffs = [np.abs(frames(job_dir / row["output"]) - frames(tmp_path / "b1" / row["output"]))
+             for row in table]
+    assert max(d.max() for d in diffs) <= 4 and np.mean([d.mean() for d in diffs]) <= 0.5
 
 
 def test_demo_image_with_overrides_writes_pngs(tmp_path):

@@ -58,7 +58,8 @@ def test_metrics_break_the_serving_time_into_stages(tmp_path):
         assert t[stage] > 0, stage                         # each measured, on CPU by the clock
     assert t["denoise"] > t["to_host"]
     assert m["serving_s"] > 0 and t["wait"] >= 0
-    assert m["gpu_busy_fraction"] is None and m["gpu_util"] is None   # no GPU: null, not made up
+    assert m["gpu_ms_per_item"] is None and m["gpu_util"] is None     # no GPU: null, not made up
+    assert "gpu_busy_fraction" not in m      # it could not show idle gaps: gone
     json.dumps(m)                                          # what metrics/worker-*.json holds
 
 
@@ -85,7 +86,9 @@ def test_pipelined_outputs_are_byte_identical_to_the_sequential_path(tmp_path, p
     assert [r["status"] for r in rows] == ["ok"] * 5
     ref = tmp_path / "ref"
     ref.mkdir()
-    for batch in (shard1[:2], shard1[2:], shard2):         # the same batches, one after another
+    from runner.worker import batches
+    # the same batches, one after another (Latte: batch-mates share their token count)
+    for batch in batches(shard1, 2, w.text.key) + batches(shard2, 2, w.text.key):
         _sequential_reference(w, batch, ref)
     for it in shard1 + shard2:
         name = f"{it.id}.{w.ext}"
@@ -150,8 +153,11 @@ def test_start_and_finish_shard_run_in_seq_order_from_any_thread(tmp_path):
 def test_batches_split_by_shape_and_size():
     from runner.prompts import Item
     mk = lambda i, h: Item(str(i), "p", "", 0, h, 64, None, 2, 4.5, "t", i)
-    groups = batches([mk(0, 64), mk(1, 128), mk(2, 64), mk(3, 64)], 2, "pixart_alpha")
+    groups = batches([mk(0, 64), mk(1, 128), mk(2, 64), mk(3, 64)], 2)
     assert [[i.id for i in b] for b in groups] == [["0", "2"], ["3"], ["1"]]
+    # a key splits groups further (Latte: the negative prompt and the token count)
+    groups = batches([mk(0, 64), mk(1, 64), mk(2, 64)], 2, key=lambda it: (it.id == "1",))
+    assert [[i.id for i in b] for b in groups] == [["0", "2"], ["1"]]
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
@@ -272,3 +278,31 @@ def test_nvml_sampler_averages_utilisation_over_a_window(monkeypatch):
     assert s.mean(t[0], t[4]) == pytest.approx(0.30)             # fraction, not percent
     assert s.mean(t[5], t[-1]) == pytest.approx(0.90)
     assert s.mean(t[-1] + 1, t[-1] + 2) is None                  # no samples in the window
+
+
+@pytest.mark.parametrize("preset, family, frames", [("latte1", "latte", 4),
+                                                    ("pixart_alpha_1024", "pixart_alpha", None)])
+def test_an_items_output_does_not_depend_on_its_batch_or_shard_mates(preset, family, frames):
+    """Alone (its text encoded alone) vs in a batch, its text encoded with a whole shard: the same
+    frames within 1 level of 255. Latte used to trim a batch's text to the longest prompt's token
+    count (up to 63 levels apart); now batch-mates share their token count (runner.text)."""
+    from runner.models import build_pipeline
+    from runner.outputs import to_uint8
+    from runner.text import TextCache
+    pipe = build_pipeline(ModelSpec(preset, source="tiny"))
+    prompts = ["a red cat", "a blue dog", "a small robot walking in the city at night", "a green bird"]
+    shard = [Item(id=f"i{k}", prompt=p, negative_prompt="", seed=k, height=64, width=64,
+                  num_frames=frames, num_inference_steps=3, guidance_scale=4.5, file="p", row=k)
+             for k, p in enumerate(prompts)]
+    u8 = lambda x: to_uint8(x.float().movedim(-3, -1).numpy()).astype(int)
+    with torch.inference_mode():
+        alone = {it.id: u8(generate(pipe, family, [it], "cpu", output_type="pt")[0]) for it in shard}
+        text = TextCache.of(pipe, family)
+        text.batch = 4
+        embeds = text.encode(shard)                  # the shard's prompts in one encoder call
+        groups = batches(shard, 2, text.key)
+        assert max(len(b) for b in groups) == 2      # some item really had a batch-mate
+        for b in groups:
+            out = generate(pipe, family, b, "cpu", output_type="pt", embeds=embeds)
+            for it, o in zip(b, out):
+                assert np.abs(u8(o) - alone[it.id]).max() <= 1, it.id

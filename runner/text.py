@@ -1,0 +1,144 @@
+"""Text encoding off the denoiser's path: a shard's prompts in one text-encoder call, each distinct
+negative prompt once per worker.
+
+Contract:
+- `TextCache.of(pipe, family, mask_feature)`: the pipeline's encoder state (one per pipeline, kept
+  on it: the negative prompts it has encoded, at most `NEGATIVES` of them); `batch` (default 1) is
+  the encoder's batch, the worker sets it to the shard size.
+- `key(item) -> tuple`: what an item's batch-mates must share (any thread; tokenizes under a lock).
+- `encode(items) -> dict[id, Embeds]`: runs on the thread that owns the model (the worker's gpu
+  thread): the items' prompts in chunks of exactly `batch` (the last chunk padded with empty
+  prompts, so a compiled text encoder sees one shape), padded to the model's `max_tokens` with the
+  tokenizer's attention mask, so a prompt's embedding does not depend on the prompts encoded with
+  it. Returns, per item id, its embedding and what its batch-mates must share (`Embeds.key`).
+- `call_kwargs(items, embeds) -> dict`: the pipeline arguments (`prompt_embeds=`, masks, negative
+  embeddings) for a batch of items whose `Embeds.key` agree; the pipeline then encodes nothing.
+
+Latte (`mask_feature=True`, diffusers' default): LattePipeline trims a single prompt's embedding to
+its token count and the negative prompt's to the same count, but for a batch of several it keeps
+all 120 positions and zeroes the padding instead, which the unmasked cross-attention still
+attends to: a video changed with its batch-mates. Here every batch has the single-prompt
+semantics: items are batched only with items of the same token count (`Embeds.key`), each trimmed
+to it, the negative embedding trimmed likewise.
+
+Why: the text encoder (T5-XXL, 4.8 B parameters) ran twice per pipeline call, once for the same
+empty negative prompt every time; one call over a shard reads the weights once for all its prompts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+NEGATIVES = 16     # distinct negative prompts kept per worker (embeddings, a few MB each)
+MAX_TOKENS = {"latte": 120, "pixart_alpha": 120, "pixart_sigma": 300, "sd21": 77}
+
+
+@dataclass
+class Embeds:
+    prompt: torch.Tensor                 # (T, D) on the device
+    mask: torch.Tensor | None            # (T,) PixArt's attention mask, else None
+    negative: str
+    key: tuple = ()                      # what batch-mates must share (Latte: the token count)
+
+
+class TextCache:
+    def __init__(self, pipe, family: str, mask_feature: bool):
+        self.pipe, self.family, self.max_tokens = pipe, family, MAX_TOKENS[family]
+        self.batch, self.mask_feature = 1, mask_feature
+        self.negatives: OrderedDict[str, tuple] = OrderedDict()
+        self.lock = threading.Lock()   # a fast tokenizer refuses concurrent calls ("Already borrowed")
+
+    @classmethod
+    def of(cls, pipe, family: str, mask_feature: bool = True) -> "TextCache":
+        tc = pipe.__dict__.get("_text_cache")
+        if tc is None or tc.mask_feature != mask_feature:
+            tc = pipe.__dict__["_text_cache"] = cls(pipe, family, mask_feature)
+        return tc
+
+    def _tokens(self, prompts: list[str]):
+        return self.pipe.tokenizer(prompts, padding="max_length", max_length=self.max_tokens,
+                                   truncation=True, return_attention_mask=True,
+                                   add_special_tokens=True, return_tensors="pt")
+
+    def key(self, item) -> tuple:
+        if self.family != "latte":
+            return ()
+        if not self.mask_feature:
+            return (item.negative_prompt, self.max_tokens)
+        with self.lock:
+            n = int(self._tokens([item.prompt]).attention_mask.sum())
+        return (item.negative_prompt, n)
+
+    # -- the family's encoder call: prompts (padded to `max_tokens`) -> (N, T, D), mask (N, T) ----
+
+    def _run(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        with self.lock:
+            return self._call_encoder(prompts)
+
+    def _call_encoder(self, prompts: list[str]):
+        p, dev = self.pipe, self.pipe._execution_device
+        if self.family == "sd21":
+            emb, _ = p.encode_prompt(prompts, dev, 1, False)
+            return emb, None, [emb.shape[1]] * len(prompts)
+        if self.family.startswith("pixart"):
+            emb, mask, _, _ = p.encode_prompt(prompts, do_classifier_free_guidance=False, device=dev,
+                                              clean_caption=False, max_sequence_length=self.max_tokens)
+            return emb, mask, [self.max_tokens] * len(prompts)
+        # Latte: T5 with the attention mask, as LattePipeline.encode_prompt does; token counts from
+        # the tokenizer's mask on the host (no read back from the GPU)
+        tok = self._tokens(prompts)
+        emb = p.text_encoder(tok.input_ids.to(dev), attention_mask=tok.attention_mask.to(dev))[0]
+        lengths = tok.attention_mask.sum(1).tolist() if self.mask_feature else [self.max_tokens] * len(prompts)
+        return emb.to(p.text_encoder.dtype), None, lengths
+
+    def _chunks(self, prompts: list[str]):
+        """(N, T, D), masks, lengths for `prompts`, in chunks of exactly `batch` rows."""
+        embs, masks, lengths = [], [], []
+        for i in range(0, len(prompts), self.batch):
+            chunk = prompts[i:i + self.batch]
+            emb, mask, n = self._run(chunk + [""] * (self.batch - len(chunk)))
+            embs.append(emb[:len(chunk)])
+            masks.append(mask[:len(chunk)] if mask is not None else None)
+            lengths += n[:len(chunk)]
+        mask = torch.cat(masks) if masks[0] is not None else None
+        return torch.cat(embs), mask, lengths
+
+    def negative(self, text: str) -> tuple:
+        if text not in self.negatives:
+            self.negatives[text] = self._run([text])[:2]     # (1, T, D), (1, T) | None
+            if len(self.negatives) > NEGATIVES:
+                self.negatives.popitem(last=False)
+        self.negatives.move_to_end(text)
+        return self.negatives[text]
+
+    def encode(self, items) -> dict[str, Embeds]:
+        emb, mask, lengths = self._chunks([it.prompt for it in items])
+        for it in items:
+            self.negative(it.negative_prompt)
+        out = {}
+        for k, it in enumerate(items):
+            n = lengths[k]
+            out[it.id] = Embeds(emb[k, :n], mask[k] if mask is not None else None, it.negative_prompt,
+                                key=(it.negative_prompt, n) if self.family == "latte" else ())
+        return out
+
+    def call_kwargs(self, items, embeds: dict[str, Embeds]) -> dict:
+        es = [embeds[it.id] for it in items]
+        neg, neg_mask = self.negative(es[0].negative)
+        if self.family == "latte":
+            assert len({e.key for e in es}) == 1 and len({e.negative for e in es}) == 1, \
+                "latte batches share the token count and the negative prompt"
+            n = es[0].key[1]
+            return dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
+                        negative_prompt_embeds=neg[:, :n].expand(len(es), -1, -1))
+        negs = [self.negative(e.negative) for e in es]
+        kw = dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
+                  negative_prompt_embeds=torch.cat([n[0] for n in negs]))
+        if self.family.startswith("pixart"):
+            kw.update(prompt_attention_mask=torch.stack([e.mask for e in es]),
+                      negative_prompt_attention_mask=torch.cat([n[1] for n in negs]))
+        return kw
