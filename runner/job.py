@@ -161,7 +161,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
     slots, stopped, t_start = [], None, time.perf_counter()
     timeline = []                          # (s since start, ok, failed) of this run: report.html
-    t_ready = t_done = t_all_ready = None
+    t_ready = t_done = t_all_ready = t_all_ready_wall = None
     ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
     background, pending = ThreadPoolExecutor(1, thread_name_prefix="snapshot"), None
     if shards:
@@ -206,21 +206,21 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             ok = sum(r["status"] == "ok" for r in rows)
             timeline.append((time.perf_counter() - t_start, n_ok + ok, n_failed + len(rows) - ok))
             if t_all_ready is not None:
-                steady_items += work_after(rows, time.perf_counter(), t_all_ready)
+                steady_items += work_after(rows, t_all_ready_wall)
             if time.monotonic() - last_write >= out.results_every_s and (
                     pending is None or pending.done()):      # at most one snapshot at a time
                 pending = background.submit(snapshot)
                 last_write = time.monotonic()
 
         def on_ready(slot):
-            nonlocal t_ready, t_all_ready
+            nonlocal t_ready, t_all_ready, t_all_ready_wall
             phases.poll(force=True)
             log.info("worker %d: ready in %.1f s", slot.rank, time.monotonic() - slot.started)
             progress.start()     # the bar's rate counts generation from the first ready worker
             t_ready = t_ready or time.perf_counter()
             ready_ranks.add(slot.rank)   # a replacement of a slot that was ready adds nothing
             if len(ready_ranks) == n and t_all_ready is None:
-                t_all_ready = time.perf_counter()
+                t_all_ready, t_all_ready_wall = time.perf_counter(), time.time()
 
         try:
             with progress.logging():
@@ -502,20 +502,18 @@ def _ray_init(opts) -> None:
                  logging_level=logging.WARNING)
 
 
-def work_after(rows: list[dict], t_end: float, t_from: float) -> float:
-    """Items' worth of work in one shard's `rows` done after `t_from`: its batches ran back to back
-    (in row order) and the last one finished at `t_end`; a batch's `batch_size` rows share its
-    wall time `e2e_s`. Failed rows produced nothing and count 0."""
-    credit, end, k = 0.0, t_end, len(rows)
-    while k > 0:
-        b = max(1, min(rows[k - 1].get("batch_size") or 1, k))
-        batch, k = rows[k - b:k], k - b
-        dur = batch[-1].get("e2e_s")
-        if not dur or batch[-1].get("status") != "ok":
+def work_after(rows: list[dict], t_from: float) -> float:
+    """Items' worth of work in one shard's `rows` done after `t_from` (epoch seconds): each ok row
+    ran from `started_at` (epoch, its batch's call start) for `e2e_s` seconds; a row that started
+    before `t_from` counts by the share of its run after it. (The pipelined worker overlaps a
+    batch's writing with the next batch's generation, so the runs cannot be laid end to end back
+    from the shard's arrival: that undercounted the first shards.) Failed rows count 0."""
+    credit = 0.0
+    for r in rows:
+        start, dur = r.get("started_at"), r.get("e2e_s")
+        if r.get("status") != "ok" or start is None or not dur:
             continue
-        done = sum(1 for r in batch if r.get("status") == "ok")
-        credit += done * min(1.0, max(0.0, (end - t_from) / dur))
-        end -= dur
+        credit += min(1.0, max(0.0, (start + dur - t_from) / dur))
     return credit
 
 

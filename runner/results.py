@@ -103,7 +103,7 @@ def failed_row(item, error: str, worker: int | None = None) -> dict:
     """The result row of an item that produced no output (same columns as a worker's ok rows)."""
     return {**item.params(), "status": "failed", "error": error[:2000], "output": None,
             "worker": worker, "batch_size": 1 if worker is not None else None, "e2e_s": None,
-            "denoise_it_s": None}
+            "started_at": None, "denoise_it_s": None}
 
 
 @dataclass

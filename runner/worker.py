@@ -162,6 +162,7 @@ class Generated:
     """The GPU stage's result for one pipeline call (or the error of an item that failed alone)."""
     items: list[Item]
     t_start: float                         # host clock when the call began
+    started_at: float = 0.0                # the same moment, epoch seconds (the driver's clock)
     media: torch.Tensor | None = None      # uint8 (B, H, W, 3) | (B, F, H, W, 3), host memory
     finite: torch.Tensor | None = None     # (B,) bool
     marks: Marks | None = None
@@ -397,11 +398,11 @@ class Worker:
                 torch.cuda.empty_cache()
             if len(batch) > 1:
                 return [g for item in batch for g in self._generate([item], enc)]
-            return [Generated(batch, time.perf_counter(), error=f"{type(e).__name__}: {e}")]
+            return [Generated(batch, time.perf_counter(), time.time(), error=f"{type(e).__name__}: {e}")]
 
     def _call(self, batch: list[Item], embeds: dict[str, Embeds] | None = None) -> Generated:
         """gpu thread: one pipeline call, conversion and copy queued; returns without waiting."""
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         with self._lock:
             idle = t0 - self._gpu_idle_since
             self.m["time_s"]["wait"] += idle       # since ready: the driver had no work here
@@ -421,7 +422,7 @@ class Worker:
         finally:
             self._marks = None
             self._gpu_idle_since = time.perf_counter()
-        return Generated(batch, t0, media, finite, marks)
+        return Generated(batch, t0, started_at, media, finite, marks)
 
     def _finish(self, gen: Future) -> list[dict]:
         """host thread: wait for the batch's copy, then encode and write each item."""
@@ -461,6 +462,7 @@ class Worker:
         for r in rows:
             if r["status"] == "ok":
                 r["e2e_s"] = t_end - g.t_start   # call start to the last file of its batch written
+                r["started_at"] = g.started_at
         self._account(g, rows, steps, steady_s, write_s, t_landed, t_end)
         return rows
 

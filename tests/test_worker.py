@@ -246,15 +246,24 @@ def test_cli_exit_code_and_message_for_bad_input(tmp_path):
 
 def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready():
     from runner.job import work_after
-    ok = lambda b, e2e: {"status": "ok", "batch_size": b, "e2e_s": e2e}
-    # three batches of one, 2 s each, back to back ending at t=10: [4,6] [6,8] [8,10]; from t=7
-    assert work_after([ok(1, 2.0)] * 3, 10.0, 7.0) == pytest.approx(1.5)
-    # one batch of two rows sharing 4 s, [6,10]: half of it after t=8 -> one item's worth
-    assert work_after([ok(2, 4.0)] * 2, 10.0, 8.0) == pytest.approx(1.0)
+    ok = lambda start, e2e: {"status": "ok", "batch_size": 1, "started_at": start, "e2e_s": e2e}
+    # pipelined batches overlap (each one's writing with the next one's generation):
+    # [4,7] [6,9] [8,11]; from t=7: 0 + 2/3 + 1
+    assert work_after([ok(4.0, 3.0), ok(6.0, 3.0), ok(8.0, 3.0)], 7.0) == pytest.approx(5 / 3)
+    # two rows of one batch share its run [6,10]: half of each after t=8 -> one item's worth
+    assert work_after([ok(6.0, 4.0)] * 2, 8.0) == pytest.approx(1.0)
     # a failed row produced nothing and took no recorded time
-    failed = {"status": "failed", "batch_size": 1, "e2e_s": None}
-    assert work_after([ok(1, 2.0), failed], 10.0, 9.0) == pytest.approx(0.5)
-    assert work_after([ok(1, 2.0)], 10.0, 0.0) == 1.0
+    failed = {"status": "failed", "batch_size": 1, "e2e_s": None, "started_at": None}
+    assert work_after([ok(8.0, 2.0), failed], 9.0) == pytest.approx(0.5)
+    assert work_after([ok(8.0, 2.0)], 0.0) == 1.0
+
+
+def test_rows_carry_their_batch_start_on_the_epoch_clock(tmp_path):
+    w = make_worker(tmp_path)
+    w.warmup()
+    t0 = time.time()
+    rows = w.run_shard(items("ab"))
+    assert all(t0 <= r["started_at"] <= time.time() and r["e2e_s"] > 0 for r in rows)
 
 
 def test_nvml_sampler_averages_utilisation_over_a_window(monkeypatch):
