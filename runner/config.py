@@ -605,7 +605,8 @@ common keys (key=value; values are YAML; later wins: model preset < job file < c
 
 every key, its type, default and meaning: python -m runner.config (README.md, "Configuration").
 exit status: 0 all ok (or a dry run: run.dry_run=true), 1 some prompts failed, 2 bad input,
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
+3 stopped early on a persistent fault (the same error on every output, e.g. a full disk: summary.txt
+names it), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
 
 
 if __name__ == "__main__":

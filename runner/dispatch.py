@@ -45,6 +45,25 @@ class DispatchError(RuntimeError):
     pass
 
 
+class PersistentFault(DispatchError):
+    """The same error on `FAULT_ROWS` different shards in a row, none finished in between (a full
+    disk, an unreachable store): retrying every row would only burn GPU time on outputs that
+    cannot be written."""
+
+
+FAULT_ROWS = 4   # distinct failing shards (or rows) with one cause and no success in between
+
+
+def _cause(e: BaseException) -> str:
+    """`Type: message` of the exception raised in the worker (Ray's wrapper holds it as `cause`),
+    first line, for logs and the summary; Ray's own error text for what has no cause (a lost
+    actor or node)."""
+    c = getattr(e, "cause", None)
+    c = c if isinstance(c, BaseException) else e
+    text = f"{type(c).__name__}: {c}".strip()
+    return (text.splitlines() or [type(c).__name__])[0][:500]
+
+
 @dataclass
 class Slot:
     rank: int
@@ -101,6 +120,8 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
         slots.append(start(None, k))
 
     suspects: set[int] = set()      # shard indices that run isolated (see the module docstring)
+    streak: dict[str, set] = {}     # cause -> shards that failed of it since the last success
+    startup_errors: dict[str, int] = {}   # start-up exceptions seen, by cause
 
     def fill(slot: Slot):
         while slot.state == "ready" and queue and len(slot.running) < inflight:
@@ -139,7 +160,7 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
             suspects.add(shard.index)
             queue.appendleft(shard)
 
-    def lose(slot: Slot, error: str):
+    def lose(slot: Slot, error: str, restart: bool = True):
         """The slot's actor is gone: keep what it finished, requeue the rest, restart it if allowed.
         Which shard it died of: see the module docstring."""
         if slot.state == "dead":
@@ -163,7 +184,7 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
             ray.kill(slot.actor, no_restart=True)
         except Exception:
             pass
-        if slot.restarts < max_restarts and (queue or refs):
+        if restart and slot.restarts < max_restarts and (queue or refs):
             log.warning("worker %d lost (%s); starting a replacement (%d/%d)", slot.rank,
                         error.splitlines()[0][:200], slot.restarts + 1, max_restarts)
             slots[slots.index(slot)] = start(slot, slot.rank)
@@ -195,7 +216,15 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
                 try:
                     slot.ready_info = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    lose(slot, f"start-up failed: {e}")
+                    # an exception of our start-up code is deterministic: one retry (with its
+                    # cause shown), never a third identical attempt; a lost actor restarts as usual
+                    error = f"start-up failed: {_cause(e)}"
+                    if _is_task_error(e):
+                        startup_errors[error] = startup_errors.get(error, 0) + 1
+                        if startup_errors[error] > 1:
+                            log.error("worker %d: %s (the same error as before: not retried)",
+                                      slot.rank, error)
+                    lose(slot, error, restart=startup_errors.get(error, 0) <= 1)
                     continue
                 slot.state = "ready"
                 if on_ready:
@@ -209,15 +238,25 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
                     if _is_task_error(e):
                         refs.pop(ref)
                         slot.running.remove(ref)
-                        retry(shard, str(e))
+                        cause = _cause(e)
+                        failed = streak.setdefault(cause, set())
+                        failed.add(shard.index)
+                        if len(failed) >= FAULT_ROWS:
+                            raise PersistentFault(
+                                f"the same error on {len(failed)} shards in a row, nothing written "
+                                f"since: {cause}. Finished outputs are kept: fix the cause (disk "
+                                f"space, storage access) and rerun the same command to resume.")
+                        retry(shard, cause)
                     else:
-                        lose(slot, str(e))
+                        lose(slot, _cause(e))
                     continue
                 refs.pop(ref)
                 slot.running.remove(ref)
+                streak.clear()
                 on_rows(rows)
-            for s in slots:
-                fill(s)
+        # every path that retires a shard (done, failed, worker lost) ends here: refill
+        for s in slots:
+            fill(s)
     for s in slots:
         if s.state == "starting":              # a replacement nobody needs any more
             ray.kill(s.actor, no_restart=True)

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from omegaconf import OmegaConf
 
 from .config import ConfigError, help_text, load_config, split
-from .dispatch import DispatchError, dispatch
+from .dispatch import DispatchError, PersistentFault, dispatch
 from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table
 from .progress import PhasePrinter, Progress, StatusBoard
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: finished outputs and the summary so far are written; rerun the same "
               "command to resume", file=sys.stderr)
         return 130
+    if summary.get("aborted"):   # 3: stopped early on a persistent fault (summary.txt says which)
+        print(f"error: {summary['aborted']}", file=sys.stderr)
+        return 3
     # 1: some items failed (see summary.txt); the others are complete.
     return 0 if summary["failed"] == 0 else 1
 
@@ -159,7 +162,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
                 if (shard.file, r) in by_row]
 
     # 3. Workers: one Ray actor per GPU (or cpu_workers CPU actors), each loads and warms once.
-    slots, stopped, t_start = [], None, time.perf_counter()
+    slots, stopped, aborted, t_start = [], None, None, time.perf_counter()
     timeline = []                          # (s since start, ok, failed) of this run: report.html
     t_ready = t_done = t_all_ready = t_all_ready_wall = None
     ready_ranks, steady_items = set(), 0.0   # slots ever ready; items' worth of work once all were
@@ -200,7 +203,12 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
 
         def on_rows(rows):
             nonlocal last_write, steady_items, pending
-            results.add(rows)
+            try:
+                results.add(rows)
+            except OSError as e:     # the record cannot be written: nothing further can count
+                raise PersistentFault(f"the job's record could not be written ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0][:300]}). Finished outputs are "
+                                      f"kept: fix the storage and rerun the same command to resume.")
             progress.update(len(rows))
             n_ok, n_failed = timeline[-1][1:] if timeline else (0, 0)
             ok = sum(r["status"] == "ok" for r in rows)
@@ -233,6 +241,9 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             stopped = e
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
                         "terminated" if TERMINATED.is_set() else "interrupted")
+        except PersistentFault as e:         # the same error on every output: stop, summarize
+            aborted = str(e)
+            log.error("stopping: %s", e)
         except DispatchError as e:           # every worker gone
             results.write_table(ids)
             results.compact()
@@ -243,30 +254,41 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             _settle(pending)          # a stale snapshot must not land after the final write
         t_done = time.perf_counter()
 
-    # 5. Summarize.
-    table = results.write_table(ids)
-    results.compact()
-    metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
-    timing = dict(startup_s=(t_ready or t_start) - t_start,
-                  generate_s=(t_done or t_start) - (t_ready or t_start))
-    if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
-        # Throughput once every worker serves: the figure that scales with workers (the ramp
-        # while later workers load and warm is in generate_s). Items in flight when the last
-        # worker became ready count by the part of their run after that moment.
-        timing.update(all_ready_s=t_all_ready - t_start,
-                      steady_items_per_s=steady_items / (t_done - t_all_ready))
-    summary = _summarize(job, items, table, slots, metrics, len(done), stopped is not None, timing,
-                         plan)
-    _report(out.job_dir, table, summary, metrics, timeline=timeline or None)
-    if slots:
-        import ray
-        for s in slots:
-            ray.kill(s.actor)
-        # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
-        remove_temp_files(out.job_dir)
-    if stopped is not None:
-        raise stopped
-    return summary
+    # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
+    def summarize() -> dict:
+        table = results.write_table(ids)
+        results.compact()
+        metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
+        timing = dict(startup_s=(t_ready or t_start) - t_start,
+                      generate_s=(t_done or t_start) - (t_ready or t_start))
+        if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
+            # Throughput once every worker serves: the figure that scales with workers (the ramp
+            # while later workers load and warm is in generate_s). Items in flight when the last
+            # worker became ready count by the part of their run after that moment.
+            timing.update(all_ready_s=t_all_ready - t_start,
+                          steady_items_per_s=steady_items / (t_done - t_all_ready))
+        timing["aborted"] = aborted
+        summary = _summarize(job, items, table, slots, metrics, len(done), stopped is not None, timing,
+                             plan)
+        _report(out.job_dir, table, summary, metrics, timeline=timeline or None)
+        if slots:
+            import ray
+            for s in slots:
+                ray.kill(s.actor)
+            # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
+            remove_temp_files(out.job_dir)
+        if stopped is not None:
+            raise stopped
+        return summary
+
+    if aborted is None:
+        return summarize()
+    try:
+        return summarize()
+    except OSError as e:
+        log.error("the summary could not be written either: %s: %s", type(e).__name__,
+                  str(e).splitlines()[0][:300])
+        return dict(aborted=aborted, failed=0)
 
 
 @functools.lru_cache(maxsize=8)
@@ -569,6 +591,8 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, 
                  f"{', '.join(plan.gone)}\n")
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
+    if timing.get("aborted"):
+        text += f"\nSTOPPED before the end: {timing['aborted']}\n"
     _store(out.job_dir).write_text("summary.txt", text)
     print("\n" + text)
     return summary

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -38,6 +39,8 @@ STALE_S = 120.0         # object stores: a lock not rewritten for this long is s
 
 class LockedError(RuntimeError):
     pass
+
+log = logging.getLogger("runner")
 
 
 def _alive(pid: int) -> bool:
@@ -159,9 +162,14 @@ def _remote_lock(store: Store):
     finally:
         stop.set()
         t.join(5)
-        h = _read_remote(store)
-        if h and h.get("token") == me["token"]:
-            store.delete(LOCK)
+        try:   # releasing never raises: the job's own outcome (or its error) is what counts
+            h = _read_remote(store)
+            if h and h.get("token") == me["token"]:
+                store.delete(LOCK)
+        except Exception as e:
+            log.warning("could not remove the lock %s (%s: %s); the next run takes it over once "
+                        "its heartbeat is stale", store.uri(LOCK), type(e).__name__,
+                        str(e).splitlines()[0][:200])
 
 
 def _locked(job_dir: str, path: str, holder: dict | None) -> LockedError:

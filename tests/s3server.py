@@ -31,6 +31,7 @@ START_TIMEOUT_S = 30
 class S3Server:
     endpoint: str  # http://127.0.0.1:PORT
     env: dict      # what runner.storage.resolve needs to talk to it
+    proc: subprocess.Popen | None = None   # the server process (a test may kill it)
 
     def create_bucket(self, name: str) -> None:
         import pyarrow.fs as pafs
@@ -65,7 +66,7 @@ def moto_server(port: int | None = None):
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata probing for credentials
-        })
+        }, proc)
     finally:
         proc.terminate()
         try:

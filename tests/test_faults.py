@@ -197,3 +197,44 @@ def test_hostile_ids_stay_inside_the_output_dir(tmp_path, write_prompts):
     assert rc == 0, err[-2000:]
     assert sorted(os.listdir(tmp_path / "o" / "demo_image" / "media")) == ["_.._escape.png", "_etc_passwd.png"]
     assert sorted(os.listdir(tmp_path)) == ["o", "prompts.parquet"]
+
+
+@pytest.fixture
+def full_disk(job):
+    """The job's media/ directory on a 4 kB tmpfs: every media write fails with ENOSPC (a real
+    full disk, not a mock), while the job directory itself stays writable."""
+    media = job["dir"] / "media"
+    media.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(media)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    yield media
+    subprocess.run(["umount", str(media)], capture_output=True)
+
+
+def test_full_disk_stops_the_job_naming_enospc_and_a_rerun_does_the_rest(job, full_disk):
+    t0 = time.monotonic()
+    rc, out, err = cli(job["args"])
+    took = time.monotonic() - t0
+    assert rc == 3, err[-3000:]                       # stopped early, not a hang, not "some failed"
+    assert took < 120, took                           # Ray start-up + a few failing shards
+    assert "No space left on device" in err and "the same error on" in err
+    summary = (job["dir"] / "summary.txt").read_text()
+    assert "STOPPED before the end" in summary and "No space left on device" in summary
+    assert json.loads((job["dir"] / "summary.json").read_text())["aborted"]
+    assert not [r for r in record_rows(job["dir"]) if r["status"] == "ok"]   # nothing on disk
+    subprocess.run(["umount", str(full_disk)], check=True)
+    rc, out, err = cli(job["args"])                   # the disk has room again
+    assert rc == 0, err[-3000:]
+    assert_complete(job["dir"])
+
+
+def test_a_warmup_error_that_repeats_is_not_retried_again(job):
+    rc, out, err = cli(job["args"] + ["ray.cpu_workers=1", "ray.max_worker_restarts=3"],
+                       faults="warmup_error:boom")
+    assert rc == 2
+    cause = "RuntimeError: injected warm-up failure (boom)"
+    assert cause in err                               # the real cause, not Ray's wrapper
+    assert err.count("starting a replacement") == 1   # one retry, never a third attempt
+    assert "the same error as before: not retried" in err

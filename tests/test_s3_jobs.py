@@ -143,3 +143,33 @@ def test_compile_cache_on_s3_warms_the_next_job(s3_bucket):
                      for n in ("a", "b"))
     assert not first["cache_hit"] and first["artifact_bytes"] == next(iter(cache.values()))
     assert second["cache_hit"] and second["cache_source"] == "cache_dir"
+
+
+def test_s3_server_killed_mid_job_ends_the_job_naming_the_error(write_prompts, monkeypatch):
+    """A store that goes away mid-job (its server killed): the job ends in bounded time with the
+    connection error named (exit 3, a persistent fault), never a hang."""
+    from s3server import moto_server
+    ids = [f"d{i:02d}" for i in range(12)]
+    local = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
+    with moto_server() as server:                    # its own server: this test kills it
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        server.create_bucket("dying")
+        a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://dying/out", "job.name=j",
+             "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
+             "run.shard_size=2", "run.batch_size=1"]
+        p = cli(a, faults="slow:0.5", wait=False)
+        store = resolve("s3://dying/out/j")
+        t0 = time.time()
+        while len(record_rows(store)) < 2:
+            assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
+            time.sleep(0.2)
+        server.proc.kill()
+        t_kill = time.time()
+        out, err = p.communicate(timeout=240)
+        took = time.time() - t_kill
+    assert took <= 120, took
+    assert p.returncode == 3, err[-4000:]
+    # stopped as a persistent fault (the same upload error on several shards, or the record
+    # itself unwritable), with the connection error named
+    assert "Could not connect to server" in err.split("error:")[-1], err[-3000:]

@@ -23,6 +23,8 @@ FAULTS = [f.partition(":")[::2] for f in os.environ.get("RUNNER_FAULTS", "").spl
 
 def _generate_with_faults(generate):
     def wrapped(pipe, family, items, *args, **kwargs):
+        if items[0].file == "warmup" and any(kind == "warmup_error" for kind, _ in FAULTS):
+            raise RuntimeError(f"injected warm-up failure ({dict(FAULTS)['warmup_error']})")
         if items[0].file != "warmup":
             for kind, arg in FAULTS:
                 if kind == "slow":
