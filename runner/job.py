@@ -397,7 +397,13 @@ def _check_same_config(cfg, out) -> None:
     store = _store(out.job_dir)
     old_cfg = store.read_text("config.yaml")
     if old_cfg is not None and (store.exists(JOURNAL) or store.list(RECORDS)):
-        changes = config_changes(fingerprint(OmegaConf.create(old_cfg)), fingerprint(cfg))
+        old = OmegaConf.create(old_cfg)
+        changes = config_changes(fingerprint(old), fingerprint(cfg))
+        # the fingerprint holds whether the mode is lossy; the user changed the mode: name it
+        changes = [f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r} "
+                   f"(lossless -> lossy)" if c == "lossy: False -> True" else
+                   f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r} "
+                   f"(lossy -> lossless)" if c == "lossy: True -> False" else c for c in changes]
         if changes:
             raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
                            f"set output.overwrite=true to regenerate everything, or choose another "

@@ -27,12 +27,14 @@ empty negative prompt every time; one call over a shard reads the weights once f
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger("runner")
 NEGATIVES = 16     # distinct negative prompts kept per worker (embeddings, a few MB each)
 MAX_TOKENS = {"latte": 120, "pixart_alpha": 120, "pixart_sigma": 300, "sd21": 77}
 
@@ -43,6 +45,20 @@ class Embeds:
     mask: torch.Tensor | None            # (T,) PixArt's attention mask, else None
     negative: str
     key: tuple = ()                      # what batch-mates must share (Latte: the token count)
+
+
+class _NoTruncationEcho(logging.Filter):
+    """diffusers' pipelines log the whole cut-off part of an over-long prompt on every call; the
+    runner says it once per prompt, in one short line (`TextCache.encode`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("The following part of your input was truncated")
+
+
+def _quiet_truncation() -> None:
+    for h in logging.getLogger("diffusers").handlers:
+        if not any(isinstance(f, _NoTruncationEcho) for f in h.filters):
+            h.addFilter(_NoTruncationEcho())
 
 
 class TextCache:
@@ -115,7 +131,17 @@ class TextCache:
         self.negatives.move_to_end(text)
         return self.negatives[text]
 
+    def _warn_long(self, items) -> None:
+        with self.lock:
+            counts = [len(ids) for ids in self.pipe.tokenizer([it.prompt for it in items]).input_ids]
+        for it, n in zip(items, counts):
+            if n > self.max_tokens:
+                log.warning("prompt %r: %d tokens; the model reads the first %d, the rest is ignored",
+                            it.id, n, self.max_tokens)
+
     def encode(self, items) -> dict[str, Embeds]:
+        _quiet_truncation()
+        self._warn_long(items)
         emb, mask, lengths = self._chunks([it.prompt for it in items])
         for it in items:
             self.negative(it.negative_prompt)

@@ -89,8 +89,11 @@ def _previous_run(tmp_path, prompts, *extra):
 def test_lossy_mode_combinations_refused_on_a_lossless_job(tmp_path, write_prompts, no_models_no_ray, mode):
     p = write_prompts({"prompt": ["a"]})
     job_dir = _previous_run(tmp_path, p, "compile.mode=none")
-    with pytest.raises(JobError, match=r"lossy: False -> True.*output.overwrite=true"):
+    with pytest.raises(JobError) as e:
         run(base_args(p, tmp_path / "out", f"compile.mode={mode}"))
+    # the key the user changed, with both values, not the fingerprint's derived flag
+    assert f"compile.mode: 'none' -> '{mode}' (lossless -> lossy)" in str(e.value)
+    assert "lossy: False" not in str(e.value) and "output.overwrite=true" in str(e.value)
     assert "mode: none" in (job_dir / "config.yaml").read_text()      # not rewritten
     assert not (job_dir / lock.LOCK).exists()                          # lock released
     # a lossless mode is fine (dry run: no Ray)

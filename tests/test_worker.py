@@ -315,3 +315,18 @@ def test_an_items_output_does_not_depend_on_its_batch_or_shard_mates(preset, fam
             out = generate(pipe, family, b, "cpu", output_type="pt", embeds=embeds)
             for it, o in zip(b, out):
                 assert np.abs(u8(o) - alone[it.id]).max() <= 1, it.id
+
+
+def test_an_over_long_prompt_is_reported_in_one_short_line(caplog, capfd):
+    """diffusers echoes the whole cut-off part of a long prompt; the runner says it once, briefly."""
+    from runner.models import build_pipeline
+    pipe = build_pipeline(ModelSpec("pixart_alpha_1024", source="tiny"))
+    long = " ".join(["a red cat walking in the city at night"] * 40)      # > 120 tokens
+    it = Item(id="long1", prompt=long, negative_prompt="", seed=0, height=64, width=64,
+              num_frames=None, num_inference_steps=2, guidance_scale=4.5, file="p", row=0)
+    with caplog.at_level("WARNING"), torch.inference_mode():
+        generate(pipe, "pixart_alpha", [it], "cpu", output_type="pt")
+    ours = [r.getMessage() for r in caplog.records if "long1" in r.getMessage()]
+    assert len(ours) == 1 and "the model reads the first 120" in ours[0] and len(ours[0]) < 200
+    printed = capfd.readouterr()
+    assert "following part of your input was truncated" not in printed.err + printed.out
