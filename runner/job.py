@@ -132,25 +132,32 @@ def run(argv: list[str]) -> dict:
     limits = _constraints(model)
     step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
     compile_flags = _check_compile(job["compile"])
-    files, _, items = check_prompts(job["prompts"].paths, job["generation"], limits,
-                                    job["prompts"].on_empty)
+    files, raw_rows, items = check_prompts(job["prompts"].paths, job["generation"], limits,
+                                           job["prompts"].on_empty)
+    skipped = sum(raw_rows.values()) - len(items)      # empty prompts, prompts.on_empty=skip
+    if skipped:
+        log.warning("%d rows with an empty prompt skipped (prompts.on_empty=skip)", skipped)
     _check_output_dir(out.job_dir, create=not opts.dry_run)
     if opts.dry_run:
         return _dry_run(cfg, job, items)
     with job_lock(_store(out.job_dir)):                  # one driver per job directory
-        return _run_locked(cfg, job, limits, compile_flags, files, items)
+        return _run_locked(cfg, job, limits, compile_flags, files, items, skipped)
 
 
-def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
+def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0) -> dict:
     model, out, opts = job["model"], job["output"], job["run"]
     # Find what is already done (made from exactly these parameters), plan shards of the rest.
     results = _open_results(cfg, out)
     plan = results.plan(items)
     done = plan.done
     shards = plan_shards(items, opts.shard_size, done)
-    _store(out.job_dir).write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if items and not shards:
+    if items and not shards:   # the last run's config.yaml and summary stay as they are
         return _nothing_to_do(results, items, out)
+    try:
+        _store(out.job_dir).write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    except OSError as e:       # a full disk, a store that refuses writes: before any GPU time
+        raise JobError(f"output.dir: cannot write {out.job_dir}/config.yaml ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:300]}); free space or fix access, then rerun") from e
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(files), len(done), len(shards), out.job_dir)
     _log_plan(plan, out.job_dir)
@@ -268,6 +275,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items) -> dict:
             timing.update(all_ready_s=t_all_ready - t_start,
                           steady_items_per_s=steady_items / (t_done - t_all_ready))
         timing["aborted"] = aborted
+        timing["skipped_empty"] = skipped   # rows never run: empty prompts, on_empty=skip
         summary = _summarize(job, items, table, slots, metrics, len(done), stopped is not None, timing,
                              plan)
         _report(out.job_dir, table, summary, metrics, timeline=timeline or None)
@@ -597,6 +605,8 @@ def _summarize(job, items, table, slots, metrics, resumed, interrupted, timing, 
                  f"{', '.join(plan.gone)}\n")
     if errors:
         text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in errors.items()) + "\n"
+    if timing.get("skipped_empty"):
+        text += f"\n{timing['skipped_empty']} rows with an empty prompt skipped (prompts.on_empty=skip)\n"
     if timing.get("aborted"):
         text += f"\nSTOPPED before the end: {timing['aborted']}\n"
     _store(out.job_dir).write_text("summary.txt", text)

@@ -73,10 +73,16 @@ def _try_create(path: str, me: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:             # a full disk: no half-written lock left, the cause named
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise LockedError(f"cannot write the lock file {path} ({e.strerror or e}); free space or "
+                          f"fix access to output.dir, then rerun") from e
     return True
 
 

@@ -316,9 +316,27 @@ def _check_item(item: Item, limits: Constraints) -> None:
         raise PromptError(f"{where}: seed={item.seed} must be in [0, 2**63)")
 
 
+def _check_defaults(gen: GenerationDefaults, limits: Constraints) -> None:
+    """The config's `generation.*` defaults against the model, once: a bad default is the key's
+    error, not one error per prompt row that uses it."""
+    probe = Item(id="-", prompt="-", negative_prompt=gen.negative_prompt, seed=gen.seed,
+                 height=gen.height, width=gen.width,
+                 num_frames=gen.num_frames if limits.video_length is not None else None,
+                 num_inference_steps=gen.num_inference_steps, guidance_scale=gen.guidance_scale,
+                 file="generation", row=0)
+    try:
+        _check_item(probe, limits)
+    except PromptError as e:
+        what = str(e).split(": ", 1)[-1]
+        raise PromptError(f"generation.{what} (a default of the config, for prompt rows that leave "
+                          f"that column out): set generation.{what.split('=')[0]} on the command "
+                          f"line or in the job file") from None
+
+
 def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Constraints,
                   on_empty: str) -> tuple[list[str], dict[str, int], list[Item]]:
     """Read and validate every prompt. Returns (files, raw row count per file, items)."""
+    _check_defaults(gen, limits)
     files = list_files(paths)
     rows, items, seen, errors = {}, [], {}, []
     for f in files:

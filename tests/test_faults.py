@@ -238,3 +238,16 @@ def test_a_warmup_error_that_repeats_is_not_retried_again(job):
     assert cause in err                               # the real cause, not Ray's wrapper
     assert err.count("starting a replacement") == 1   # one retry, never a third attempt
     assert "the same error as before: not retried" in err
+
+
+def test_rows_skipped_for_an_empty_prompt_are_counted(tmp_path, write_prompts):
+    prompts = write_prompts({"prompt": ["a cat", "", None, "a dog"], "id": ["a", "b", "c", "d"]})
+    rc, out, err = cli(["job=demo_image", f"prompts.path={prompts}", f"output.dir={tmp_path}",
+                        "job.name=j", "generation.height=64", "generation.width=64",
+                        "generation.num_inference_steps=2", "ray.cpu_workers=1",
+                        "prompts.on_empty=skip"])
+    assert rc == 0, err[-3000:]
+    assert "2 rows with an empty prompt skipped" in err
+    summary = json.loads((tmp_path / "j" / "summary.json").read_text())
+    assert summary["skipped_empty"] == 2 and summary["ok"] == 2
+    assert "2 rows with an empty prompt skipped" in (tmp_path / "j" / "summary.txt").read_text()

@@ -139,3 +139,15 @@ def test_columnwise_checks_give_the_same_items_as_row_by_row(write_prompts, monk
             m.setattr(prompts, "_fast_items", lambda *a: None)
             slow = check_prompts((p,), GEN, limits, "error")[2]
         assert fast == slow and [type(i.guidance_scale) for i in fast] == [float] * 4
+
+
+def test_a_bad_default_is_the_keys_error_not_every_rows(tmp_path):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
+                        "generation.num_inference_steps=1"], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert "generation.num_inference_steps=1 must be >= 2 for this model" in r.stderr
+    assert "sample.parquet:" not in r.stderr          # no row is blamed

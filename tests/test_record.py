@@ -259,3 +259,31 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
     assert len(metrics) == summary["workers"] and all(m.startswith("worker-") for m in metrics)
     assert len(rows(job_dir)) == summary["ok"]
     assert not (job_dir / ".lock").exists()
+
+
+def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts):
+    """A rerun onto a full disk: writing config.yaml fails with ENOSPC before any work (a real
+    tmpfs, filled), and the CLI exits 2 naming the file and the error, no traceback."""
+    import subprocess
+    import sys
+    p = write_prompts({"prompt": ["a", "b"]})
+    out = tmp_path / "full"
+    out.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(out)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        (out / "j").mkdir()
+        fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)   # fill it: ENOSPC from here on
+        with pytest.raises(OSError):
+            while True:
+                os.write(fd, b"x" * 4096)
+        os.close(fd)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        r = subprocess.run([sys.executable, "-m", "runner", *base_args(p, out)], cwd=root,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run(["umount", str(out)], capture_output=True)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "No space left on device" in r.stderr and "Traceback" not in r.stderr

@@ -209,9 +209,12 @@ def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_pa
     assert "steady_it_s: denoising steps/s" in r.stdout            # the legend under the table
 
     job_dir = tmp_path / "demo_image"
-    before = {n: (job_dir / n).read_bytes() for n in ("summary.txt", "summary.json")}
+    before = {n: (job_dir / n).read_bytes() for n in ("summary.txt", "summary.json", "config.yaml")}
     mtimes = {n: (job_dir / n).stat().st_mtime_ns for n in before}
-    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    # a rerun with nothing to do, under another (lossless) mode: config.yaml keeps the mode that
+    # made the outputs, like the summary does
+    r = subprocess.run(args + ["compile.mode=cache-all"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.strip().startswith("nothing to do: all 8 prompts already done")
     assert len(r.stdout.strip().splitlines()) == 1 and "summary.txt" in r.stdout
