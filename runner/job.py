@@ -33,6 +33,7 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow.fs as pafs
 from omegaconf import OmegaConf
 
 from .config import ConfigError, help_text, load_config, split
@@ -262,10 +263,19 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
         t_done = time.perf_counter()
 
     # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
+    def stop_workers():
+        import ray
+        for s in slots:
+            ray.kill(s.actor)
+        # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
+        remove_temp_files(out.job_dir)
+
     def summarize() -> dict:
+        metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
+        if stopped is not None and slots:   # stopped: no file may land after the summary
+            stop_workers()
         table = results.write_table(ids)
         results.compact()
-        metrics = _collect_metrics(slots, out, timeout_s=60.0 if stopped is None else 30.0)
         timing = dict(startup_s=(t_ready or t_start) - t_start,
                       generate_s=(t_done or t_start) - (t_ready or t_start))
         if t_all_ready is not None and t_done is not None and t_done > t_all_ready:
@@ -279,23 +289,21 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
         summary = _summarize(job, items, table, slots, metrics, len(done), stopped is not None, timing,
                              plan)
         _report(out.job_dir, table, summary, metrics, timeline=timeline or None)
-        if slots:
-            import ray
-            for s in slots:
-                ray.kill(s.actor)
-            # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
-            remove_temp_files(out.job_dir)
+        if slots and stopped is None:
+            stop_workers()
         if stopped is not None:
             raise stopped
         return summary
 
-    if aborted is None:
+    if aborted is None and stopped is None:
         return summarize()
-    try:
+    try:   # stopped or aborted: the store may be what failed; the exit status stays the stop's
         return summarize()
     except OSError as e:
-        log.error("the summary could not be written either: %s: %s", type(e).__name__,
+        log.error("the summary could not be written: %s: %s", type(e).__name__,
                   str(e).splitlines()[0][:300])
+        if stopped is not None:
+            raise stopped from None
         return dict(aborted=aborted, failed=0)
 
 
@@ -486,7 +494,10 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
                 probe = f".probe-{os.getpid()}-{time.time_ns()}"
                 store.write_text(probe, "")
                 store.delete(probe)
-            else:
+            else:   # read only: the bucket must exist (listing a missing one says nothing)
+                bucket = store.base.split("/", 1)[0]
+                if store.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+                    raise OSError(f"the bucket {bucket!r} does not exist")
                 store.list(RECORDS)
         except (OSError, ValueError) as e:
             raise JobError(f"output.dir: cannot write {job_dir!r} ({e}); check the bucket and the "

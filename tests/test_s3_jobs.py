@@ -173,3 +173,38 @@ def test_s3_server_killed_mid_job_ends_the_job_naming_the_error(write_prompts, m
     # stopped as a persistent fault (the same upload error on several shards, or the record
     # itself unwritable), with the connection error named
     assert "Could not connect to server" in err.split("error:")[-1], err[-3000:]
+
+
+def test_dry_run_against_a_missing_bucket_is_exit_2_like_the_real_run(s3_bucket):
+    prompts = upload_prompts(s3_bucket)
+    for extra in (["run.dry_run=true"], []):
+        rc, out, err = cli(["job=demo_image", f"prompts.path={prompts}",
+                            "output.dir=s3://no-such-bucket-here/out", *extra])
+        assert rc == 2, (extra, err[-2000:])
+        assert "output.dir: cannot write" in err and "no-such-bucket-here" in err
+
+
+def test_sigterm_while_the_store_is_down_is_still_143(write_prompts, monkeypatch):
+    """SIGTERM after the S3 server died: the results upload and the lock release fail, and the
+    job still exits 143 with the cause logged, not a traceback with exit 1."""
+    from s3server import moto_server
+    ids = [f"t{i:02d}" for i in range(12)]
+    local = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
+    with moto_server() as server:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        server.create_bucket("down")
+        a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://down/out", "job.name=j",
+             "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
+             "run.shard_size=2", "run.batch_size=1"]
+        p = cli(a, faults="slow:1.0", wait=False)
+        store = resolve("s3://down/out/j")
+        t0 = time.time()
+        while len(record_rows(store)) < 1:
+            assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
+            time.sleep(0.2)
+        server.proc.kill()
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=180)
+    assert p.returncode == 143, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
