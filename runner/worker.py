@@ -250,9 +250,7 @@ class Worker:
             if "cache-all" in compiler.parse_options(opts.options).flags:
                 from .compile_cache import local_dir, warm_from_shared_cache
                 configure_cache_dir(local_dir(opts.cache_dir))
-                # step reuse changes what is compiled and captured: part of the key
-                key = cache_key(self.pipe, opts.options, {**self._warmup_shape(),
-                                "step_cache": self.cfg.step_cache.settings()})
+                key = cache_key(self.pipe, opts.options, self.cache_shapes())
                 self._phase("looking up the compile cache")
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
                                                self.cfg.cache_wait_s)
@@ -297,6 +295,12 @@ class Worker:
             from .compile_cache import publish
             publish(self.broker, cache, self.cfg.compile.cache_dir)
             self.m["artifact_bytes"] = cache.get("artifact_bytes")
+
+    def cache_shapes(self) -> dict:
+        """What besides model and mode decides the compiled graphs (the compile cache key's
+        `shapes`): the warm-up shape, and the step reuse (it changes what is compiled and
+        captured)."""
+        return {**self._warmup_shape(), "step_cache": self.cfg.step_cache.settings()}
 
     def _warmup_shape(self) -> dict:
         g = self.cfg.generation

@@ -377,3 +377,23 @@ def test_full_size_latte_step_reuse_under_compiled_modes():
     pipe = variant("fastercache", "O2")
     out = call(pipe, 4)
     assert step_cache.skipped(pipe) > 0 and torch.isfinite(out).all()
+
+
+def test_compile_cache_key_covers_the_step_reuse_setting(tmp_path):
+    """A cached artifact is never found for another step-reuse setting (it was, before)."""
+    from compiler.cache import cache_key
+    from runner.config import GenerationDefaults
+    from runner.prompts import Constraints
+    from runner.worker import Worker, WorkerConfig
+
+    def key(**sc):
+        w = Worker(0, WorkerConfig(model=ModelSpec("latte1", source="tiny"),
+                                   generation=GenerationDefaults(height=64, width=64, num_frames=4),
+                                   limits=Constraints(size_factor=16, video_length=4),
+                                   on_empty="error", job_dir=str(tmp_path),
+                                   step_cache=StepCacheSection(**sc)))
+        return cache_key(w.pipe, {"mode": "O2"}, w.cache_shapes())
+    keys = [key(), key(method="residual"), key(method="residual", compute_ratio=0.6),
+            key(method="pab")]
+    assert len(set(keys)) == 4
+    assert key(method="residual", block_skip_range=3) == keys[1]     # a key residual does not read
