@@ -295,11 +295,12 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
             raise stopped
         return summary
 
-    if aborted is None and stopped is None:
-        return summarize()
-    try:   # stopped or aborted: the store may be what failed; the exit status stays the stop's
+    try:
         return summarize()
     except OSError as e:
+        if aborted is None and stopped is None:
+            raise
+        # stopped or aborted: the store may be what failed; the exit status stays the stop's
         log.error("the summary could not be written: %s: %s", type(e).__name__,
                   str(e).splitlines()[0][:300])
         if stopped is not None:
@@ -416,10 +417,10 @@ def _check_same_config(cfg, out) -> None:
         old = OmegaConf.create(old_cfg)
         changes = config_changes(fingerprint(old), fingerprint(cfg))
         # the fingerprint holds whether the mode is lossy; the user changed the mode: name it
-        changes = [f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r} "
-                   f"(lossless -> lossy)" if c == "lossy: False -> True" else
-                   f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r} "
-                   f"(lossy -> lossless)" if c == "lossy: True -> False" else c for c in changes]
+        mode = f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r}"
+        named = {"lossy: False -> True": f"{mode} (lossless -> lossy)",
+                 "lossy: True -> False": f"{mode} (lossy -> lossless)"}
+        changes = [named.get(c, c) for c in changes]
         if changes:
             raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
                            f"set output.overwrite=true to regenerate everything, or choose another "

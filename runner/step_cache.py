@@ -181,7 +181,7 @@ class Scheduled:
 
     def __init__(self, inner, sc: StepCacheSection, pipe):
         self.inner, self.sc, self.pipe = inner, sc, pipe
-        self.step, self.plan, self.calls, self.reused = 0, (), 0, 0
+        self.step, self.plan, self.reused = 0, (), 0
 
     def reset(self) -> None:
         self.step = 0
@@ -191,7 +191,6 @@ class Scheduled:
             self.plan = plan(len(self.pipe.scheduler.timesteps), self.sc)
         compute = self.plan[self.step] if self.step < len(self.plan) else True
         self.step = self.step + 1 if self.step + 1 < len(self.plan) else 0   # next call's step
-        self.calls += 1
         self.reused += not compute
         return self.inner(*args, step_reuse="compute" if compute else "reuse", **kwargs)
 

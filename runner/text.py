@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .models import PRESETS
+
 log = logging.getLogger("runner")
 NEGATIVES = 16     # distinct negative prompts kept per worker (embeddings, a few MB each)
-MAX_TOKENS = {"latte": 120, "pixart_alpha": 120, "pixart_sigma": 300, "sd21": 77}
 
 
 @dataclass
@@ -63,7 +64,9 @@ def _quiet_truncation() -> None:
 
 class TextCache:
     def __init__(self, pipe, family: str, mask_feature: bool):
-        self.pipe, self.family, self.max_tokens = pipe, family, MAX_TOKENS[family]
+        # the family's text length: one per family in the presets (PixArt-Σ reads 300 tokens)
+        self.max_tokens = next(p["max_tokens"] for p in PRESETS.values() if p["family"] == family)
+        self.pipe, self.family = pipe, family
         self.batch, self.mask_feature = 1, mask_feature
         self.negatives: OrderedDict[str, tuple] = OrderedDict()
         self.lock = threading.Lock()   # a fast tokenizer refuses concurrent calls ("Already borrowed")
@@ -154,11 +157,10 @@ class TextCache:
 
     def call_kwargs(self, items, embeds: dict[str, Embeds]) -> dict:
         es = [embeds[it.id] for it in items]
-        neg, neg_mask = self.negative(es[0].negative)
         if self.family == "latte":
             assert len({e.key for e in es}) == 1 and len({e.negative for e in es}) == 1, \
                 "latte batches share the token count and the negative prompt"
-            n = es[0].key[1]
+            n, neg = es[0].key[1], self.negative(es[0].negative)[0]
             return dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
                         negative_prompt_embeds=neg[:, :n].expand(len(es), -1, -1))
         negs = [self.negative(e.negative) for e in es]

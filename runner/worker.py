@@ -416,7 +416,6 @@ class Worker:
                 self._wait_in_window += idle
         marks = self._marks = Marks(self.cuda)
         try:
-            marks.mark("start")
             with torch.inference_mode():
                 x = generate(self.pipe, self.family, batch, self.spec.device, marks,
                              mask_feature=self.spec.mask_feature, output_type="pt", embeds=embeds)

@@ -3,7 +3,6 @@
 (runner.storage then uses pyarrow's GcsFileSystem with that endpoint, anonymous). Prompts in,
 media, records and results out, and a driver SIGKILL followed by a rerun."""
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import uuid
 
 import pytest
 from test_faults import cli
-from test_s3_jobs import SAMPLE, check_store, record_rows
+from test_s3_jobs import SAMPLE, check_store, sigkill_then_rerun
 
 from runner.storage import resolve
 
@@ -73,22 +72,4 @@ def test_demo_image_with_prompts_and_outputs_on_gcs(gcs_bucket):
 
 
 def test_driver_sigkill_then_rerun_on_gcs(gcs_bucket, write_prompts):
-    ids = [f"g{i:02d}" for i in range(8)]
-    local = write_prompts({"prompt": [f"prompt {i}" for i in range(8)], "id": ids})
-    resolve(f"gs://{gcs_bucket}/in").write_file_atomic("p.parquet", local)
-    a = args("demo_image", f"gs://{gcs_bucket}/in/p.parquet", gcs_bucket, "run.shard_size=2",
-             "run.batch_size=1", "output.results_every_s=0")
-    store = resolve(f"gs://{gcs_bucket}/out/j")
-    p = cli(a, faults="slow:0.5", wait=False)
-    t0 = time.time()
-    while len(record_rows(store)) < 2:
-        assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
-        time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGKILL)                     # the driver and its embedded Ray, at once
-    p.wait()
-    done = {r["id"] for r in record_rows(store)}
-    assert 2 <= len(done) < 8
-    time.sleep(2)
-    rc, out, err = cli(a)
-    assert rc == 0, err[-4000:]
-    check_store(store, ids, "png", resumed=len(done))
+    sigkill_then_rerun("gs", gcs_bucket, write_prompts)

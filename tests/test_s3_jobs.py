@@ -1,6 +1,7 @@
 """Jobs with prompts and outputs on a real S3-compatible server (moto, tests/s3server.py, on
 127.0.0.1): the real CLI, tiny models, 64x64, 2 steps. Nothing is written to a local job directory;
 every check reads the bucket through runner.storage."""
+import contextlib
 import json
 import os
 import signal
@@ -84,27 +85,41 @@ def test_demo_job_with_prompts_and_outputs_on_s3(s3_bucket, job, ext):
     assert rc == 0 and "nothing to do: all 8 prompts already done" in out, err[-3000:]
 
 
-def test_driver_sigkill_then_rerun_on_s3(s3_bucket, write_prompts):
-    ids = [f"k{i:02d}" for i in range(8)]
-    local = write_prompts({"prompt": [f"prompt {i}" for i in range(8)], "id": ids})
-    resolve(f"s3://{s3_bucket}/in").write_file_atomic("p.parquet", local)
-    a = args("demo_image", f"s3://{s3_bucket}/in/p.parquet", s3_bucket, "run.shard_size=2",
-             "run.batch_size=1", "output.results_every_s=0")
-    store = resolve(f"s3://{s3_bucket}/out/j")
-    p = cli(a, faults="slow:0.5", wait=False)
+def wait_for_records(p, store, n: int) -> None:
+    """Until the running job `p` has recorded `n` rows in `store` (fails if it ends first)."""
     t0 = time.time()
-    while len(record_rows(store)) < 2:
+    while len(record_rows(store)) < n:
         assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
         time.sleep(0.2)
+
+
+def sigkill_then_rerun(scheme: str, bucket: str, write_prompts, check_lock: bool = True) -> None:
+    """Prompts in the store, the driver SIGKILLed after 2 rows, the rerun finishes the rest:
+    exactly one output and one result row per prompt (S3 here, GCS in test_gcs_jobs.py)."""
+    ids = [f"k{i:02d}" for i in range(8)]
+    local = write_prompts({"prompt": [f"prompt {i}" for i in range(8)], "id": ids})
+    resolve(f"{scheme}://{bucket}/in").write_file_atomic("p.parquet", local)
+    a = ["job=demo_image", f"prompts.path={scheme}://{bucket}/in/p.parquet",
+         f"output.dir={scheme}://{bucket}/out", "job.name=j", "generation.height=64",
+         "generation.width=64", "generation.num_inference_steps=2", "run.shard_size=2",
+         "run.batch_size=1", "output.results_every_s=0"]
+    store = resolve(f"{scheme}://{bucket}/out/j")
+    p = cli(a, faults="slow:0.5", wait=False)
+    wait_for_records(p, store, 2)
     os.killpg(p.pid, signal.SIGKILL)                     # the driver and its embedded Ray, at once
     p.wait()
     done = {r["id"] for r in record_rows(store)}
     assert 2 <= len(done) < 8
-    assert ".lock" in store.list()                      # left behind by the killed driver
+    if check_lock:
+        assert ".lock" in store.list()                  # left behind by the killed driver
     time.sleep(2)
     rc, out, err = cli(a)
     assert rc == 0, err[-4000:]
     check_store(store, ids, "png", resumed=len(done))
+
+
+def test_driver_sigkill_then_rerun_on_s3(s3_bucket, write_prompts):
+    sigkill_then_rerun("s3", s3_bucket, write_prompts)
 
 
 def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_bucket):
@@ -145,26 +160,30 @@ def test_compile_cache_on_s3_warms_the_next_job(s3_bucket):
     assert second["cache_hit"] and second["cache_source"] == "cache_dir"
 
 
-def test_s3_server_killed_mid_job_ends_the_job_naming_the_error(write_prompts, monkeypatch):
-    """A store that goes away mid-job (its server killed): the job ends in bounded time with the
-    connection error named (exit 3, a persistent fault), never a hang."""
+@contextlib.contextmanager
+def job_on_a_dying_server(write_prompts, monkeypatch, slow: float, records: int):
+    """A demo job writing to its own S3 server, which is killed once the job has recorded
+    `records` rows. Yields the running driver process, after the kill."""
     from s3server import moto_server
     ids = [f"d{i:02d}" for i in range(12)]
     local = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
-    with moto_server() as server:                    # its own server: this test kills it
+    with moto_server() as server:                    # its own server: the test kills it
         for k, v in server.env.items():
             monkeypatch.setenv(k, v)
         server.create_bucket("dying")
         a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://dying/out", "job.name=j",
              "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
              "run.shard_size=2", "run.batch_size=1"]
-        p = cli(a, faults="slow:0.5", wait=False)
-        store = resolve("s3://dying/out/j")
-        t0 = time.time()
-        while len(record_rows(store)) < 2:
-            assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
-            time.sleep(0.2)
+        p = cli(a, faults=f"slow:{slow}", wait=False)
+        wait_for_records(p, resolve("s3://dying/out/j"), records)
         server.proc.kill()
+        yield p
+
+
+def test_s3_server_killed_mid_job_ends_the_job_naming_the_error(write_prompts, monkeypatch):
+    """A store that goes away mid-job (its server killed): the job ends in bounded time with the
+    connection error named (exit 3, a persistent fault), never a hang."""
+    with job_on_a_dying_server(write_prompts, monkeypatch, slow=0.5, records=2) as p:
         t_kill = time.time()
         out, err = p.communicate(timeout=240)
         took = time.time() - t_kill
@@ -187,23 +206,7 @@ def test_dry_run_against_a_missing_bucket_is_exit_2_like_the_real_run(s3_bucket)
 def test_sigterm_while_the_store_is_down_is_still_143(write_prompts, monkeypatch):
     """SIGTERM after the S3 server died: the results upload and the lock release fail, and the
     job still exits 143 with the cause logged, not a traceback with exit 1."""
-    from s3server import moto_server
-    ids = [f"t{i:02d}" for i in range(12)]
-    local = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
-    with moto_server() as server:
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
-        server.create_bucket("down")
-        a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://down/out", "job.name=j",
-             "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
-             "run.shard_size=2", "run.batch_size=1"]
-        p = cli(a, faults="slow:1.0", wait=False)
-        store = resolve("s3://down/out/j")
-        t0 = time.time()
-        while len(record_rows(store)) < 1:
-            assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
-            time.sleep(0.2)
-        server.proc.kill()
+    with job_on_a_dying_server(write_prompts, monkeypatch, slow=1.0, records=1) as p:
         os.kill(p.pid, signal.SIGTERM)
         out, err = p.communicate(timeout=180)
     assert p.returncode == 143, err[-4000:]
