@@ -91,25 +91,23 @@ def build(args):
     from .models import ModelSpec, build_pipeline, video_length
     spec = ModelSpec(args["model"], source=args["source"], dtype=args["dtype"], device=args["device"])
     pipe = build_pipeline(spec)
-    size = 512 if spec.info["kind"] == "video" else (768 if spec.info["family"] == "sd21" else
-                                                      int(args["model"].rsplit("_", 1)[-1]))
-    if args["source"] == "tiny":
-        size = 64
-    args["height"] = args["height"] or size
-    args["width"] = args["width"] or size
-    if spec.info["kind"] == "video":
-        args["frames"] = video_length(spec)
+    tiny = args["source"] == "tiny"
+    args["height"] = args["height"] or (64 if tiny else spec.info["height"])
+    args["width"] = args["width"] or (64 if tiny else spec.info["width"])
+    # video: the model's only frame count (Latte), else frames=; images: none
+    args["frames"] = (video_length(spec) or args["frames"]) if spec.family.kind == "video" else None
     return pipe, spec
 
 
 def call_kwargs(pipe, spec, args, steps: int) -> dict:
     kw = dict(prompt=["a red fox running through a snowy forest at dawn"] * args["batch"],
               num_inference_steps=steps, height=args["height"], width=args["width"], output_type="pt")
-    fam = spec.info["family"]
-    if fam.startswith("pixart"):
-        kw.update(clean_caption=False, use_resolution_binning=False)
-    if fam == "latte":
-        kw.update(video_length=args["frames"], clean_caption=False, mask_feature=False)  # all 120 tokens
+    kw.update(spec.family.call_args(pipe, args["frames"]))
+    params = inspect.signature(pipe.__call__).parameters
+    if "use_resolution_binning" in params:   # the size asked for, not the nearest bucket
+        kw["use_resolution_binning"] = False
+    if "mask_feature" in params:             # all of the text length (Latte: 120 tokens)
+        kw["mask_feature"] = False
     return kw
 
 
@@ -309,7 +307,7 @@ def main(argv: list[str]) -> dict:
     res["args"].update(height=args["height"], width=args["width"], frames=args["frames"])
     steps = args["steps"]
     res["flops_per_step"] = denoiser_flops(pipe, spec, args)
-    attr = "unet" if spec.info["family"] == "sd21" else "transformer"
+    attr = "unet" if hasattr(pipe, "unet") else "transformer"
     pristine = copy.deepcopy(denoiser_of(pipe)).to("cpu") if args["extra"] else None  # for extra variants
 
     # eager
@@ -438,7 +436,7 @@ def main(argv: list[str]) -> dict:
 def table(r: dict) -> str:
     e, c = r["eager"], r["compiled"]
     a = r["args"]
-    shape = f"{a['height']}x{a['width']}" + (f", {a['frames']} frames" if "latte" in a["model"] else "")
+    shape = f"{a['height']}x{a['width']}" + (f", {a['frames']} frames" if a.get("frames") else "")
     lines = [f"**{a['model']} {shape}, {a['steps']} steps, batch {a['batch']}, {r['device']}**, "
              f"mode `{a['compile']['mode']}`, torch {r['versions']['torch']}, triton {r['versions']['triton']}, "
              f"diffusers {r['versions']['diffusers']}, {r['date']}",

@@ -19,6 +19,7 @@ the runner one of the frozen dataclasses below, each of which validates itself.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import os
 import sys
@@ -28,6 +29,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from .families import PRESETS   # light: no torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
@@ -66,10 +69,16 @@ class JobSection:
                                  "is an error)")
 
 
+SOURCES = ("pretrained", "random", "tiny")
+DTYPES = ("fp16", "bf16", "fp32")
+
+
 @dataclass(frozen=True)
-class ModelSection:
-    preset: str = key("pixart_alpha_1024", "latte1 | pixart_alpha_1024 | pixart_alpha_512 | "
-                                           "pixart_sigma_1024 | sd21 (conf/models/<preset>.yaml)")
+class ModelSpec:
+    """The model section, validated: which preset, from which weights, where. `family` is the
+    preset's record (`runner/families/`), `info` its published facts."""
+    preset: str = key("pixart_alpha_1024", " | ".join(PRESETS) + " (conf/models/<preset>.yaml; "
+                                           "families: runner/families/)")
     source: str = key("pretrained", "pretrained (from_pretrained) | random (published size, random "
                                     "weights) | tiny (CPU tests)")
     path: str | None = key(None, "pretrained: hub id or local directory; null = the preset's hub id")
@@ -78,6 +87,44 @@ class ModelSection:
     device: str = key("auto", "auto (cuda when the worker has a GPU) | cuda | cpu")
     mask_feature: bool = key(True, "Latte: trim text embeddings to the real token count "
                                    "(false = always 120)")
+
+    def __post_init__(self):
+        from .families import PRESETS
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown model preset {self.preset!r}; valid: {sorted(PRESETS)}")
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown model.source {self.source!r}; valid: {list(SOURCES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown model.dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"unknown model.device {self.device!r}; valid: auto, cpu, cuda, cuda:N")
+
+    def resolved(self) -> "ModelSpec":
+        """`auto` device/dtype made concrete for the process this runs in."""
+        import torch
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "fp32" if device == "cpu" else "fp16"
+        return dataclasses.replace(self, device=device, dtype=dtype)
+
+    @property
+    def family(self):
+        from .families import PRESETS
+        return PRESETS[self.preset]
+
+    @property
+    def info(self) -> dict:
+        """The preset's published facts (hub_id, size_factor, max_tokens, height, width, ...)."""
+        return self.family.presets[self.preset]
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[
+            self.resolved().dtype])
 
 
 @dataclass(frozen=True)
@@ -234,7 +281,7 @@ class StepCacheSection:
 class Config:
     """The whole tree: one field per section."""
     job: JobSection = field(default_factory=JobSection)
-    model: ModelSection = field(default_factory=ModelSection)
+    model: ModelSpec = field(default_factory=ModelSpec)
     prompts: PromptsSection = field(default_factory=PromptsSection)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     run: RunOptions = field(default_factory=RunOptions)
@@ -503,7 +550,6 @@ def _as_paths(value) -> tuple[str, ...]:
 
 def split(cfg: DictConfig) -> dict:
     """The typed pieces of a merged config (see the dataclasses above)."""
-    from .models import ModelSpec  # models imports torch; keep `config` light for the CLI's errors
     from . import storage
 
     def section(name):

@@ -478,10 +478,9 @@ def _constraints(model) -> Constraints:
         check_pretrained(model)
     except ModelLoadError as e:
         raise JobError(str(e)) from e
-    info = model.info
-    # DPM-Solver's 1-step branch fails in the PixArt pipelines.
-    return Constraints(size_factor=info["size_factor"], video_length=video_length(model),
-                       min_steps=2 if info["family"].startswith("pixart") else 1)
+    fam = model.family
+    return Constraints(size_factor=model.info["size_factor"], video_length=video_length(model),
+                       frame_step=fam.frame_step, min_steps=fam.min_steps)
 
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:

@@ -48,8 +48,24 @@ class PromptError(ValueError):
 class Constraints:
     """What the model accepts, known before it is built."""
     size_factor: int                 # height and width must be multiples of this
-    video_length: int | None = None  # video models: the only valid num_frames
+    video_length: int | None = None  # video models: the only valid num_frames (Latte)
+    frame_step: int | None = None    # video models: num_frames = k * frame_step + 1 (Wan)
     min_steps: int = 1
+
+    @property
+    def video(self) -> bool:
+        """Rows have num_frames (None for image models)."""
+        return self.video_length is not None or self.frame_step is not None
+
+    def frames_error(self, n: int) -> str | None:
+        """Why `n` frames is not valid for this model, or None."""
+        if self.video_length is not None and n != self.video_length:
+            return f"this model generates exactly {self.video_length} frames (its video_length)"
+        if self.frame_step and (n < 1 or (n - 1) % self.frame_step):
+            return (f"this model takes k * {self.frame_step} + 1 frames (e.g. "
+                    f"{max(1, (n - 1) // self.frame_step * self.frame_step + 1)} or "
+                    f"{max(1, (n - 1) // self.frame_step * self.frame_step + 1) + self.frame_step})")
+        return None
 
 
 @dataclass(frozen=True)
@@ -226,8 +242,14 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
                                  pc.divide(ints[k], f), f)), 0))) for k in ("height", "width")]
         ok.append(pc.all(pc.greater_equal(ints["num_inference_steps"], limits.min_steps)))
         ok.append(pc.all(pc.greater_equal(ints["seed"], 0)))
-        if limits.video_length is not None:
-            ok.append(pc.all(pc.equal(ints["num_frames"], limits.video_length)))
+        if limits.video:
+            ok.append(pc.all(pc.greater(ints["num_frames"], 0)))
+            if limits.video_length is not None:
+                ok.append(pc.all(pc.equal(ints["num_frames"], limits.video_length)))
+            if limits.frame_step:   # (n - 1) % step == 0
+                left = pc.subtract(ints["num_frames"], 1)
+                ok.append(pc.all(pc.equal(pc.subtract(left, pc.multiply(
+                    pc.divide(left, limits.frame_step), limits.frame_step)), 0)))
         if pa.types.is_uint64(ints["seed"].type):
             ok.append(pc.all(pc.less(ints["seed"], 2**63)))
         if not all(x.as_py() for x in ok):
@@ -246,7 +268,7 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
             ids.append(sanitize_id(raw))
         if not all(ids):
             return None
-    frames = ints["num_frames"].to_pylist() if limits.video_length is not None else [None] * n
+    frames = ints["num_frames"].to_pylist() if limits.video else [None] * n
     return list(map(Item, ids, prompt.cast(pa.string()).to_pylist(),
                     negative.cast(pa.string()).to_pylist(), ints["seed"].to_pylist(),
                     ints["height"].to_pylist(), ints["width"].to_pylist(), frames,
@@ -292,7 +314,7 @@ def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: Generatio
         raise PromptError(f"{where}: guidance_scale={cols['guidance_scale'][i]!r} is not a number")
     item = Item(id=item_id, prompt=str(prompt), negative_prompt=str(get("negative_prompt", gen.negative_prompt)),
                 seed=values["seed"], height=values["height"], width=values["width"],
-                num_frames=values["num_frames"] if limits.video_length is not None else None,
+                num_frames=values["num_frames"] if limits.video else None,
                 num_inference_steps=values["num_inference_steps"], guidance_scale=guidance,
                 file=file, row=row)
     _check_item(item, limits)
@@ -306,9 +328,9 @@ def _check_item(item: Item, limits: Constraints) -> None:
         if v <= 0 or v % limits.size_factor:
             raise PromptError(f"{where}: {k}={v} must be a positive multiple of "
                               f"{limits.size_factor} for this model")
-    if limits.video_length is not None and item.num_frames != limits.video_length:
-        raise PromptError(f"{where}: num_frames={item.num_frames}, but this model generates exactly "
-                          f"{limits.video_length} frames (its video_length)")
+    why = limits.frames_error(item.num_frames) if limits.video else None
+    if why:
+        raise PromptError(f"{where}: num_frames={item.num_frames}, but {why}")
     if item.num_inference_steps < limits.min_steps:
         raise PromptError(f"{where}: num_inference_steps={item.num_inference_steps} must be >= "
                           f"{limits.min_steps} for this model")
@@ -321,7 +343,7 @@ def _check_defaults(gen: GenerationDefaults, limits: Constraints) -> None:
     error, not one error per prompt row that uses it."""
     probe = Item(id="-", prompt="-", negative_prompt=gen.negative_prompt, seed=gen.seed,
                  height=gen.height, width=gen.width,
-                 num_frames=gen.num_frames if limits.video_length is not None else None,
+                 num_frames=gen.num_frames if limits.video else None,
                  num_inference_steps=gen.num_inference_steps, guidance_scale=gen.guidance_scale,
                  file="generation", row=0)
     try:

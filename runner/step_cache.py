@@ -49,28 +49,30 @@ from .config import ConfigError, StepCacheSection
 
 log = logging.getLogger(__name__)
 
-# method -> model families it is offered for. Latte's transformer is a diffusers `CacheMixin` and
-# its pipeline exposes `_current_timestep`; FasterCache's unconditional-branch skip needs the CFG
-# batch in one denoiser call, which Latte's pipeline does (torch.cat([latents] * 2)). PixArt's
-# transformer (diffusers 0.42) is no CacheMixin and its pipeline keeps no current timestep: not yet.
-SUPPORTED = {"residual": ("latte",), "fastercache": ("latte",), "pab": ("latte",)}
+# Which methods a model family offers is its record's `step_reuse` (runner/families/). The hook
+# methods need a diffusers `CacheMixin` transformer whose pipeline exposes `_current_timestep`;
+# FasterCache's unconditional-branch skip needs the CFG batch in one denoiser call (Latte's
+# pipeline: torch.cat([latents] * 2)); residual needs the block-pair forward of compiler/latte.py.
 HOOKS = ("fastercache", "pab")   # diffusers' attention hooks (decide in Python, per call)
 DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffusers' defaults
 
 
-def check(sc: StepCacheSection, family: str) -> None:
+def check(sc: StepCacheSection, family) -> None:
+    """`family`: the model's `Family` record."""
     if sc.method == "none":
         return
-    if family not in SUPPORTED[sc.method]:
-        raise ConfigError(f"step_cache.method={sc.method!r} is not offered for {family} models; "
-                          f"it is for: {list(SUPPORTED[sc.method])} (or step_cache.method=none)")
+    if sc.method not in family.step_reuse:
+        from .families import FAMILIES
+        offered = [f.name for f in FAMILIES.values() if sc.method in f.step_reuse]
+        raise ConfigError(f"step_cache.method={sc.method!r} is not offered for {family.name} models; "
+                          f"it is for: {offered} (or step_cache.method=none)")
 
 
 def prepare(job: dict) -> None:
     """Driver (job, runner.warm), before Ray: check `job["step_cache"]` against the model and drop
     the step graph from `job["compile"]` when a step cache is on (one log line, on the driver)."""
     sc = job["step_cache"]
-    check(sc, job["model"].info["family"])
+    check(sc, job["model"].family)
     options = compile_options(job["compile"].options, sc)
     if options is not job["compile"].options:
         job["compile"] = dataclasses.replace(job["compile"], options=options)

@@ -2,7 +2,8 @@
 negative prompt once per worker.
 
 Contract:
-- `TextCache.of(pipe, family, mask_feature)`: the pipeline's encoder state (one per pipeline, kept
+- `TextCache.of(pipe, family, mask_feature)` (`family`: the model's `Family` record, whose
+  `encode` is the one encoder call): the pipeline's encoder state (one per pipeline, kept
   on it: the negative prompts it has encoded, at most `NEGATIVES` of them); `batch` (default 1) is
   the encoder's batch, the worker sets it to the shard size.
 - `key(item) -> tuple`: what an item's batch-mates must share (any thread; tokenizes under a lock).
@@ -14,7 +15,7 @@ Contract:
 - `call_kwargs(items, embeds) -> dict`: the pipeline arguments (`prompt_embeds=`, masks, negative
   embeddings) for a batch of items whose `Embeds.key` agree; the pipeline then encodes nothing.
 
-Latte (`mask_feature=True`, diffusers' default): LattePipeline trims a single prompt's embedding to
+Families with `trim_text` (Latte, `mask_feature=True`, diffusers' default): LattePipeline trims a single prompt's embedding to
 its token count and the negative prompt's to the same count, but for a batch of several it keeps
 all 120 positions and zeroes the padding instead, which the unmasked cross-attention still
 attends to: a video changed with its batch-mates. Here every batch has the single-prompt
@@ -34,8 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import PRESETS
-
 log = logging.getLogger("runner")
 NEGATIVES = 16     # distinct negative prompts kept per worker (embeddings, a few MB each)
 
@@ -45,7 +44,7 @@ class Embeds:
     prompt: torch.Tensor                 # (T, D) on the device
     mask: torch.Tensor | None            # (T,) PixArt's attention mask, else None
     negative: str
-    key: tuple = ()                      # what batch-mates must share (Latte: the token count)
+    key: tuple = ()                      # what batch-mates must share (trim_text: the token count)
 
 
 class _NoTruncationEcho(logging.Filter):
@@ -63,16 +62,17 @@ def _quiet_truncation() -> None:
 
 
 class TextCache:
-    def __init__(self, pipe, family: str, mask_feature: bool):
-        # the family's text length: one per family in the presets (PixArt-Σ reads 300 tokens)
-        self.max_tokens = next(p["max_tokens"] for p in PRESETS.values() if p["family"] == family)
+    def __init__(self, pipe, family, mask_feature: bool):
+        # the family's text length: one per family in its presets (PixArt-Σ reads 300 tokens)
+        self.max_tokens = next(iter(family.presets.values()))["max_tokens"]
         self.pipe, self.family = pipe, family
+        self.trim = family.trim_text
         self.batch, self.mask_feature = 1, mask_feature
         self.negatives: OrderedDict[str, tuple] = OrderedDict()
         self.lock = threading.Lock()   # a fast tokenizer refuses concurrent calls ("Already borrowed")
 
     @classmethod
-    def of(cls, pipe, family: str, mask_feature: bool = True) -> "TextCache":
+    def of(cls, pipe, family, mask_feature: bool = True) -> "TextCache":
         tc = pipe.__dict__.get("_text_cache")
         if tc is None or tc.mask_feature != mask_feature:
             tc = pipe.__dict__["_text_cache"] = cls(pipe, family, mask_feature)
@@ -84,7 +84,7 @@ class TextCache:
                                    add_special_tokens=True, return_tensors="pt")
 
     def key(self, item) -> tuple:
-        if self.family != "latte":
+        if not self.trim:
             return ()
         if not self.mask_feature:
             return (item.negative_prompt, self.max_tokens)
@@ -96,23 +96,10 @@ class TextCache:
 
     def _run(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         with self.lock:
-            return self._call_encoder(prompts)
-
-    def _call_encoder(self, prompts: list[str]):
-        p, dev = self.pipe, self.pipe._execution_device
-        if self.family == "sd21":
-            emb, _ = p.encode_prompt(prompts, dev, 1, False)
-            return emb, None, [emb.shape[1]] * len(prompts)
-        if self.family.startswith("pixart"):
-            emb, mask, _, _ = p.encode_prompt(prompts, do_classifier_free_guidance=False, device=dev,
-                                              clean_caption=False, max_sequence_length=self.max_tokens)
-            return emb, mask, [self.max_tokens] * len(prompts)
-        # Latte: T5 with the attention mask, as LattePipeline.encode_prompt does; token counts from
-        # the tokenizer's mask on the host (no read back from the GPU)
-        tok = self._tokens(prompts)
-        emb = p.text_encoder(tok.input_ids.to(dev), attention_mask=tok.attention_mask.to(dev))[0]
-        lengths = tok.attention_mask.sum(1).tolist() if self.mask_feature else [self.max_tokens] * len(prompts)
-        return emb.to(p.text_encoder.dtype), None, lengths
+            emb, mask = self.family.encode(self.pipe, prompts, self.max_tokens)
+            if self.trim and self.mask_feature:   # token counts from the host's tokenizer mask
+                return emb, mask, self._tokens(prompts).attention_mask.sum(1).tolist()
+            return emb, mask, [emb.shape[1]] * len(prompts)
 
     def _chunks(self, prompts: list[str]):
         """(N, T, D), masks, lengths for `prompts`, in chunks of exactly `batch` rows."""
@@ -152,21 +139,21 @@ class TextCache:
         for k, it in enumerate(items):
             n = lengths[k]
             out[it.id] = Embeds(emb[k, :n], mask[k] if mask is not None else None, it.negative_prompt,
-                                key=(it.negative_prompt, n) if self.family == "latte" else ())
+                                key=(it.negative_prompt, n) if self.trim else ())
         return out
 
     def call_kwargs(self, items, embeds: dict[str, Embeds]) -> dict:
         es = [embeds[it.id] for it in items]
-        if self.family == "latte":
+        if self.trim:
             assert len({e.key for e in es}) == 1 and len({e.negative for e in es}) == 1, \
-                "latte batches share the token count and the negative prompt"
+                "trim_text batches share the token count and the negative prompt"
             n, neg = es[0].key[1], self.negative(es[0].negative)[0]
             return dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
                         negative_prompt_embeds=neg[:, :n].expand(len(es), -1, -1))
         negs = [self.negative(e.negative) for e in es]
         kw = dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
                   negative_prompt_embeds=torch.cat([n[0] for n in negs]))
-        if self.family.startswith("pixart"):
+        if es[0].mask is not None:   # PixArt: the encoder's attention masks go with the embeddings
             kw.update(prompt_attention_mask=torch.stack([e.mask for e in es]),
                       negative_prompt_attention_mask=torch.cat([n[1] for n in negs]))
         return kw

@@ -76,12 +76,8 @@ def run_loop(job: dict, prompts: list[dict], out: str, compiled: bool) -> dict:
     if compiled:
         name = "unet" if hasattr(pipe, "unet") else "transformer"
         setattr(pipe, name, torch.compile(getattr(pipe, name)))
-    video = spec.info["kind"] == "video"
-    extra = dict(video_length=g.num_frames) if video else {}
-    if spec.info["family"] != "sd21":
-        extra["clean_caption"] = False
-    if spec.info["family"].startswith("pixart"):   # diffusers' default (true) fits the 1024 models
-        extra["use_resolution_binning"] = pipe.transformer.config.sample_size in (32, 64, 128)
+    video = spec.family.kind == "video"
+    extra = spec.family.call_args(pipe, g.num_frames if video else None)   # as the job calls it
     os.makedirs(out, exist_ok=True)
     util = UtilSampler.start(spec.device.startswith("cuda"))
     ends = []

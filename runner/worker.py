@@ -30,6 +30,7 @@ rewrites the same files. Where each second goes: `runner.timing`.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import threading
@@ -42,6 +43,7 @@ import torch
 
 from . import step_cache
 from .config import CompileConfig, GenerationDefaults, StepCacheSection
+from .families import Family
 from .models import ModelSpec, build_pipeline
 from .outputs import write_mp4, write_png
 from .prompts import Constraints, Item
@@ -71,7 +73,7 @@ class WorkerConfig:
     cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
 
-def generate(pipe, family: str, items: list[Item], device: str, clock=None,
+def generate(pipe, family: Family, items: list[Item], device: str, clock=None,
              mask_feature: bool = True, output_type: str = "np",
              embeds: dict[str, Embeds] | None = None):
     """One pipeline call for items of equal shape (and equal `TextCache.key`). `output_type="np"`:
@@ -86,28 +88,16 @@ def generate(pipe, family: str, items: list[Item], device: str, clock=None,
     text = TextCache.of(pipe, family, mask_feature)
     if embeds is None:
         embeds = text.encode(items)
-    kw = dict(**text.call_kwargs(items, embeds),
+    kw = dict(**text.call_kwargs(items, embeds), **family.call_args(pipe, first.num_frames),
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
-    on_step = (lambda *a: clock.step()) if clock else None
-    step_end = (lambda p, i, t, d: (on_step(), d)[1]) if clock else None   # the newer callback API
-    if family == "latte":
-        # embeddings given: the pipeline's own mask_feature trimming does not apply (runner.text)
-        kw.update(video_length=first.num_frames, clean_caption=False)
-        if step_end:
-            kw["callback_on_step_end"] = step_end
-        return _out(pipe(**kw).frames)
-    if family.startswith("pixart"):
-        # Resolution binning and the size conditions only apply to the 128-latent (1024) checkpoints.
-        kw.update(clean_caption=False,
-                  use_resolution_binning=pipe.transformer.config.sample_size in (32, 64, 128))
-        if on_step:
-            kw.update(callback=on_step, callback_steps=1)
-        return _out(pipe(**kw).images)
-    if step_end:
-        kw["callback_on_step_end"] = step_end
-    return _out(pipe(**kw).images)
+    if clock and "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        kw["callback_on_step_end"] = lambda p, i, t, d: (clock.step(), d)[1]
+    elif clock:   # PixArt: the older callback API
+        kw.update(callback=lambda *a: clock.step(), callback_steps=1)
+    out = pipe(**kw)
+    return _out(out.frames if family.kind == "video" else out.images)
 
 
 def _out(x):
@@ -193,8 +183,8 @@ class Worker:
             torch.set_num_threads(cfg.num_threads)
         self.spec = cfg.model.resolved()
         self.cuda = self.spec.device.startswith("cuda")
-        self.family = self.spec.info["family"]
-        self.ext = "mp4" if self.spec.info["kind"] == "video" else "png"
+        self.family = self.spec.family
+        self.ext = "mp4" if self.family.kind == "video" else "png"
         self.store = resolve(cfg.job_dir)    # this process's credentials and endpoint
         # Every model call (compile and warm-up included) runs on this one thread, in submission
         # order: Inductor's per-thread state and the CUDA graphs stay with one thread.
@@ -304,16 +294,21 @@ class Worker:
 
     def _warmup_shape(self) -> dict:
         g = self.cfg.generation
-        return {"height": g.height, "width": g.width, "num_frames": self.cfg.limits.video_length,
+        return {"height": g.height, "width": g.width, "num_frames": self._warmup_frames(),
                 "batch_size": self.cfg.batch_size, "guidance": g.guidance_scale > 1,
                 "encode_batch": self.cfg.encode_batch}
+
+    def _warmup_frames(self) -> int | None:
+        """The frames of the warm-up call: the model's only count, else the job's default."""
+        limits = self.cfg.limits
+        return (limits.video_length or self.cfg.generation.num_frames) if limits.video else None
 
     def _warmup_call(self) -> None:
         if not self.cfg.warmup_steps:
             return
         g = self.cfg.generation
         items = [Item(id="warmup", prompt="warm up", negative_prompt=g.negative_prompt, seed=k,
-                      height=g.height, width=g.width, num_frames=self.cfg.limits.video_length,
+                      height=g.height, width=g.width, num_frames=self._warmup_frames(),
                       guidance_scale=g.guidance_scale,
                       num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
                       file="warmup", row=k) for k in range(self.cfg.batch_size)]

@@ -64,9 +64,9 @@ def test_rewritten_blocks_still_share_one_graph_per_shape():
     from diffusers import LatteTransformer3DModel
     from torch._dynamo.utils import counters
     from compiler.transforms import compile_blocks
-    from runner.models import PRESETS, TINY_VIDEO_LENGTH, _dit_config
+    from runner.families.latte import LATTE, TINY_VIDEO_LENGTH, denoiser_config
 
-    cfg = dict(_dit_config(PRESETS["latte1"], tiny=True), num_layers=6)
+    cfg = dict(denoiser_config(LATTE.presets["latte1"], tiny=True), num_layers=6)
     den = LatteTransformer3DModel.from_config(cfg).eval()
     x = torch.randn(1, 4, TINY_VIDEO_LENGTH, 8, 8)
     kw = dict(encoder_hidden_states=torch.randn(1, 6, 32), timestep=torch.tensor([10]), return_dict=False)
@@ -85,8 +85,8 @@ def test_rewritten_blocks_still_share_one_graph_per_shape():
 
 def _tiny_latte(num_layers=4):
     from diffusers import LatteTransformer3DModel
-    from runner.models import PRESETS, TINY_VIDEO_LENGTH, _dit_config
-    cfg = dict(_dit_config(PRESETS["latte1"], tiny=True), num_layers=num_layers)
+    from runner.families.latte import LATTE, TINY_VIDEO_LENGTH, denoiser_config
+    cfg = dict(denoiser_config(LATTE.presets["latte1"], tiny=True), num_layers=num_layers)
     den = LatteTransformer3DModel.from_config(cfg).eval()
     x = torch.randn(2, 4, TINY_VIDEO_LENGTH, 8, 8)
     kw = dict(encoder_hidden_states=torch.randn(2, 6, 32), timestep=torch.tensor([10, 10]), return_dict=False)

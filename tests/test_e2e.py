@@ -74,6 +74,19 @@ def test_demo_video_writes_playable_mp4s(tmp_path):
     assert max(d.max() for d in diffs) <= 4 and np.mean([d.mean() for d in diffs]) <= 0.5
 
 
+def test_wan_job_tiny_model_writes_mp4s_of_4k_plus_1_frames(tmp_path):
+    """The shipped Wan 2.1 job with the tiny model: its family came in as one module (and presets)."""
+    r = runner("job=wan_batch", "model.source=tiny", f"output.dir={tmp_path}", "generation.height=64",
+               "generation.width=48", "generation.num_frames=5", "generation.num_inference_steps=2",
+               "ray.cpu_workers=2", "run.shard_size=2")
+    assert "8/8 ok" in r.stdout
+    job_dir = tmp_path / "wan_batch"
+    for row in check_job_dir(job_dir, "mp4"):
+        reader = imageio_ffmpeg.read_frames(str(job_dir / row["output"]))
+        meta = next(reader)
+        assert meta["size"] == (48, 64) and meta["fps"] == 16 and len(list(reader)) == 5
+
+
 def test_demo_image_with_overrides_writes_pngs(tmp_path):
     runner("job=demo_image", f"output.dir={tmp_path}", "generation.height=96", "job.name=img",
            "run.batch_size=3")

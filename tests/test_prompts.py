@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import pytest
@@ -33,6 +34,19 @@ def test_video_frames_default_and_mismatch(write_prompts):
         check(p, VIDEO)
     p = write_prompts({"prompt": ["a"]}, "ok.parquet")
     assert check(p, VIDEO)[2][0].num_frames == 4
+
+
+def test_frames_of_a_4k_plus_1_model(write_prompts):
+    """Wan's VAE compresses time by 4: 4k+1 frames only (the pipeline would silently round)."""
+    wan, gen5 = Constraints(size_factor=16, frame_step=4), dataclasses.replace(GEN, num_frames=5)
+    p = write_prompts({"prompt": ["a", "b", "c"], "num_frames": [5, 33, 16]})
+    with pytest.raises(PromptError, match=r"prompts.parquet:2: num_frames=16, but this model takes "
+                                          r"k \* 4 \+ 1 frames \(e.g. 13 or 17\)"):
+        check(p, wan, gen=gen5)
+    p = write_prompts({"prompt": ["a", "b"], "num_frames": [5, 81]}, "ok.parquet")
+    assert [i.num_frames for i in check(p, wan, gen=gen5)[2]] == [5, 81]
+    with pytest.raises(PromptError, match=r"generation.num_frames=4, but this model takes"):
+        check(p, wan, gen=GEN)                        # the default (4) is the key's error
 
 
 def test_size_not_divisible(write_prompts):

@@ -17,6 +17,7 @@ import torch
 
 from runner import step_cache
 from runner.config import ConfigError, StepCacheSection, load_config, split
+from runner.families.latte import LATTE
 from runner.models import ModelSpec, build_pipeline
 from runner.prompts import Item
 from runner.worker import generate
@@ -33,7 +34,7 @@ def item(seed: int, steps: int = STEPS, guidance: float = 4.5) -> Item:
 
 def run(pipe, it: Item) -> torch.Tensor:
     with torch.inference_mode():
-        return generate(pipe, "latte", [it], "cpu", output_type="pt")
+        return generate(pipe, LATTE, [it], "cpu", output_type="pt")
 
 
 def latte(method: str = "none", compile_mode: str | None = None, **params):
@@ -178,8 +179,8 @@ def test_residual_output_is_independent_of_batch_mates():
     pipe = latte("residual")
     # mask_feature=False: full-length text, so that only the step reuse could couple the items
     with torch.inference_mode():
-        alone = generate(pipe, "latte", [item(1)], "cpu", output_type="pt", mask_feature=False)
-        pair = generate(pipe, "latte", [item(1), item(5)], "cpu", output_type="pt", mask_feature=False)
+        alone = generate(pipe, LATTE, [item(1)], "cpu", output_type="pt", mask_feature=False)
+        pair = generate(pipe, LATTE, [item(1), item(5)], "cpu", output_type="pt", mask_feature=False)
     torch.testing.assert_close(pair[0], alone[0], atol=1e-5, rtol=1e-5)
     assert step_cache.skipped(pipe) == 2 * (STEPS - sum(step_cache.plan(STEPS, pipe.transformer.forward.sc)))
 
@@ -286,7 +287,7 @@ def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
 
     def call(p):
         with torch.inference_mode():
-            return generate(p, "latte", [item(1)], "cuda", output_type="pt").float()
+            return generate(p, LATTE, [item(1)], "cuda", output_type="pt").float()
 
     ref = call(pipe_of(None))
     pipe = pipe_of(mode)

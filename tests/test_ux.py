@@ -30,16 +30,15 @@ def test_compiler_never_imports_runner():
 def test_schema_is_the_only_place_defaults_live():
     from dataclasses import fields
 
-    from runner.config import ModelSection, defaults, schema
-    from runner.models import ModelSpec
+    from runner.config import ModelSpec, defaults, schema
     assert not (ROOT / "conf" / "defaults.yaml").exists()
     keys = schema()
     assert all(k.doc for k in keys.values()), "every key has a one-line doc"
     d = defaults()
     assert {f"{s}.{k}" for s in d for k in d[s]} == set(keys)
-    # ModelSpec's defaults are the schema's (they used to disagree: tiny vs pretrained)
-    for f in fields(ModelSection)[1:]:                     # all but the preset
-        assert getattr(ModelSpec("sd21"), f.name) == getattr(ModelSection(), f.name)
+    # ModelSpec is the schema's model section (its defaults used to disagree: tiny vs pretrained)
+    for f in fields(ModelSpec):
+        assert getattr(ModelSpec(), f.name) == d.model[f.name]
     assert ModelSpec("sd21").source == "pretrained" == d.model.source
 
 

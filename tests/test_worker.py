@@ -289,15 +289,16 @@ def test_nvml_sampler_averages_utilisation_over_a_window(monkeypatch):
     assert s.mean(t[-1] + 1, t[-1] + 2) is None                  # no samples in the window
 
 
-@pytest.mark.parametrize("preset, family, frames", [("latte1", "latte", 4),
-                                                    ("pixart_alpha_1024", "pixart_alpha", None)])
-def test_an_items_output_does_not_depend_on_its_batch_or_shard_mates(preset, family, frames):
+@pytest.mark.parametrize("preset, frames", [("latte1", 4), ("pixart_alpha_1024", None),
+                                            ("wan21_t2v_1_3b", 5)])
+def test_an_items_output_does_not_depend_on_its_batch_or_shard_mates(preset, frames):
     """Alone (its text encoded alone) vs in a batch, its text encoded with a whole shard: the same
     frames within 1 level of 255. Latte used to trim a batch's text to the longest prompt's token
     count (up to 63 levels apart); now batch-mates share their token count (runner.text)."""
     from runner.models import build_pipeline
     from runner.outputs import to_uint8
     from runner.text import TextCache
+    family = ModelSpec(preset).family
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))
     prompts = ["a red cat", "a blue dog", "a small robot walking in the city at night", "a green bird"]
     shard = [Item(id=f"i{k}", prompt=p, negative_prompt="", seed=k, height=64, width=64,
@@ -325,7 +326,7 @@ def test_an_over_long_prompt_is_reported_in_one_short_line(caplog, capfd):
     it = Item(id="long1", prompt=long, negative_prompt="", seed=0, height=64, width=64,
               num_frames=None, num_inference_steps=2, guidance_scale=4.5, file="p", row=0)
     with caplog.at_level("WARNING"), torch.inference_mode():
-        generate(pipe, "pixart_alpha", [it], "cpu", output_type="pt")
+        generate(pipe, ModelSpec("pixart_alpha_1024").family, [it], "cpu", output_type="pt")
     ours = [r.getMessage() for r in caplog.records if "long1" in r.getMessage()]
     assert len(ours) == 1 and "the model reads the first 120" in ours[0] and len(ours[0]) < 200
     printed = capfd.readouterr()

@@ -1,0 +1,16 @@
+"""Model families, one module each (`latte`, `pixart`, `sd21`, `wan`), one `Family` record per
+family (`record.py`) in the plain dict `FAMILIES`; `PRESETS` maps a preset name (conf/models/) to its
+family. Adding a family: write its module, add it to the tuple below, add conf/models/<preset>.yaml
+(and a job in jobs/). README "Adding a model family".
+"""
+
+from __future__ import annotations
+
+from . import latte, pixart, sd21, wan
+from .record import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (latte.LATTE, pixart.ALPHA, pixart.SIGMA,
+                                                     sd21.SD21, wan.WAN21)}
+PRESETS: dict[str, Family] = {p: f for f in FAMILIES.values() for p in f.presets}
+
+__all__ = ["FAMILIES", "PRESETS", "Family"]

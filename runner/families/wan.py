@@ -1,0 +1,76 @@
+"""Wan 2.1 text-to-video (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers): UMT5-XXL (512 tokens),
+the Wan VAE (8x space, 4x time: 4k+1 frames), a DiT of 30 (1.3B) or 40 (14B) blocks with head dim
+128; UniPC with flow sigmas (shift 3.0). Published: 480x832 (1.3B, also 720x1280 for 14B), 81
+frames, 50 steps, guidance 5.0. WanPipeline runs the conditional and unconditional passes as two
+denoiser calls per step.
+
+The configs below are the hub checkpoints' config.json files (transformer, text encoder, scheduler;
+the VAE's are `AutoencoderKLWan`'s defaults).
+"""
+
+from __future__ import annotations
+
+from .parts import scheduler, t5_encoder
+from .record import Family
+
+_TRANSFORMER = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16,
+                    text_dim=4096, freq_dim=256, cross_attn_norm=True, eps=1e-06,
+                    qk_norm="rms_norm_across_heads", image_dim=None, added_kv_proj_dim=None,
+                    rope_max_seq_len=1024)
+TRANSFORMERS = {"1.3b": dict(_TRANSFORMER, num_attention_heads=12, ffn_dim=8960, num_layers=30),
+                "14b": dict(_TRANSFORMER, num_attention_heads=40, ffn_dim=13824, num_layers=40)}
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
+                num_decoder_layers=24, num_heads=64, relative_attention_num_buckets=32,
+                relative_attention_max_distance=128, dropout_rate=0.1, layer_norm_epsilon=1e-06,
+                feed_forward_proj="gated-gelu", tie_word_embeddings=False, is_encoder_decoder=False)
+SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
+                 solver_order=2, prediction_type="flow_prediction", thresholding=False,
+                 sample_max_value=1.0, predict_x0=True, solver_type="bh2", lower_order_final=True,
+                 disable_corrector=[], solver_p=None, use_flow_sigmas=True, flow_shift=3.0,
+                 timestep_spacing="linspace", steps_offset=0, final_sigmas_type="zero")
+
+
+def denoiser_config(preset: dict, tiny: bool) -> dict:
+    cfg = dict(TRANSFORMERS[preset["size"]])
+    if tiny:  # head dim 12: rotary embedding splits it 4/4/4 over time, height, width
+        cfg.update(num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=16,
+                   ffn_dim=32, num_layers=2, rope_max_seq_len=64)
+    return cfg
+
+
+def _vae(tiny: bool):
+    from diffusers import AutoencoderKLWan
+    # tiny: the same 8x spatial, 4x temporal factors and 16 latent channels, narrow
+    return AutoencoderKLWan(base_dim=8, num_res_blocks=1) if tiny else AutoencoderKLWan()
+
+
+def build(preset: dict, tiny: bool):
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+    tok, te = t5_encoder(preset["max_tokens"], tiny, UMT5_XXL, UMT5Config, UMT5EncoderModel)
+    return WanPipeline(tokenizer=tok, text_encoder=te, vae=_vae(tiny),
+                       transformer=WanTransformer3DModel.from_config(denoiser_config(preset, tiny)),
+                       scheduler=scheduler(UniPCMultistepScheduler, SCHEDULER))
+
+
+def encode(pipe, prompts: list[str], max_tokens: int):
+    # WanPipeline's own: each embedding cut to its token count and zero-padded to max_tokens
+    emb, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
+                                max_sequence_length=max_tokens, device=pipe._execution_device)
+    return emb, None
+
+
+def call_args(pipe, num_frames: int | None) -> dict:
+    return dict(num_frames=num_frames)
+
+
+def _preset(size: str, hub: str) -> dict:
+    return dict(hub_id=f"Wan-AI/Wan2.1-T2V-{hub}-Diffusers", size_factor=16, max_tokens=512,
+                height=480, width=832, size=size)
+
+
+WAN21 = Family(
+    name="wan21", kind="video", pipeline="WanPipeline",
+    presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B")},
+    build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
+    frame_step=4)
