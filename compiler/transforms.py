@@ -33,6 +33,7 @@ REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
     "UNet2DConditionModel": ("BasicTransformerBlock", "ResnetBlock2D"),
     # text encoders / VAE decoder, compiled only when asked for
     "T5EncoderModel": ("T5Block",),
+    "UMT5EncoderModel": ("UMT5Block",),
     "CLIPTextModel": ("CLIPEncoderLayer",),
     "Decoder": ("ResnetBlock2D",),  # the mid-block attention specialises on its size under dynamic=True
 }
@@ -65,11 +66,17 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 
 def fuse_qkv(module: nn.Module) -> int:
-    """Fuse the projections of every diffusers `Attention` in `module`. Returns how many were fused."""
+    """Fuse the projections of every diffusers `Attention` in `module`, and of the newer attention
+    classes whose processor reads `fused_projections` (Wan's). Returns how many were fused."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0, FusedAttnProcessor2_0
     n = 0
     for attn in module.modules():
-        if not isinstance(attn, Attention) or getattr(attn, "fused_projections", False):
+        if getattr(attn, "fused_projections", False):
+            continue
+        if not isinstance(attn, Attention) and _fuse_own(attn):
+            n += 1
+            continue
+        if not isinstance(attn, Attention):
             continue
         if type(attn.processor) is not AttnProcessor2_0:  # only the plain processor has a fused twin
             continue
@@ -81,6 +88,20 @@ def fuse_qkv(module: nn.Module) -> int:
         attn.set_processor(FusedAttnProcessor2_0())
         n += 1
     return n
+
+
+def _fuse_own(attn: nn.Module) -> bool:
+    """An attention whose own processor switches on `fused_projections` (diffusers' WanAttention:
+    `to_qkv` for self-, `to_kv` for cross-attention). Its `fuse_projections()` would copy the
+    weights; here they become views. Image-conditioned ones (added K/V) are left alone."""
+    if not hasattr(attn, "fuse_projections") or getattr(attn, "added_kv_proj_dim", None) is not None:
+        return False
+    if not attn.is_cross_attention:
+        attn.to_qkv = _fuse_linears([attn.to_q, attn.to_k, attn.to_v])
+    else:
+        attn.to_kv = _fuse_linears([attn.to_k, attn.to_v])
+    attn.fused_projections = True
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
