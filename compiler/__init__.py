@@ -145,10 +145,11 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
         if opts.short_attention and fused:
             report["short_attention"] = use_short_attention(den)
 
-    if opts.memory_format == "channels_last":
+    if opts.memory_format == "channels_last":   # 2-D convolutions only (Wan's VAE is 3-D)
         for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):
-            if m is not None:
-                m.to(memory_format=torch.channels_last)
+            for conv in (m.modules() if m is not None else ()):
+                if isinstance(conv, torch.nn.Conv2d):
+                    conv.to(memory_format=torch.channels_last)
 
     if opts.compile:
         kw = compile_kwargs(opts)

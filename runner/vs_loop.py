@@ -124,6 +124,7 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
                 recompiles=r.stderr.count("torch._dynamo hit config.recompile_limit")
                 + r.stderr.count("Recompiling function"),
                 gpu_util=ms[0].get("gpu_util") if ms else None,
+                it_s=m.get("steady_it_s"),   # denoising steps/s (the worker's steady figure)
                 gpu_ms_per_item=m.get("gpu_ms_per_item"),
                 time_s=ms[0].get("time_s") if ms else None)
 
@@ -191,7 +192,7 @@ def main(argv: list[str]) -> list[dict]:
     for r in rows:   # step reuse: the speed-up over the same mode without it
         plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
-    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ready_s", "recompiles",
+    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "it_s", "ready_s", "recompiles",
                               "gpu_util", *[f"x_{a}" for a in base],
                               "x_same_mode", "psnr_median_db", "psnr_min_db"]))
     return rows
