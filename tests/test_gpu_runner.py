@@ -63,7 +63,7 @@ def test_full_size_o2_item_alone_and_in_a_shard_match_eager():
                   num_frames=None, num_inference_steps=4, guidance_scale=4.5, file="p", row=k)
              for k, p in enumerate(["a red fox in the snow", "a city street at night",
                                     "a small boat on a blue lake under the moon", "a cat"])]
-    fam = "pixart_alpha"
+    fam = ModelSpec("pixart_alpha_1024").family
     with torch.inference_mode():
         ref = [generate(pipe, fam, [it], "cuda", output_type="pt").float() for it in shard[:2]]
         compile_pipe(pipe, {"mode": "O2"})
