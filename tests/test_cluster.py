@@ -2,10 +2,12 @@
 resource (the tiny models run on CPU). Every process of a test cluster runs with the same
 RAY_AUTH_MODE (token auth is on by default for local clusters in Ray 2.60)."""
 import json
+import shutil
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pyarrow.parquet as pq
@@ -31,19 +33,42 @@ def sh(cmd, timeout=180, **kw):
     return r
 
 
+def stop_cluster(temp_dir: str) -> None:
+    """Kill this cluster's processes only (`ray stop` would kill every Ray on the machine, also
+    another test's under pytest -n): those whose command line names its temp dir, and their
+    children (the agents a raylet starts rename themselves)."""
+    import psutil
+    roots = [p for p in psutil.process_iter(["cmdline"])
+             if any(temp_dir in a for a in (p.info["cmdline"] or []))]
+    procs = list(roots)
+    for p in roots:
+        try:
+            procs += p.children(recursive=True)
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
 @pytest.fixture
 def ray_cluster():
     port, dash = free_port(), free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")    # short: Ray's socket paths
     sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
         "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}", "--disable-usage-stats"])
+        f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}"])
     try:
         for _ in range(2):
             sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-                "--num-cpus=2", "--num-gpus=1"])
+                "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}"])
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
-        subprocess.run([*RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_ray_job_submit_on_a_multi_node_cluster(ray_cluster, tmp_path):
