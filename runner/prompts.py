@@ -3,6 +3,9 @@
 Contract:
 - Input is one .parquet file, several, or directories of them (sorted, so the plan is stable),
   local or on an object store (`s3://`, `gs://`: read on the driver through `runner.storage`).
+- `Item` is the one definition of a row: its fields' metadata say which are Parquet columns, which
+  are integers and which are the parameters an output is made from (`PARAMS`); the column lists,
+  the result rows and resume's "made from" comparison derive from it.
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
   job's `generation` defaults. Unknown columns are ignored.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,9 +35,6 @@ import pyarrow.parquet as pq
 from . import storage
 from .config import GenerationDefaults
 
-OPTIONAL_COLUMNS = ("id", "negative_prompt", "seed", "height", "width", "num_frames",
-                    "num_inference_steps", "guidance_scale")
-_INT_COLUMNS = ("seed", "height", "width", "num_frames", "num_inference_steps")
 _ID_BAD = re.compile(r"[^A-Za-z0-9._-]")
 MAX_ID_LEN = 150
 MAX_LISTED = 20          # bad rows shown in one PromptError (all are counted)
@@ -68,18 +68,27 @@ class Constraints:
         return None
 
 
+def _col(kind: str = "param"):
+    """An Item field read from a Parquet column: `param` (an output is made from it; absent or null
+    cells take the `generation` default of the same name), `int` (a param that must be an
+    integer), `id` (a column, not a param)."""
+    return field(metadata={"column": True, "param": kind != "id", "int": kind == "int"})
+
+
 @dataclass(frozen=True)
 class Item:
-    id: str
-    prompt: str
-    negative_prompt: str
-    seed: int
-    height: int
-    width: int
-    num_frames: int | None           # None for image models
-    num_inference_steps: int
-    guidance_scale: float
-    file: str                        # where the row came from (errors, the results table)
+    """One prompt row, validated. Adding a per-row parameter is adding a field here (and its
+    default in config.GenerationDefaults)."""
+    id: str = _col("id")
+    prompt: str = _col()
+    negative_prompt: str = _col()
+    seed: int = _col("int")
+    height: int = _col("int")
+    width: int = _col("int")
+    num_frames: int | None = _col("int")       # None for image models
+    num_inference_steps: int = _col("int")
+    guidance_scale: float = _col()
+    file: str                                  # where the row came from (errors, the results table)
     row: int
 
     @property
@@ -91,7 +100,18 @@ class Item:
         return (self.height, self.width, self.num_frames, self.num_inference_steps, self.guidance_scale)
 
     def params(self) -> dict:
+        """Every field: the start of this item's result row."""
         return asdict(self)
+
+    def made_from(self) -> tuple:
+        """What its output is made from (compared with a recorded row's `PARAMS` on resume)."""
+        return tuple(getattr(self, k) for k in PARAMS)
+
+
+PARAMS = tuple(f.name for f in fields(Item) if f.metadata.get("param"))
+OPTIONAL_COLUMNS = tuple(f.name for f in fields(Item)
+                         if f.metadata.get("column") and f.name != "prompt")
+_INT_COLUMNS = tuple(f.name for f in fields(Item) if f.metadata.get("int"))
 
 
 @dataclass(frozen=True)
@@ -269,11 +289,12 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
         if not all(ids):
             return None
     frames = ints["num_frames"].to_pylist() if limits.video else [None] * n
-    return list(map(Item, ids, prompt.cast(pa.string()).to_pylist(),
-                    negative.cast(pa.string()).to_pylist(), ints["seed"].to_pylist(),
-                    ints["height"].to_pylist(), ints["width"].to_pylist(), frames,
-                    ints["num_inference_steps"].to_pylist(),
-                    pc.cast(guidance, pa.float64()).to_pylist(), [file] * n, rows))
+    columns = {"id": ids, "prompt": prompt.cast(pa.string()).to_pylist(),
+               "negative_prompt": negative.cast(pa.string()).to_pylist(),
+               "guidance_scale": pc.cast(guidance, pa.float64()).to_pylist(),
+               **{k: ints[k].to_pylist() for k in _INT_COLUMNS}, "num_frames": frames,
+               "file": [file] * n, "row": rows}
+    return list(map(Item, *(columns[f.name] for f in fields(Item))))   # in field order
 
 
 class _Slow(Exception):

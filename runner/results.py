@@ -15,7 +15,7 @@ Contract:
   compacted too.
 - `results.parquet` is derived from the record: one row per prompt of the current prompt set (the
   latest row of an id wins), written atomically.
-- Every row records what its output was made from: the row's parameters (`ROW_KEYS`) and
+- Every row records what its output was made from: the row's parameters (`prompts.PARAMS`) and
   `settings`, a short hash of the job settings that shape every output (`settings_id`).
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
   listing of `media/`, not a stat per row), and it was made from exactly the current row's
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from .prompts import PARAMS
 from .storage import Store, resolve
 
 JOURNAL = "journal.jsonl"   # the record of older versions (append-only, local only); still read
@@ -47,9 +48,6 @@ RECORDS = "records"
 # lossless compile modes) may change between a run and its resume.
 OUTPUT_KEYS = ("model.preset", "model.source", "model.path", "model.dtype", "model.mask_feature",
                "output.fps")
-# A row's own parameters (its `file`/`row` may move between runs without changing the output).
-ROW_KEYS = ("prompt", "negative_prompt", "seed", "height", "width", "num_frames",
-            "num_inference_steps", "guidance_scale")     # (Results.plan inlines this list)
 
 
 def lossy(mode) -> bool:
@@ -159,14 +157,8 @@ class Results:
             r = rows.get(it.id)
             if r is None:
                 continue
-            # the row was made from this item: the same settings and ROW_KEYS (spelt out: this
-            # loop runs once per prompt of a resumed job)
-            if r.get("settings") != settings or (
-                    r.get("prompt"), r.get("negative_prompt"), r.get("seed"), r.get("height"),
-                    r.get("width"), r.get("num_frames"), r.get("num_inference_steps"),
-                    r.get("guidance_scale")) != (
-                    it.prompt, it.negative_prompt, it.seed, it.height, it.width, it.num_frames,
-                    it.num_inference_steps, it.guidance_scale):
+            # made from this item: the same settings and parameters (its file/row may move)
+            if r.get("settings") != settings or tuple(map(r.get, PARAMS)) != it.made_from():
                 plan.changed.append(it)
             elif r["status"] == "ok" and media.get(_media_name(r["output"]), 0) > 0:
                 plan.done.add(it.id)

@@ -165,3 +165,20 @@ def test_a_bad_default_is_the_keys_error_not_every_rows(tmp_path):
     assert r.returncode == 2
     assert "generation.num_inference_steps=1 must be >= 2 for this model" in r.stderr
     assert "sample.parquet:" not in r.stderr          # no row is blamed
+
+
+def test_item_is_the_one_definition_of_a_row(write_prompts):
+    """Column lists, generation defaults, result rows and resume's comparison all derive from
+    Item's fields: a per-row parameter added there is read, defaulted and compared everywhere."""
+    from runner import prompts
+    params = prompts.PARAMS
+    assert params == ("prompt", "negative_prompt", "seed", "height", "width", "num_frames",
+                      "num_inference_steps", "guidance_scale")
+    assert set(prompts.OPTIONAL_COLUMNS) == {"id", *params} - {"prompt"}
+    # every parameter but the prompt has a generation default of the same name
+    assert {f.name for f in dataclasses.fields(GenerationDefaults)} == set(params) - {"prompt"}
+    p = write_prompts({"prompt": ["a"], "seed": [7], "guidance_scale": [2.0]})
+    item = check(p)[2][0]
+    assert item.made_from() == ("a", "ugly", 7, 64, 64, None, 2, 2.0)
+    row = item.params()
+    assert tuple(row[k] for k in params) == item.made_from()
