@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .families import PRESETS   # light: no torch
+from .families import DEFAULT_PRESET, PRESETS   # light: no torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
@@ -77,7 +77,7 @@ DTYPES = ("fp16", "bf16", "fp32")
 class ModelSpec:
     """The model section, validated: which preset, from which weights, where. `family` is the
     preset's record (`runner/families/`), `info` its published facts."""
-    preset: str = key("pixart_alpha_1024", " | ".join(PRESETS) + " (conf/models/<preset>.yaml; "
+    preset: str = key(DEFAULT_PRESET, " | ".join(PRESETS) + " (conf/models/<preset>.yaml; "
                                            "families: runner/families/)")
     source: str = key("pretrained", "pretrained (from_pretrained) | random (published size, random "
                                     "weights) | tiny (CPU tests)")

@@ -130,9 +130,9 @@ def run(argv: list[str]) -> dict:
     model, out, opts = job["model"], job["output"], job["run"]
 
     # 2. Prompts and output directory: all checked before Ray or any model.
-    limits = _constraints(model)
+    limits = constraints(model)
     step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
-    compile_flags = _check_compile(job["compile"])
+    compile_flags = check_compile(job["compile"])
     files, raw_rows, items = check_prompts(job["prompts"].paths, job["generation"], limits,
                                            job["prompts"].on_empty)
     skipped = sum(raw_rows.values()) - len(items)      # empty prompts, prompts.on_empty=skip
@@ -388,7 +388,7 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool):
                         cache_wait_s=job["ray"].worker_start_timeout_s)
 
 
-def _check_compile(c) -> frozenset:
+def check_compile(c) -> frozenset:
     """Compile options are checked on the driver, before any GPU time."""
     import compiler
     try:
@@ -472,7 +472,7 @@ def _collect_metrics(slots, out, timeout_s: float = 60.0) -> list[dict]:
     return metrics
 
 
-def _constraints(model) -> Constraints:
+def constraints(model) -> Constraints:
     from .models import ModelLoadError, check_pretrained, video_length
     try:
         check_pretrained(model)

@@ -7,7 +7,8 @@ Methods (`step_cache.method`, README "Step reuse"):
   a threshold). Which steps compute depends only on the step index, the step count and the
   settings (`plan`), never on tensor values: no host sync per step, the same schedule for every
   item of a batch, and under `cudagraphs` two captured graphs (compute, reuse) replayed as the
-  schedule says. The mechanism is `compiler/latte.py`'s `step_reuse=` argument.
+  schedule says. The mechanism is the denoiser forward's `step_reuse=` argument (the family record's
+`residual_forward` installs it; for Latte, `compiler/latte.py`'s).
 - `fastercache`, `pab`: diffusers' attention-level hooks (`FasterCacheConfig`,
   `PyramidAttentionBroadcastConfig`), deciding per attention call in Python.
 
@@ -121,7 +122,7 @@ def _pab(sc: StepCacheSection, timestep):
 BUILDERS = {"fastercache": _fastercache, "pab": _pab}
 
 
-def apply(pipe, sc: StepCacheSection) -> int:
+def apply(pipe, sc: StepCacheSection, family) -> int:
     """Install the step cache on `pipe.transformer` (after compile_pipe: Latte's compiled forward
     replaces `transformer.forward`, which FasterCache's denoiser hook must wrap, not be replaced by;
     and after the pipeline is on its device and dtype: the opaque op finds each module by the
@@ -130,7 +131,7 @@ def apply(pipe, sc: StepCacheSection) -> int:
         return 0
     den = pipe.transformer
     if sc.method == "residual":
-        return _apply_residual(pipe, sc)
+        return _apply_residual(pipe, sc, family)
     den.enable_cache(BUILDERS[sc.method](sc, _timestep_reader(pipe)))
     hooked = [m for name, m in den.named_modules()   # the attention modules with a hook
               if name and getattr(getattr(m, "_diffusers_hook", None), "_hook_order", None)]
@@ -197,11 +198,9 @@ class Scheduled:
         return self.inner(*args, step_reuse="compute" if compute else "reuse", **kwargs)
 
 
-def _apply_residual(pipe, sc: StepCacheSection) -> int:
-    from compiler import latte
+def _apply_residual(pipe, sc: StepCacheSection, family) -> int:
     den = pipe.transformer
-    if not latte.has_pair_forward(den):   # eager: the same forward, pairs not compiled
-        latte.compile_pairs(den, None)
+    family.residual_forward(den)   # its forward now takes step_reuse= (compiled or not)
     den.forward = Scheduled(den.forward, sc, pipe)
     log.info("step cache residual: %s of %d steps computed at 50 steps",
              sum(plan(50, sc)), 50)

@@ -16,7 +16,7 @@ import sys
 
 from . import step_cache
 from .config import ConfigError, load_config, split
-from .job import JobError, _check_compile, _constraints, worker_config
+from .job import JobError, check_compile, constraints, worker_config
 from .prompts import PromptError
 
 
@@ -24,9 +24,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         job = split(load_config(argv))
-        limits = _constraints(job["model"])
+        limits = constraints(job["model"])
         step_cache.prepare(job)
-        if "cache-all" not in _check_compile(job["compile"]):
+        if "cache-all" not in check_compile(job["compile"]):
             raise ConfigError(f"compile.mode={job['compile'].options['mode']!r} does not keep a "
                               f"cache: use a mode with cache-all (or O2 / O3)")
     except (ConfigError, PromptError, JobError) as e:

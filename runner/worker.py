@@ -251,7 +251,7 @@ class Worker:
         else:
             t_compile = t0
             self._phase("warming up")
-        step_cache.apply(self.pipe, self.cfg.step_cache)   # after compile_pipe: see step_cache.py
+        step_cache.apply(self.pipe, self.cfg.step_cache, self.family)   # after compile_pipe: see step_cache.py
         try:
             self._warmup_call()
         except BaseException:

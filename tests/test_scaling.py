@@ -1,4 +1,4 @@
-"""`python -m runner.scaling` end to end on CPU: one real job per worker count, table, JSON, plots."""
+"""`python -m runner.bench.scaling` end to end on CPU: one real job per worker count, table, JSON, plots."""
 import json
 import os
 import subprocess
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     # 1+2: both jobs at once, each with its own local Ray (on a GPU machine, its own GPUs)
     out = tmp_path / "scaling"
-    r = subprocess.run([sys.executable, "-m", "runner.scaling", "job=demo_image", "workers=1+2",
+    r = subprocess.run([sys.executable, "-m", "runner.bench.scaling", "job=demo_image", "workers=1+2",
                         "prompts_per_worker=3", f"out={out}", "ray.cpu_workers=2", "model.device=cpu"],
                        cwd=ROOT,
                        capture_output=True, text=True, timeout=400,
@@ -38,7 +38,7 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     assert [b.split()[0] for b in bars] == ["1", "1", "2", "2"] and all("|" in b for b in bars)
     # replot: the table and plots again from scaling.json, without running anything
     (out / "scaling.txt").unlink()
-    r2 = subprocess.run([sys.executable, "-m", "runner.scaling", f"replot={out}"], cwd=ROOT,
+    r2 = subprocess.run([sys.executable, "-m", "runner.bench.scaling", f"replot={out}"], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and (out / "scaling.txt").exists() and "steady_efficiency" in r2.stdout
     header = [l for l in r.stdout.splitlines() if l.startswith("workers ")][-1]
@@ -46,7 +46,7 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
 
 
 def test_prompt_list_must_match_worker_counts(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "runner.scaling", "job=demo_image", "workers=1,2,4",
+    r = subprocess.run([sys.executable, "-m", "runner.bench.scaling", "job=demo_image", "workers=1,2,4",
                         "prompts=8,16", f"out={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "one per worker count [1, 2, 4]" in r.stderr
@@ -54,7 +54,7 @@ def test_prompt_list_must_match_worker_counts(tmp_path):
 
 def test_worker_groups_get_disjoint_gpus(monkeypatch):
     import torch
-    from runner.scaling import _gpu_slices, _plan
+    from runner.bench.scaling import _gpu_slices, _plan
     assert _plan("1,2,4") == [[1], [2], [4]] and _plan("1+2+4,8") == [[1, 2, 4], [8]]
     with pytest.raises(SystemExit, match="worker counts"):
         _plan("1,two")
@@ -69,7 +69,7 @@ def test_worker_groups_get_disjoint_gpus(monkeypatch):
 
 
 def test_plots_survive_runs_without_throughput(tmp_path):
-    from runner.scaling import _summarize
+    from runner.bench.scaling import _summarize
     rows = [dict(workers=1, items_per_s=None, steady_items_per_s=None, all_ready_s=None),
             dict(workers=2, items_per_s=0.0, steady_items_per_s=None, all_ready_s=5.0)]
     _summarize(rows, [], str(tmp_path))          # every item failed: nothing to divide by

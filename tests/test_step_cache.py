@@ -43,7 +43,7 @@ def latte(method: str = "none", compile_mode: str | None = None, **params):
     if compile_mode:
         import compiler
         compiler.compile_pipe(pipe, step_cache.compile_options({"mode": compile_mode}, sc))
-    step_cache.apply(pipe, sc)
+    step_cache.apply(pipe, sc, LATTE)
     return pipe
 
 
@@ -282,7 +282,7 @@ def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
         if m:
             import compiler
             compiler.compile_pipe(p, step_cache.compile_options({"mode": m}, sc))
-        step_cache.apply(p, sc)
+        step_cache.apply(p, sc, LATTE)
         return p
 
     def call(p):
@@ -299,11 +299,11 @@ def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
 
 @pytest.mark.e2e
 def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
-    """`python -m runner.bench` on the tiny Latte on CPU: the step cache alone, compiled + step
+    """`python -m runner.bench.compiled` on the tiny Latte on CPU: the step cache alone, compiled + step
     cache and an ablation, each with its speed-up, max abs error and PSNR against eager on the
     same seed."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "runner.bench", "model=latte1", "source=tiny",
+    r = subprocess.run([sys.executable, "-m", "runner.bench.compiled", "model=latte1", "source=tiny",
                         "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
                         "step_cache.method=pab", "reps=1", "extra=cache-all", f"out={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -322,7 +322,7 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
 
 
 def test_bad_step_cache_argument_of_the_bench_names_the_valid_ones():
-    from runner.bench import parse_argv
+    from runner.bench.compiled import parse_argv
     with pytest.raises(SystemExit, match=r"choose one of \['none', 'residual', 'fastercache', 'pab'\]"):
         parse_argv(["step_cache.method=teacache"])
 
@@ -349,7 +349,7 @@ def test_full_size_latte_step_reuse_under_compiled_modes():
         if mode:
             compiler.compile_pipe(pipe, step_cache.compile_options(
                 {"mode": mode, "compile_text_encoder": False, "compile_vae": False}, sc))
-        step_cache.apply(pipe, sc)
+        step_cache.apply(pipe, sc, LATTE)
         return pipe
 
     def call(pipe, n=steps):

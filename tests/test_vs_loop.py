@@ -1,4 +1,4 @@
-"""`python -m runner.vs_loop` end to end on CPU: the plain diffusers loops and the job, one table."""
+"""`python -m runner.bench.vs_loop` end to end on CPU: the plain diffusers loops and the job, one table."""
 import json
 import os
 import subprocess
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_loops_and_job_on_the_same_prompts(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "runner.vs_loop", "job=demo_image", "prompts=3",
+    r = subprocess.run([sys.executable, "-m", "runner.bench.vs_loop", "job=demo_image", "prompts=3",
                         "modes=none", f"out={tmp_path}", "arms=loop,job", "ray.cpu_workers=1",
                         "generation.height=64", "generation.width=64",
                         "generation.num_inference_steps=2"],
@@ -32,7 +32,7 @@ def test_step_reuse_arm_is_compared_with_its_mode_alone(tmp_path):
     import numpy as np
 
     from runner.outputs import write_mp4
-    from runner.vs_loop import compare_outputs
+    from runner.bench.vs_loop import compare_outputs
     rng = np.random.default_rng(0)
     frames = (rng.random((4, 32, 32, 3)) * 255).astype(np.uint8)
     noisy = np.clip(frames.astype(int) + rng.integers(-20, 21, frames.shape), 0, 255).astype(np.uint8)

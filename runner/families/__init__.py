@@ -12,5 +12,6 @@ from .record import Family
 FAMILIES: dict[str, Family] = {f.name: f for f in (latte.LATTE, pixart.ALPHA, pixart.SIGMA,
                                                      sd21.SD21, wan.WAN21)}
 PRESETS: dict[str, Family] = {p: f for f in FAMILIES.values() for p in f.presets}
+DEFAULT_PRESET = "pixart_alpha_1024"   # model.preset when neither job nor command line sets one
 
-__all__ = ["FAMILIES", "PRESETS", "Family"]
+__all__ = ["DEFAULT_PRESET", "FAMILIES", "PRESETS", "Family"]

@@ -42,6 +42,12 @@ def call_args(pipe, num_frames: int | None) -> dict:
     return dict(video_length=num_frames, clean_caption=False)
 
 
+def residual_forward(den) -> None:
+    from compiler import latte
+    if not latte.has_pair_forward(den):   # eager: the same forward, pairs not compiled
+        latte.compile_pairs(den, None)
+
+
 LATTE = Family(
     name="latte", kind="video", pipeline="LattePipeline",
     presets={"latte1": dict(hub_id="maxin-cn/Latte-1", size_factor=16, max_tokens=120,
@@ -49,5 +55,5 @@ LATTE = Family(
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     exact_frames=lambda cfg: cfg.get("video_length", 16), trim_text=True,
     # Latte's transformer is a diffusers CacheMixin and runs the cond/uncond batch in one call
-    step_reuse=("residual", "fastercache", "pab"))
+    step_reuse=("residual", "fastercache", "pab"), residual_forward=residual_forward)
 

@@ -47,4 +47,7 @@ class Family:
     # share it (`runner.text`)
     trim_text: bool = False
     step_reuse: tuple[str, ...] = ()   # step_cache methods offered (`runner.step_cache`)
+    # (denoiser) -> None: make its forward take `step_reuse="compute"|"reuse"` (the `residual`
+    # method), unless compile_pipe already did
+    residual_forward: Callable[[Any], None] | None = None
     load_kwargs: dict = field(default_factory=dict)   # extra `from_pretrained` arguments

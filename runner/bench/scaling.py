@@ -1,8 +1,8 @@
 """Scaling benchmark: the same job with 1, 2, ... workers, side by side in one run.
 
-    python -m runner.scaling job=pixart_batch workers=1,2 prompts=128 out=/tmp/scaling [key=value ...]
-    python -m runner.scaling job=pixart_batch workers=1,2,4 prompts_per_worker=128 ...
-    python -m runner.scaling job=latte_batch workers=1+2+4,8 prompts_per_worker=16 ...
+    python -m runner.bench.scaling job=pixart_batch workers=1,2 prompts=128 out=/tmp/scaling [key=value ...]
+    python -m runner.bench.scaling job=pixart_batch workers=1,2,4 prompts_per_worker=128 ...
+    python -m runner.bench.scaling job=latte_batch workers=1+2+4,8 prompts_per_worker=16 ...
 
 For each worker count it runs `python -m runner` (its own local Ray) on `prompts` generated prompts
 (a list gives each run its own count; with `prompts_per_worker=N`, N x workers of them: weak
@@ -22,7 +22,7 @@ the ramp while later workers wait for the compile artifact and warm up) and `ste
 once every worker is serving (items in flight at that moment count by their part after it).
 Efficiency is against the run with the fewest workers (`base_workers`, normally 1) of the same
 figure; `ready_ratio` is the time to all workers ready against that run's.
-`python -m runner.scaling replot=DIR` prints the table and rewrites the plots from DIR/scaling.json.
+`python -m runner.bench.scaling replot=DIR` prints the table and rewrites the plots from DIR/scaling.json.
 """
 
 from __future__ import annotations
@@ -38,23 +38,21 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .outputs import atomic_path, format_table, write_json, write_text
+from ..outputs import atomic_path, format_table, write_json, write_text
+from . import parse_args
+
+
+USAGE = ("python -m runner.bench.scaling job=NAME [workers=1,2,4,8] [prompts=N | prompts_per_worker=N] "
+         "[out=DIR] [key=value ...]\n"
+         "       python -m runner.bench.scaling replot=DIR   (table and plots again from DIR/scaling.json)")
 
 
 def _args(argv):
-    opts, rest = {"workers": "1,2", "prompts": "128", "prompts_per_worker": None, "out": "scaling",
-                  "job": None, "replot": None}, []
-    for a in argv:
-        k, _, v = a.partition("=")
-        if k in opts:
-            opts[k] = v
-        else:
-            rest.append(a)
+    opts, rest = parse_args(argv, {"workers": "1,2", "prompts": "128", "prompts_per_worker": None,
+                                   "out": "scaling", "job": None, "replot": None}, USAGE,
+                            passthrough=True)
     if not opts["job"] and not opts["replot"]:
-        raise SystemExit("usage: python -m runner.scaling job=NAME [workers=1,2,4,8] [prompts=N | "
-                         "prompts_per_worker=N] [out=DIR] [key=value ...]\n"
-                         "       python -m runner.scaling replot=DIR   (table and plots again from "
-                         "DIR/scaling.json)")
+        raise SystemExit(f"usage: {USAGE}")
     return opts, rest
 
 

@@ -1,6 +1,6 @@
 """Driver-side cost of a large prompt file, no Ray, no model (BENCHMARKS.md "Scale").
 
-    python -m runner.bench_scale rows=1000000 done=500000 dir=/tmp/scale
+    python -m runner.bench.scale rows=1000000 done=500000 dir=/tmp/scale
 
 Writes `dir/prompts-<rows>.parquet` (~60-character prompts, made once), then measures, each in a
 fresh process (so RSS is that step's peak): `dry` the dry run (config, prompt checks, plan; what
@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 import time
+
+from . import parse_args
 
 
 def _prompts(path: str, rows: int) -> None:
@@ -37,17 +39,17 @@ def _job_args(prompts: str, out: str) -> list[str]:
 
 def _record(prompts: str, out: str, done: int) -> None:
     """A job directory whose record holds the first `done` rows as finished (made once)."""
-    from .config import load_config, split
-    from .job import _constraints
-    from .prompts import check_prompts
-    from .results import Results, settings_id
-    from .storage import resolve
+    from ..config import load_config, split
+    from ..job import constraints
+    from ..prompts import check_prompts
+    from ..results import Results, settings_id
+    from ..storage import resolve
     job_dir = os.path.join(out, "j")
     if os.path.isdir(os.path.join(job_dir, "records")):
         return
     cfg = load_config(_job_args(prompts, out))
     job = split(cfg)
-    _, _, items = check_prompts(job["prompts"].paths, job["generation"], _constraints(job["model"]), "error")
+    _, _, items = check_prompts(job["prompts"].paths, job["generation"], constraints(job["model"]), "error")
     store = resolve(job_dir)
     store.write_text("config.yaml", __import__("omegaconf").OmegaConf.to_yaml(cfg, resolve=True))
     os.makedirs(os.path.join(job_dir, "media"), exist_ok=True)
@@ -65,12 +67,12 @@ def _record(prompts: str, out: str, done: int) -> None:
 def _step(step: str, prompts: str, out: str) -> dict:
     t0 = time.perf_counter()
     if step == "shard":
-        from .config import load_config, split
-        from .job import _constraints
-        from .prompts import check_prompts, plan_shards
+        from ..config import load_config, split
+        from ..job import constraints
+        from ..prompts import check_prompts, plan_shards
         job = split(load_config(_job_args(prompts, out)))
         _, _, items = check_prompts(job["prompts"].paths, job["generation"],
-                                    _constraints(job["model"]), "error")
+                                    constraints(job["model"]), "error")
         shards = plan_shards(items, 8)
         by_row = {(it.file, it.row): it for it in items}
         t = time.perf_counter()
@@ -78,7 +80,7 @@ def _step(step: str, prompts: str, out: str) -> dict:
             [by_row[(s.file, r)] for r in range(s.start, s.stop) if (s.file, r) in by_row]
         return dict(step=step, per_shard_ms=(time.perf_counter() - t) / min(1000, len(shards)) * 1e3,
                     rss_mb=_peak_rss_mb())
-    from .job import run
+    from ..job import run
     summary = run(_job_args(prompts, out))
     return dict(step=step, seconds=time.perf_counter() - t0, done=summary["done"],
                 to_run=summary["to_run"], shards=summary["shards"],
@@ -93,12 +95,13 @@ def _peak_rss_mb() -> float:
 
 
 def main(argv: list[str]) -> int:
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if "step" in args:                     # the child process of one step
+    args, _ = parse_args(argv, {"rows": "1000000", "done": "0", "dir": "/tmp/runner-scale",
+                                "step": None, "prompts": None, "out": None},
+                         "python -m runner.bench.scale [rows=N] [done=N] [dir=DIR]")
+    if args["step"]:                     # the child process of one step
         print(json.dumps(_step(args["step"], args["prompts"], args["out"])))
         return 0
-    rows, done = int(args.get("rows", 1_000_000)), int(args.get("done", 0))
-    d = args.get("dir", "/tmp/runner-scale")
+    rows, done, d = int(args["rows"]), int(args["done"]), args["dir"]
     os.makedirs(d, exist_ok=True)
     prompts = os.path.join(d, f"prompts-{rows}.parquet")
     _prompts(prompts, rows)
@@ -108,7 +111,7 @@ def main(argv: list[str]) -> int:
         _record(prompts, out, done)
         steps.append(("resume", out))
     for step, out in steps:
-        r = subprocess.run([sys.executable, "-m", "runner.bench_scale", f"step={step}",
+        r = subprocess.run([sys.executable, "-m", "runner.bench.scale", f"step={step}",
                             f"prompts={prompts}", f"out={out}"], capture_output=True, text=True)
         line = r.stdout.strip().splitlines()[-1] if r.returncode == 0 else r.stderr[-2000:]
         print(json.dumps({"rows": rows, **json.loads(line)}) if r.returncode == 0 else line, flush=True)

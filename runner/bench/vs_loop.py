@@ -1,6 +1,6 @@
 """The runner against what users would run instead, side by side in one command on one GPU.
 
-    python -m runner.vs_loop job=pixart_batch model.source=random prompts=40 modes=none,O3 \
+    python -m runner.bench.vs_loop job=pixart_batch model.source=random prompts=40 modes=none,O3 \
         [arms=loop,loop_compile,job] [out=DIR] [key=value ...]
 
 The same generated prompts (ids, seeds) go through:
@@ -32,25 +32,22 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .outputs import format_table, write_json
+from ..outputs import format_table, write_json
+from . import parse_args
 
 ARMS = ("loop", "loop_compile", "job")
 
 
+USAGE = (f"python -m runner.bench.vs_loop job=NAME [prompts=N] [modes=none,O3] "
+         f"[arms={','.join(ARMS)}] [out=DIR] [key=value ...]")
+
+
 def _args(argv: list[str]) -> tuple[dict, list[str]]:
-    opts, rest = {"job": None, "prompts": "40", "modes": "none,O3", "arms": ",".join(ARMS),
-                  "out": "vs_loop"}, []
-    for a in argv:
-        k, _, v = a.partition("=")
-        if k in opts:
-            opts[k] = v
-        else:
-            rest.append(a)
+    opts, rest = parse_args(argv, {"job": None, "prompts": "40", "modes": "none,O3",
+                                   "arms": ",".join(ARMS), "out": "vs_loop"}, USAGE, passthrough=True)
     bad = set(opts["arms"].split(",")) - set(ARMS)
     if not opts["job"] or bad:
-        raise SystemExit(f"usage: python -m runner.vs_loop job=NAME [prompts=N] [modes=none,O3] "
-                         f"[arms={','.join(ARMS)}] [out=DIR] [key=value ...]"
-                         + (f"\nunknown arms {sorted(bad)}" if bad else ""))
+        raise SystemExit(f"usage: {USAGE}" + (f"\nunknown arms {sorted(bad)}" if bad else ""))
     return opts, rest
 
 
@@ -69,8 +66,8 @@ def run_loop(job: dict, prompts: list[dict], out: str, compiled: bool) -> dict:
     import torch
     from diffusers.utils import export_to_video
 
-    from .models import build_pipeline
-    from .timing import UtilSampler
+    from ..models import build_pipeline
+    from ..timing import UtilSampler
     spec, g = job["model"].resolved(), job["generation"]
     pipe = build_pipeline(spec)
     if compiled:
@@ -160,7 +157,7 @@ def compare_outputs(out: str, mode: str, ref: str) -> dict:
 def main(argv: list[str]) -> list[dict]:
     from omegaconf import OmegaConf
 
-    from .config import load_config, split
+    from ..config import load_config, split
     opts, rest = _args(argv)
     os.makedirs(opts["out"], exist_ok=True)
     # The job's config decides the loop's model and sizes; its prompts are the generated ones.

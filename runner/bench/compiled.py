@@ -1,6 +1,6 @@
 """Benchmark: eager vs compiled, side by side in one run, as the seed tables report them.
 
-    python -m runner.bench model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
+    python -m runner.bench.compiled model=pixart_alpha_1024 compile.mode=O3 steps=20 height=1024 width=1024 \
         [frames=16] [batch=1] [reps=3] [profile=0|1|2] [prewarm=1] [out=bench.json] [extra=none,cache-all,O2] [compile.dynamic=true] \
         [compile.memory_format=channels_last] [compile.options='{"max_fusion_size": 64}'] \
         [step_cache.method=fastercache|pab] [step_cache.block_skip_range=2] [...]
@@ -45,16 +45,25 @@ import torch
 from compiler import cache, compile_pipe, denoiser_of, parse_options, prewarm
 from compiler.options import BOOL_KEYS
 
+from ..families import DEFAULT_PRESET
+from . import parse_args
+
+
+USAGE = ("python -m runner.bench.compiled model=NAME compile.mode=MODE [steps=N] [height=H width=W] "
+         "[frames=N] [batch=N] [reps=N] [out=FILE] [compile.KEY=V ...] [step_cache.KEY=V ...]")
+INT_ARGS = ("steps", "frames", "batch", "seed", "height", "width", "profile", "prewarm", "reps")
+
 
 def parse_argv(argv: list[str]) -> dict:
-    a = dict(model="pixart_alpha_1024", steps=20, height=None, width=None, frames=16, batch=1, out=None,
-             extra="", profile=0, prewarm=1, reps=3, seed=0, child=None, cache_dir=None, source="random", dtype="fp16", device="cuda")
+    a, rest = parse_args(argv, dict(
+        model=DEFAULT_PRESET, steps=20, height=None, width=None, frames=16, batch=1, out=None,
+        extra="", profile=0, prewarm=1, reps=3, seed=0, child=None, cache_dir=None, source="random",
+        dtype="fp16", device="cuda"), USAGE, passthrough=True)
+    a.update({k: int(a[k]) for k in INT_ARGS if isinstance(a[k], str)})
     comp: dict = {"mode": "O2"}
     sc: dict = {}
-    for item in argv:
-        if "=" not in item:
-            raise SystemExit(f"arguments are key=value, got {item!r}")
-        k, v = item.split("=", 1)
+    for item in rest:                    # compile.* and step_cache.*: typed values
+        k, _, v = item.partition("=")
         if k.startswith("compile."):
             sub = k[len("compile."):]
             comp[sub] = json.loads(v) if sub == "options" or sub in BOOL_KEYS else v
@@ -63,12 +72,11 @@ def parse_argv(argv: list[str]) -> dict:
         elif k.startswith("step_cache."):
             import yaml   # values as a job's command line parses them: 2, [100, 800], null
             sc[k[len("step_cache."):]] = yaml.safe_load(v)
-        elif k in a:
-            a[k] = int(v) if k in ("steps", "frames", "batch", "seed", "height", "width", "profile", "prewarm", "reps") else v
         else:
-            raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)} and compile.*")
-    from . import step_cache
-    from .config import ConfigError, StepCacheSection
+            raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)}, compile.* and "
+                             f"step_cache.*\nusage: {USAGE}")
+    from .. import step_cache
+    from ..config import ConfigError, StepCacheSection
     try:
         a["step_cache"] = StepCacheSection(**sc)
     except (ConfigError, TypeError) as e:
@@ -88,7 +96,7 @@ def error_vs(out: torch.Tensor, ref: torch.Tensor) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def build(args):
-    from .models import ModelSpec, build_pipeline, video_length
+    from ..models import ModelSpec, build_pipeline, video_length
     spec = ModelSpec(args["model"], source=args["source"], dtype=args["dtype"], device=args["device"])
     pipe = build_pipeline(spec)
     tiny = args["source"] == "tiny"
@@ -247,8 +255,8 @@ def child(args) -> dict:
     hit = blob is not None and cache.unpack_and_load(blob, key)
     t_loaded = time.perf_counter()
     compile_pipe(pipe, args["compile"])
-    from . import step_cache
-    step_cache.apply(pipe, args["step_cache"])
+    from .. import step_cache
+    step_cache.apply(pipe, args["step_cache"], spec.family)
     start: list = []
     if args["profile"] >= 2:  # where the warm first call's CPU time goes (Python profile)
         import cProfile
@@ -321,10 +329,10 @@ def main(argv: list[str]) -> dict:
     ref = ref.float().cpu()
 
     # step cache alone (eager), then off again for the compiled run (which gets it after compiling)
-    from . import step_cache
+    from .. import step_cache
     sc = args["step_cache"]
     if sc.method != "none":
-        step_cache.apply(pipe, sc)
+        step_cache.apply(pipe, sc, spec.family)
         run_call(pipe, spec, args, steps)
         res["step_cache_eager"], out = measure_reps(pipe, spec, args, steps)
         res["step_cache_eager"].update(error_vs(out, ref), reused=step_cache.skipped(pipe),
@@ -335,7 +343,7 @@ def main(argv: list[str]) -> dict:
     try:
         torch._dynamo.reset()
         compile_pipe(pipe, args["compile"])
-        step_cache.apply(pipe, sc)
+        step_cache.apply(pipe, sc, spec.family)
         res["compile_report"] = pipe._compile_report
         t0 = time.perf_counter()
         run_call(pipe, spec, args, steps)
@@ -412,7 +420,7 @@ def main(argv: list[str]) -> dict:
         return res
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         child_out = f.name
-    cmd = [sys.executable, "-m", "runner.bench", *argv, f"cache_dir={cache_dir}", f"child={child_out}"]
+    cmd = [sys.executable, "-m", "runner.bench.compiled", *argv, f"cache_dir={cache_dir}", f"child={child_out}"]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode == 0:
