@@ -298,14 +298,15 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
     try:
         return summarize()
     except OSError as e:
-        if aborted is None and stopped is None:
-            raise
-        # stopped or aborted: the store may be what failed; the exit status stays the stop's
-        log.error("the summary could not be written: %s: %s", type(e).__name__,
-                  str(e).splitlines()[0][:300])
+        # the store failed under the end of the run (results, record, summary): every finished
+        # output is recorded already; stopped: the exit status stays the stop's; else exit 3
+        cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log.error("the summary could not be written: %s", cause)
         if stopped is not None:
             raise stopped from None
-        return dict(aborted=aborted, failed=0)
+        return dict(aborted=aborted or f"the results or summary could not be written ({cause}); "
+                                       f"finished outputs are recorded: fix the store and rerun "
+                                       f"the same command to write the results table", failed=0)
 
 
 @functools.lru_cache(maxsize=8)

@@ -251,3 +251,21 @@ def test_rows_skipped_for_an_empty_prompt_are_counted(tmp_path, write_prompts):
     summary = json.loads((tmp_path / "j" / "summary.json").read_text())
     assert summary["skipped_empty"] == 2 and summary["ok"] == 2
     assert "2 rows with an empty prompt skipped" in (tmp_path / "j" / "summary.txt").read_text()
+
+
+def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(job):
+    """Every output made, then the results table cannot be written (a non-empty directory holds
+    its name: a real OSError from the filesystem): exit 3 naming it, no traceback, every finished
+    row recorded; a rerun after the fix writes the table without generating anything again."""
+    (job["dir"] / "results.parquet" / "in-the-way").mkdir(parents=True)
+    rc, out, err = cli(job["args"])
+    assert rc == 3, err[-3000:]
+    assert "Traceback" not in err
+    assert "the results or summary could not be written" in err and "Error" in err
+    assert sorted(r["id"] for r in record_rows(job["dir"]) if r["status"] == "ok") == IDS
+    (job["dir"] / "results.parquet" / "in-the-way").rmdir()
+    (job["dir"] / "results.parquet").rmdir()
+    rc, out, err = cli(job["args"])
+    assert rc == 0, err[-3000:]
+    assert f"nothing to do: all {len(IDS)} prompts already done" in out
+    assert_complete(job["dir"])

@@ -259,6 +259,12 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
     assert len(metrics) == summary["workers"] and all(m.startswith("worker-") for m in metrics)
     assert len(rows(job_dir)) == summary["ok"]
     assert not (job_dir / ".lock").exists()
+    # no file lands after the summary: the workers were stopped before it was written
+    time.sleep(4)                          # longer than a slow:2 call plus its write
+    media = [f for f in os.scandir(job_dir / "media") if f.name.endswith(".png")]
+    assert len(media) >= summary["ok"]
+    done = os.stat(job_dir / "summary.json").st_mtime
+    assert [f.name for f in media if f.stat().st_mtime > done] == []
 
 
 def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts):
