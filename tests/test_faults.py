@@ -62,7 +62,8 @@ def record_rows(job_dir):
     compacted at the end of a run), in write order."""
     d = os.path.join(job_dir, "records")
     names = sorted(os.listdir(d)) if os.path.isdir(d) else []
-    return [json.loads(line) for n in names if n.endswith(".jsonl")
+    # a `.tmp-*.jsonl` is a record still being written (renamed when complete): not yet a row
+    return [json.loads(line) for n in names if n.endswith(".jsonl") and not n.startswith(".tmp-")
             for line in open(os.path.join(d, n))]
 
 
