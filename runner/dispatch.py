@@ -25,6 +25,12 @@ Contract of `dispatch(...)`:
 - `slots` (optional) is a list the caller owns, filled with the live slots as they change: after an
   interrupt (an exception out of dispatch) the caller still knows which workers served.
 - `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
+
+These rules live in `Dispatcher`, which reaches its workers only through a `Pool` (start a worker
+and its warm-up, submit a shard, wait for futures, read a result as a value, `TaskError` or
+`WorkerLost`, kill a worker): `RayPool` is the Ray one (the only place Ray is called), and
+tests/test_dispatch.py drives the same rules with an in-memory pool. A worker is anything with the
+methods of `runner.worker.WorkerContract`; `dispatch(...)` is `Dispatcher(RayPool(...), ...).run()`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .prompts import Item, Shard
 from .results import failed_row
@@ -54,6 +60,37 @@ class PersistentFault(DispatchError):
 FAULT_ROWS = 4   # distinct failing shards (or rows) with one cause and no success in between
 
 
+class TaskError(Exception):
+    """An exception raised by our code inside a worker, which lives on. `str()` is its cause,
+    `Type: message` of the worker-side exception (see `_cause`)."""
+
+
+class WorkerLost(Exception):
+    """The worker is gone (its process or node died, or it was killed). `str()` says how."""
+
+
+class Pool(Protocol):
+    """The dispatcher's only way to its workers. Handles and futures are opaque; futures are
+    hashable, and a worker runs its calls in the order they were made."""
+
+    def start(self, rank: int) -> tuple[Any, Any]:
+        """Create the worker of slot `rank` and begin its warm-up: (handle, future of the
+        warm-up's ready info)."""
+
+    def submit(self, worker: Any, seq: int, items: list[Item]) -> tuple[Any, Any]:
+        """Shard number `seq` of this worker (`start_shard`, `finish_shard`): (future done when
+        its GPU work is, future of its rows once written)."""
+
+    def wait(self, futures: list, timeout: float) -> list:
+        """Some of `futures` that are done, or [] once `timeout` seconds passed with none done."""
+
+    def result(self, future: Any) -> Any:
+        """The value of a done future; raises `TaskError` or `WorkerLost`."""
+
+    def kill(self, worker: Any) -> None:
+        """Stop the worker for good (no restart behind the dispatcher's back). Never raises."""
+
+
 def _cause(e: BaseException) -> str:
     """`Type: message` of the exception raised in the worker (Ray's wrapper holds it as `cause`),
     first line, for logs and the summary; Ray's own error text for what has no cause (a lost
@@ -64,35 +101,253 @@ def _cause(e: BaseException) -> str:
     return (text.splitlines() or [type(c).__name__])[0][:500]
 
 
+class RayPool:
+    """`Pool` over Ray actors made by `make_actor(rank)` (a `WorkerContract` under `ray.remote`).
+    The only code here that touches Ray."""
+
+    def __init__(self, make_actor: Callable[[int], Any]):
+        import ray                     # here only: the dispatcher and its tests run without Ray
+        self.ray, self.make_actor = ray, make_actor
+
+    def start(self, rank: int) -> tuple[Any, Any]:
+        actor = self.make_actor(rank)
+        return actor, actor.warmup.remote()
+
+    def submit(self, actor, seq: int, items: list[Item]) -> tuple[Any, Any]:
+        return actor.start_shard.remote(seq, items), actor.finish_shard.remote(seq)
+
+    def wait(self, futures: list, timeout: float) -> list:
+        return self.ray.wait(futures, num_returns=1, timeout=timeout)[0]
+
+    def result(self, ref) -> Any:
+        errors = self.ray.exceptions
+        try:
+            return self.ray.get(ref)
+        except errors.RayError as e:
+            # a RayTaskError wraps our code's exception; a dead actor is no such thing even in the
+            # Ray versions where RayActorError subclasses RayTaskError
+            if isinstance(e, errors.RayTaskError) and not isinstance(e, errors.RayActorError):
+                raise TaskError(_cause(e)) from e
+            raise WorkerLost(_cause(e)) from e
+
+    def kill(self, actor) -> None:
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:              # already gone: nothing left to stop
+            pass
+
+
 @dataclass
 class Slot:
     rank: int
-    actor: Any
-    warm_ref: Any
+    actor: Any                       # the Pool's worker handle (a Ray actor under RayPool)
+    warm_ref: Any                    # future of its warm-up
     started: float
     state: str = "starting"          # starting | ready | dead
     restarts: int = 0
-    running: list = field(default_factory=list)   # finish refs in submission order
+    running: list = field(default_factory=list)   # finish futures in submission order
     next_seq: int = 0                                 # the next shard number for this actor
     ready_info: dict | None = None
     last_error: str | None = None
 
 
-def _is_task_error(e: Exception) -> bool:
-    """An exception raised by our code inside the actor (the actor lives on)."""
-    import ray
-    return isinstance(e, ray.exceptions.RayTaskError) and not isinstance(e, ray.exceptions.RayActorError)
+class Dispatcher:
+    """The rules of the module docstring over a `Pool`. Takes `dispatch`'s arguments, and `clock`
+    (seconds: start-up timeouts, `Slot.started`) so that tests can run on a fake one. `run()`
+    once."""
 
+    def __init__(self, pool: Pool, n_workers: int, shards: list[Shard],
+                 items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
+                 inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
+                 start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
+                 slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pool, self.n_workers, self.items_of, self.on_rows = pool, n_workers, items_of, on_rows
+        self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
+        self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
+        self.clock = clock
+        self.slots = [] if slots is None else slots     # the caller's list, kept current
+        self.queue = deque(shards)
+        self.next_index = max((s.index for s in shards), default=-1) + 1   # for split shards
+        self.futures: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish -> (slot, shard, start)
+        self.attempts: dict[int, int] = {}      # shard index -> failed attempts charged
+        self.suspects: set[int] = set()         # shard indices that run isolated
+        self.streak: dict[str, set] = {}        # cause -> shards failed of it since a success
+        self.startup_errors: dict[str, int] = {}   # start-up exceptions seen, by cause
 
-def _value(ref):
-    """The result of a finished task, or None (still running, or failed)."""
-    import ray
-    if not ray.wait([ref], timeout=0)[0]:
-        return None
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayError:
-        return None
+    def run(self) -> list[Slot]:
+        """Until every shard is done (its rows to `on_rows`); returns the slots."""
+        for rank in range(self.n_workers):
+            self.slots.append(self._start(rank))
+        while self.queue or self.futures:
+            self._check_alive()
+            warming = {s.warm_ref: s for s in self.slots if s.state == "starting"}
+            ready = self.pool.wait(list(self.futures) + list(warming), timeout=1.0)
+            if self.on_tick:                 # about once a second: start-up phases, progress lines
+                self.on_tick()
+            self._time_out(ready)
+            for f in ready:
+                if f in warming:
+                    self.on_warm(warming[f])
+                elif f in self.futures:      # (not retired meanwhile with its lost worker)
+                    self.on_done(f)
+            for s in self.slots:             # every path that retires a shard ends here: refill
+                self.fill(s)
+        for s in self.slots:
+            if s.state == "starting":        # a replacement nobody needs any more
+                self.pool.kill(s.actor)
+                s.state = "dead"
+        return self.slots
+
+    def _start(self, rank: int, restarts: int = 0) -> Slot:
+        actor, warm = self.pool.start(rank)
+        return Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
+
+    def _check_alive(self) -> None:
+        """No slot ready or starting: stop rather than wait for nothing."""
+        if any(s.state != "dead" for s in self.slots):
+            return
+        errors = "; ".join(f"worker {s.rank}: {(s.last_error or '?').splitlines()[0][:300]}"
+                           for s in self.slots)
+        raise DispatchError(f"every worker is gone and none could be restarted ({errors}); "
+                            f"{len(self.queue)} shards were not run. Finished outputs are kept: "
+                            f"rerun the same command to resume.")
+
+    def _time_out(self, ready: list) -> None:
+        """Give up slots not ready in time: a restart waiting for resources that left with a lost
+        node would wait forever in Ray."""
+        now = self.clock()
+        for s in [s for s in self.slots if s.state == "starting"]:
+            if now - s.started > self.start_timeout_s and s.warm_ref not in ready:
+                self.lose(s, f"not ready after {self.start_timeout_s:.0f} s "
+                             f"(ray.worker_start_timeout_s): the cluster may lack the resources "
+                             f"for it")
+
+    def fill(self, slot: Slot) -> None:
+        """Up to `inflight` shards on a ready slot; a suspect runs alone."""
+        while slot.state == "ready" and self.queue and len(slot.running) < self.inflight:
+            if slot.running and (self.queue[0].index in self.suspects or any(
+                    self.futures[f][1].index in self.suspects for f in slot.running)):
+                break
+            shard = self.queue.popleft()
+            started, finished = self.pool.submit(slot.actor, slot.next_seq, self.items_of(shard))
+            slot.next_seq += 1
+            slot.running.append(finished)
+            self.futures[finished] = (slot, shard, started)
+
+    def on_warm(self, slot: Slot) -> None:
+        """A warm-up ended: the slot serves, or it is lost."""
+        if slot.state != "starting":
+            return
+        try:
+            slot.ready_info = self.pool.result(slot.warm_ref)
+        except (TaskError, WorkerLost) as e:
+            error = f"start-up failed: {e}"
+            if isinstance(e, TaskError):
+                # our start-up code raised: deterministic, so one retry (its cause shown), never a
+                # third identical attempt. A lost worker restarts as usual.
+                self.startup_errors[error] = self.startup_errors.get(error, 0) + 1
+                if self.startup_errors[error] > 1:
+                    log.error("worker %d: %s (the same error as before: not retried)",
+                              slot.rank, error)
+            self.lose(slot, error, restart=self.startup_errors.get(error, 0) <= 1)
+            return
+        slot.state = "ready"
+        if self.on_ready:
+            self.on_ready(slot)
+        self.fill(slot)
+
+    def on_done(self, finished) -> None:
+        """A shard's rows are in, or it raised (retried), or its worker is lost."""
+        slot, shard, _ = self.futures[finished]
+        try:
+            rows = self.pool.result(finished)
+        except WorkerLost as e:
+            self.lose(slot, str(e))
+            return
+        except TaskError as e:
+            self._retire(finished)
+            self._count_fault(shard, str(e))
+            self.retry(shard, str(e))
+            return
+        self._retire(finished)
+        self.streak.clear()
+        self.on_rows(rows)
+
+    def _retire(self, finished) -> None:
+        slot, _, _ = self.futures.pop(finished)
+        slot.running.remove(finished)
+
+    def _count_fault(self, shard: Shard, cause: str) -> None:
+        """PersistentFault once `FAULT_ROWS` distinct shards failed of `cause` since a success."""
+        failed = self.streak.setdefault(cause, set())
+        failed.add(shard.index)
+        if len(failed) >= FAULT_ROWS:
+            raise PersistentFault(
+                f"the same error on {len(failed)} shards in a row, nothing written since: "
+                f"{cause}. Finished outputs are kept: fix the cause (disk space, storage access) "
+                f"and rerun the same command to resume.")
+
+    def retry(self, shard: Shard, error: str, count: bool = True) -> None:
+        """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which
+        a single row over `max_retries` is recorded failed. A shard of several rows is split."""
+        n = self.attempts.get(shard.index, 0) + int(count)
+        items = self.items_of(shard)
+        if len(items) > 1:
+            log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
+                        shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
+            singles = [Shard(self.next_index + k, shard.file, it.row, it.row + 1)
+                       for k, it in enumerate(items)]
+            self.next_index += len(singles)
+            for s in singles:
+                self.attempts[s.index] = n
+                self.suspects.add(s.index)
+            self.queue.extendleft(reversed(singles))
+        elif n > self.max_retries:
+            log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
+                      error.splitlines()[0][:300])
+            self.on_rows([failed_row(it, f"failed {n} times: {error}") for it in items])
+        elif items:
+            self.attempts[shard.index] = n
+            self.suspects.add(shard.index)
+            self.queue.appendleft(shard)
+
+    def lose(self, slot: Slot, error: str, restart: bool = True) -> None:
+        """The slot's worker is gone: keep what it finished, requeue the rest, restart it if
+        allowed. Which shard it died of: see the module docstring."""
+        if slot.state == "dead":
+            return
+        slot.state, slot.last_error = "dead", error
+        unfinished, written = [], []
+        for f in slot.running:
+            _, shard, started = self.futures.pop(f)
+            rows = self._value(f)
+            if rows is not None:
+                self.on_rows(rows)           # finished before the worker died
+            elif self._value(started) is None:
+                unfinished.append(shard)     # its GPU work had not finished
+            else:
+                written.append(shard)        # only its files were being written
+        self.queue.extendleft(reversed(written))
+        for shard in reversed(unfinished):
+            self.retry(shard, error, count=len(unfinished) == 1)
+        slot.running = []
+        self.pool.kill(slot.actor)
+        if restart and slot.restarts < self.max_restarts and (self.queue or self.futures):
+            log.warning("worker %d lost (%s); starting a replacement (%d/%d)", slot.rank,
+                        error.splitlines()[0][:200], slot.restarts + 1, self.max_restarts)
+            self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1)
+        else:
+            log.warning("worker %d lost (%s); not restarted", slot.rank, error.splitlines()[0][:200])
+
+    def _value(self, future) -> Any:
+        """The value of a finished future, or None (still running, or failed)."""
+        if not self.pool.wait([future], timeout=0):
+            return None
+        try:
+            return self.pool.result(future)
+        except (TaskError, WorkerLost):
+            return None
 
 
 def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
@@ -101,164 +356,6 @@ def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shar
              start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
              slots: list[Slot] | None = None,
              on_tick: Callable[[], None] | None = None) -> list[Slot]:
-    import ray
-
-    queue = deque(shards)
-    attempts: dict[int, int] = {}
-    next_index = max((s.index for s in shards), default=-1) + 1
-    refs: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish ref -> (slot, shard, start ref)
-
-    def start(slot: Slot | None, rank: int) -> Slot:
-        actor = make_actor(rank)
-        new = Slot(rank=rank, actor=actor, warm_ref=actor.warmup.remote(), started=time.monotonic())
-        if slot is not None:
-            new.restarts = slot.restarts + 1
-        return new
-
-    slots = [] if slots is None else slots
-    for k in range(n_workers):
-        slots.append(start(None, k))
-
-    suspects: set[int] = set()      # shard indices that run isolated (see the module docstring)
-    streak: dict[str, set] = {}     # cause -> shards that failed of it since the last success
-    startup_errors: dict[str, int] = {}   # start-up exceptions seen, by cause
-
-    def fill(slot: Slot):
-        while slot.state == "ready" and queue and len(slot.running) < inflight:
-            if slot.running and (queue[0].index in suspects
-                                 or any(refs[r][1].index in suspects for r in slot.running)):
-                break
-            shard = queue.popleft()
-            started = slot.actor.start_shard.remote(slot.next_seq, items_of(shard))
-            ref = slot.actor.finish_shard.remote(slot.next_seq)
-            slot.next_seq += 1
-            slot.running.append(ref)
-            refs[ref] = (slot, shard, started)
-
-    def retry(shard: Shard, error: str, count: bool = True):
-        """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which a
-        single row over `max_retries` is recorded failed. A shard of several rows is split."""
-        nonlocal next_index
-        n = attempts.get(shard.index, 0) + int(count)
-        items = items_of(shard)
-        if len(items) > 1:
-            log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
-                        shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
-            singles = [Shard(next_index + k, shard.file, it.row, it.row + 1)
-                       for k, it in enumerate(items)]
-            next_index += len(singles)
-            for s in singles:
-                attempts[s.index] = n
-                suspects.add(s.index)
-            queue.extendleft(reversed(singles))
-        elif n > max_retries:
-            log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
-                      error.splitlines()[0][:300])
-            on_rows([failed_row(it, f"failed {n} times: {error}") for it in items])
-        elif items:
-            attempts[shard.index] = n
-            suspects.add(shard.index)
-            queue.appendleft(shard)
-
-    def lose(slot: Slot, error: str, restart: bool = True):
-        """The slot's actor is gone: keep what it finished, requeue the rest, restart it if allowed.
-        Which shard it died of: see the module docstring."""
-        if slot.state == "dead":
-            return
-        slot.state, slot.last_error = "dead", error
-        unfinished, written = [], []
-        for ref in slot.running:
-            _, shard, started = refs.pop(ref)
-            rows = _value(ref)
-            if rows is not None:
-                on_rows(rows)                # finished before the worker died
-            elif _value(started) is None:
-                unfinished.append(shard)     # its GPU work had not finished
-            else:
-                written.append(shard)        # only its files were being written
-        queue.extendleft(reversed(written))
-        for shard in reversed(unfinished):
-            retry(shard, error, count=len(unfinished) == 1)
-        slot.running = []
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:
-            pass
-        if restart and slot.restarts < max_restarts and (queue or refs):
-            log.warning("worker %d lost (%s); starting a replacement (%d/%d)", slot.rank,
-                        error.splitlines()[0][:200], slot.restarts + 1, max_restarts)
-            slots[slots.index(slot)] = start(slot, slot.rank)
-        else:
-            log.warning("worker %d lost (%s); not restarted", slot.rank, error.splitlines()[0][:200])
-
-    while queue or refs:
-        waiting = {s.warm_ref: s for s in slots if s.state == "starting"}
-        live = [s for s in slots if s.state != "dead"]
-        if not live:
-            errors = "; ".join(f"worker {s.rank}: {(s.last_error or '?').splitlines()[0][:300]}"
-                               for s in slots)
-            raise DispatchError(f"every worker is gone and none could be restarted ({errors}); "
-                                f"{len(queue)} shards were not run. Finished outputs are kept: "
-                                f"rerun the same command to resume.")
-        ready, _ = ray.wait(list(refs) + list(waiting), num_returns=1, timeout=1.0)
-        if on_tick:                          # about once a second: start-up phases, progress lines
-            on_tick()
-        now = time.monotonic()
-        for s in [s for s in slots if s.state == "starting" and now - s.started > start_timeout_s]:
-            if s.warm_ref not in ready:
-                lose(s, f"not ready after {start_timeout_s:.0f} s (ray.worker_start_timeout_s): "
-                        f"the cluster may lack the resources for it")
-        for ref in ready:
-            if ref in waiting:
-                slot = waiting[ref]
-                if slot.state != "starting":
-                    continue
-                try:
-                    slot.ready_info = ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    # an exception of our start-up code is deterministic: one retry (with its
-                    # cause shown), never a third identical attempt; a lost actor restarts as usual
-                    error = f"start-up failed: {_cause(e)}"
-                    if _is_task_error(e):
-                        startup_errors[error] = startup_errors.get(error, 0) + 1
-                        if startup_errors[error] > 1:
-                            log.error("worker %d: %s (the same error as before: not retried)",
-                                      slot.rank, error)
-                    lose(slot, error, restart=startup_errors.get(error, 0) <= 1)
-                    continue
-                slot.state = "ready"
-                if on_ready:
-                    on_ready(slot)
-                fill(slot)
-            elif ref in refs:
-                slot, shard, _ = refs[ref]
-                try:
-                    rows = ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    if _is_task_error(e):
-                        refs.pop(ref)
-                        slot.running.remove(ref)
-                        cause = _cause(e)
-                        failed = streak.setdefault(cause, set())
-                        failed.add(shard.index)
-                        if len(failed) >= FAULT_ROWS:
-                            raise PersistentFault(
-                                f"the same error on {len(failed)} shards in a row, nothing written "
-                                f"since: {cause}. Finished outputs are kept: fix the cause (disk "
-                                f"space, storage access) and rerun the same command to resume.")
-                        retry(shard, cause)
-                    else:
-                        lose(slot, _cause(e))
-                    continue
-                refs.pop(ref)
-                slot.running.remove(ref)
-                streak.clear()
-                on_rows(rows)
-        # every path that retires a shard (done, failed, worker lost) ends here: refill
-        for s in slots:
-            fill(s)
-    for s in slots:
-        if s.state == "starting":              # a replacement nobody needs any more
-            ray.kill(s.actor, no_restart=True)
-            s.state = "dead"
-    return slots
+    """The module docstring's contract on Ray actors made by `make_actor(rank)`."""
+    return Dispatcher(RayPool(make_actor), n_workers, shards, items_of, on_rows, inflight,
+                      max_retries, max_restarts, start_timeout_s, on_ready, slots, on_tick).run()
