@@ -5,6 +5,8 @@ Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load t
 `submit(items)` queues a shard's items and returns at once; `run_shard(items)` waits for their rows;
 `metrics()` returns the worker's performance figures. The class is plain Python: the driver wraps it
 in `ray.remote` (one actor per GPU, threaded: see `start_shard`), and tests also use it in-process.
+What the driver calls on the actor (`warmup`, `start_shard`, `finish_shard`, `metrics`) is the
+typed `WorkerContract`.
 
 Three stages, so the GPU never waits for the host:
     prepare   the driver sends each shard's validated items with it (no Parquet reads here); items
@@ -37,6 +39,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -174,7 +177,24 @@ class ShardRun:
         return [row for f in self.rows for row in f.result()]
 
 
-class Worker:
+class WorkerContract(Protocol):
+    """What the driver calls on a worker actor (`runner.dispatch.RayPool`, `runner.job`). `Worker`
+    implements it; tests/test_dispatch.py checks that the names and parameters match."""
+
+    def warmup(self) -> dict:
+        """Compile and warm up; the ready info (node, load and compile seconds, ...)."""
+
+    def start_shard(self, seq: int, items: list[Item]) -> int:
+        """Queue shard `seq` (0, 1, 2, ... per worker) and return once its GPU work is done."""
+
+    def finish_shard(self, seq: int) -> list[dict]:
+        """Shard `seq`'s result rows, once its files are complete under their final names."""
+
+    def metrics(self) -> dict:
+        """The worker's performance figures."""
+
+
+class Worker:   # a WorkerContract (structurally: Ray wraps this class, so no Protocol base)
     def __init__(self, rank: int, cfg: WorkerConfig, broker=None, status=None):
         self.rank, self.cfg, self.broker = rank, cfg, broker
         self.status, self.t_start = status, time.perf_counter()   # start-up phases (progress.py)
