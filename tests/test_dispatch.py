@@ -205,7 +205,8 @@ def ids(*numbers):
     return tuple(f"p{i:02d}" for i in numbers)
 
 
-def ok_but(n, **failed):
+def ok_but(n, *failed):
+    """The statuses of rows p00.. p<n-1> all ok but the `failed` ids."""
     return {f"p{i:02d}": "failed" if f"p{i:02d}" in failed else "ok" for i in range(n)}
 
 
@@ -253,7 +254,7 @@ def test_a_failing_shard_is_retried_row_by_row(caplog):
 def test_a_poison_row_is_recorded_failed_after_max_retries_and_its_neighbours_succeed():
     job = Job(FakePool(raises={"p04": None}), n=12, workers=2, shard_size=3, max_retries=2)
     job.run()
-    assert job.status() == ok_but(12, p04=1)
+    assert job.status() == ok_but(12, "p04")
     assert job.rows["p04"][0]["error"] == f"failed 3 times: {BAD_ROW}"
     assert generated(job.pool).count(ids(4)) == 2            # its shard, then twice alone
 
@@ -270,7 +271,7 @@ def test_the_same_error_with_successes_in_between_is_no_persistent_fault():
     poison = {"p01": None, "p07": None, "p13": None, "p19": None}
     job = Job(FakePool(raises=poison), n=24, workers=1, shard_size=3, inflight=1, max_retries=1)
     job.run()
-    assert job.status() == ok_but(24, **poison)
+    assert job.status() == ok_but(24, *poison)
 
 
 # -- a worker that dies ---------------------------------------------------------------------------
@@ -281,12 +282,12 @@ def test_an_ambiguous_death_charges_nobody_and_reruns_both_shards_alone():
     job = Job(FakePool(dies={"p01": None}), n=6, workers=1, shard_size=3, inflight=2,
               max_retries=0, max_restarts=5)
     job.run()
-    assert job.status() == ok_but(6, p01=1)
+    assert job.status() == ok_but(6, "p01")
     assert job.rows["p01"][0]["error"] == f"failed 1 times: {DIED}"
     first, *after = job.pool.runs
     assert first.ids == ids(0, 1, 2) and [s.ids for s in first.beside] == [ids(3, 4, 5)]
     assert [s.ids for s in after] == [ids(i) for i in range(6)] and not any(s.beside for s in after)
-    assert set(job.d.attempts.values()) == {0}                # p01's charge failed it, unrecorded
+    assert set(job.d.attempts.values()) == {0}   # the six queued uncharged (p01's 1 failed it)
 
 
 def test_a_death_with_one_shard_unfinished_charges_it():
@@ -302,7 +303,7 @@ def test_a_poison_row_that_kills_its_worker_is_isolated_and_recorded_failed():
     job = Job(FakePool(dies={"p07": None}), n=12, workers=2, shard_size=3, max_retries=2,
               max_restarts=10)
     job.run()
-    assert job.status() == ok_but(12, p07=1)
+    assert job.status() == ok_but(12, "p07")
     assert job.rows["p07"][0]["error"] == f"failed 3 times: {DIED}"
     first, *later = [s for s in job.pool.runs if "p07" in s.ids]
     assert len(first.ids) == 3 and all(s.ids == ids(7) and not s.beside for s in later)
