@@ -3,7 +3,7 @@
 `FakePool` plays workers that run their calls in the order they were made; each step runs the oldest
 pending call of any worker, so every run is deterministic. Its script, by row id (`n`: the first n
 times, None: every time):
-    raises={id: n}        the shard holding `id` raises in the worker (a TaskError; the worker lives)
+    raises={id: n}        the shard holding `id` raises in the worker (TaskError; the worker lives)
     dies={id: n}          its worker dies while generating the shard holding `id`
     dies_writing={id: n}  its worker dies while writing that shard's files (its GPU work done)
     dies_after={id: n}    its worker dies right after that shard's rows are in
@@ -62,8 +62,8 @@ class FakeWorker:
 class FakePool:
     def __init__(self, raises=None, dies=None, dies_writing=None, dies_after=None, warmups=None,
                  error=BAD_ROW):
-        self.script = {"raises": dict(raises or {}), "dies": dict(dies or {}),
-                       "dies_writing": dict(dies_writing or {}), "dies_after": dict(dies_after or {})}
+        faults = dict(raises=raises, dies=dies, dies_writing=dies_writing, dies_after=dies_after)
+        self.script = {k: dict(v or {}) for k, v in faults.items()}
         self.warmups = {rank: list(plans) for rank, plans in (warmups or {}).items()}
         self.error, self.now = error, 0.0
         self.workers, self.started, self.killed = [], [], []   # ranks started and killed, in turn
@@ -185,8 +185,8 @@ class Job:
     def __init__(self, pool=None, n=12, workers=2, shard_size=3, **kw):
         self.pool, self.rows, its = pool or FakePool(), {}, items(n)
         self.d = Dispatcher(self.pool, workers, plan_shards(its, shard_size),
-                            lambda s: its[s.start:s.stop], self.on_rows, clock=lambda: self.pool.now,
-                            **kw)
+                            lambda s: its[s.start:s.stop], self.on_rows,
+                            clock=lambda: self.pool.now, **kw)
 
     def on_rows(self, rows):
         for r in rows:
