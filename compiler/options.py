@@ -199,7 +199,8 @@ def parse_options(obj: dict | str | CompileOptions | None) -> CompileOptions:
         raise ValueError(f"unknown memory_format {memory_format!r}; valid: {list(MEMORY_FORMATS)}")
 
     inductor = dict(obj.get("options") or {})
-    valid = _valid_inductor_keys()
+    # Importing Inductor costs seconds of CPU: only when there are keys to check.
+    valid = _valid_inductor_keys() if inductor else set()
     bad = sorted(k for k in inductor if k not in valid)
     if bad:
         raise ValueError(f"unknown Inductor option(s) {bad} (not in torch._inductor.config); valid options "

@@ -10,6 +10,8 @@ two of that module's functions. Faults, comma-separated:
     slow:<seconds>    sleep before each pipeline call (warm-up excluded)
     crash_write:<id>  the worker dies half-way through writing <id>'s file (a partial temp file
                       is left behind, as a kill mid-write would)
+    wait_ready:<n>    no item is generated until <n> workers have finished warming up (each leaves a
+                      marker in RUNNER_FAULT_DIR; waits 300 s at most), so that every worker serves
 """
 
 import importlib.abc
@@ -27,6 +29,8 @@ def _generate_with_faults(generate):
             raise RuntimeError(f"injected warm-up failure ({dict(FAULTS)['warmup_error']})")
         if items[0].file != "warmup":
             for kind, arg in FAULTS:
+                if kind == "wait_ready":
+                    _wait_for_markers("ready-", int(arg), timeout_s=300)
                 if kind == "slow":
                     time.sleep(float(arg))
                 for it in items:
@@ -38,11 +42,22 @@ def _generate_with_faults(generate):
                             open(marker, "w").close()
                             os._exit(71)
         out = generate(pipe, family, items, *args, **kwargs)
+        if items[0].file == "warmup" and "RUNNER_FAULT_DIR" in os.environ:
+            open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"ready-{os.getpid()}"), "w").close()
         for k, it in enumerate(items):
             if ("nan", it.id) in FAULTS:
                 out[k] = float("nan")
         return out
     return wrapped
+
+
+def _wait_for_markers(prefix: str, n: int, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    folder = os.environ["RUNNER_FAULT_DIR"]
+    while time.monotonic() < end:
+        if sum(f.startswith(prefix) for f in os.listdir(folder)) >= n:
+            return
+        time.sleep(0.1)
 
 
 def _write_with_faults(write, atomic_path):
