@@ -54,17 +54,45 @@ def stop_cluster(temp_dir: str) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
+def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=400):
+    """`ray job submit ... -- python -m runner <args>`, the working directory uploaded. Retried
+    while the head's job agent is not up yet (`ray start` returns before it is; nothing was
+    submitted then). Paced with wait_ready:2 (tests/faults): both worker nodes serve."""
+    runtime_env = {"excludes": [".venv", "outputs", ".git"], **runtime_env}
+    runtime_env["env_vars"] = {"RUNNER_FAULTS": "wait_ready:2", "PYTHONPATH": "tests/faults",
+                               "RUNNER_FAULT_DIR": tempfile.mkdtemp(prefix="runner-faults-"),
+                               **runtime_env.get("env_vars", {})}
+    cmd = [*RAY, "job", "submit", "--address", dashboard, "--working-dir", ROOT,
+           "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m", "runner", *args]
+    end = time.monotonic() + 120
+    while True:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if "No available agent to submit job" not in r.stderr or time.monotonic() > end:
+            break
+        time.sleep(2)
+    assert r.returncode == 0, f"{cmd} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def agent_port() -> list[str]:
+    """A node's job agent on a free port: its default (52365) is taken by any other Ray on the
+    machine (another test's under pytest -n), and the head's dashboard then finds no agent to run
+    a submitted job on."""
+    return [f"--dashboard-agent-listen-port={free_port()}"]
+
+
 @pytest.fixture
 def ray_cluster():
     port, dash = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")    # short: Ray's socket paths
     sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
         "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}"])
+        f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        *agent_port()])
     try:
         for _ in range(2):
             sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-                "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}"])
+                "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()])
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
         stop_cluster(temp_dir)
@@ -72,13 +100,8 @@ def ray_cluster():
 
 
 def test_ray_job_submit_on_a_multi_node_cluster(ray_cluster, tmp_path):
-    # Paced (tests/faults, relative to the job's working directory), so both nodes get work.
-    runtime_env = {"excludes": [".venv", "outputs", ".git"],
-                   "env_vars": {"RUNNER_FAULTS": "slow:1.0", "PYTHONPATH": "tests/faults"}}
-    r = sh([*RAY, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ROOT,
-            "--runtime-env-json", json.dumps(runtime_env), "--",
-            "python", "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
-            "generation.num_inference_steps=2", "run.shard_size=1"], timeout=400)
+    r = submit(ray_cluster["dashboard"], {}, ["job=demo_image", f"output.dir={tmp_path}",
+                                              "generation.num_inference_steps=2", "run.shard_size=1"])
     assert "Job 'raysubmit_" in r.stdout and "succeeded" in r.stdout
     job_dir = tmp_path / "demo_image"
     table = pq.read_table(job_dir / "results.parquet").to_pylist()
@@ -108,12 +131,13 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
         p = subprocess.Popen(
             [sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
              f"output.dir={tmp_path}", f"ray.address={cluster.address}", "run.shard_size=1",
-             "generation.num_inference_steps=2", "ray.worker_start_timeout_s=20"],
+             "generation.num_inference_steps=2", "ray.worker_start_timeout_s=90"],
             cwd=ROOT, env={**ENV, **fault_env("slow:0.5")}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         t0 = time.time()
         while len(record_rows(job_dir)) < 3:
-            assert time.time() - t0 < 120 and p.poll() is None, "job made no progress"
+            assert p.poll() is None, f"job ended early ({p.returncode}): {p.stderr.read()[-4000:]}"
+            assert time.time() - t0 < 240, "job made no progress"
             time.sleep(0.2)
         cluster.remove_node(doomed)
         out, err = p.communicate(timeout=300)

@@ -1,4 +1,6 @@
-"""The real CLI (`python -m runner`) as a subprocess, on a real embedded local Ray, 2 CPU workers."""
+"""The real CLI (`python -m runner`) as a subprocess, on a real embedded local Ray: the demo video
+job with its 2 CPU workers (both must serve); the other jobs with one (each worker process costs
+~7 CPU-s to start on the 2-core CI machine)."""
 import json
 import os
 import subprocess
@@ -17,11 +19,12 @@ SAMPLE = os.path.join(ROOT, "jobs", "prompts", "sample.parquet")
 pytestmark = pytest.mark.e2e
 
 
-def runner(*args, timeout=300):
-    # Paced (1 s per batch): tiny models finish 8 prompts in under a second, sooner than a second
-    # worker may start, and every check below expects both workers to have served.
+def runner(*args, timeout=300, faults="wait_ready:2"):
+    # wait_ready:2 (tests/faults): no item is generated before both workers are warm. Tiny models
+    # finish 8 prompts sooner than a second worker may start, and every check below expects both
+    # workers to have served.
     r = subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout, env=fault_env("slow:1.0"))
+                       text=True, timeout=timeout, env=fault_env(faults))
     assert r.returncode == 0, f"runner failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
 
@@ -67,7 +70,8 @@ def test_demo_video_writes_playable_mp4s(tmp_path):
     assert cfg.model.preset == "latte1" and cfg.generation.num_frames == 4
     # A video does not depend on its batch-mates: the same job at batch 1 gives the same frames
     # (decoded mp4s: H.264 may move a few levels; before, up to 63 levels apart)
-    runner("job=demo_video", f"output.dir={tmp_path}", "run.batch_size=1", "job.name=b1")
+    runner("job=demo_video", f"output.dir={tmp_path}", "run.batch_size=1", "job.name=b1",
+           "ray.cpu_workers=1", faults="")
     frames = lambda path: iio.imread(str(path), index=None).astype(int)   # (F, H, W, 3)
     diffs = [np.abs(frames(job_dir / row["output"]) - frames(tmp_path / "b1" / row["output"]))
              for row in table]
@@ -78,10 +82,10 @@ def test_wan_job_tiny_model_writes_mp4s_of_4k_plus_1_frames(tmp_path):
     """The shipped Wan 2.1 job with the tiny model: its family came in as one module (and presets)."""
     r = runner("job=wan_batch", "model.source=tiny", f"output.dir={tmp_path}", "generation.height=64",
                "generation.width=48", "generation.num_frames=5", "generation.num_inference_steps=2",
-               "ray.cpu_workers=2", "run.shard_size=2")
+               "ray.cpu_workers=1", "run.shard_size=2", faults="")
     assert "8/8 ok" in r.stdout
     job_dir = tmp_path / "wan_batch"
-    for row in check_job_dir(job_dir, "mp4"):
+    for row in check_job_dir(job_dir, "mp4", n_workers=1):
         reader = imageio_ffmpeg.read_frames(str(job_dir / row["output"]))
         meta = next(reader)
         assert meta["size"] == (48, 64) and meta["fps"] == 16 and len(list(reader)) == 5
@@ -89,9 +93,9 @@ def test_wan_job_tiny_model_writes_mp4s_of_4k_plus_1_frames(tmp_path):
 
 def test_demo_image_with_overrides_writes_pngs(tmp_path):
     runner("job=demo_image", f"output.dir={tmp_path}", "generation.height=96", "job.name=img",
-           "run.batch_size=3")
+           "run.batch_size=3", "ray.cpu_workers=1", faults="")
     job_dir = tmp_path / "img"
-    table = check_job_dir(job_dir, "png")
+    table = check_job_dir(job_dir, "png", n_workers=1)
     for row in table:
         assert iio.imread(job_dir / row["output"]).shape == (96, 128, 3)
     assert OmegaConf.load(job_dir / "config.yaml").generation.height == 96
@@ -102,5 +106,6 @@ def test_pretrained_job_from_a_saved_directory(tmp_path):
     build_pipeline(ModelSpec("sd21", source="tiny")).save_pretrained(tmp_path / "sd21-tiny")
     runner("job=sd2_batch", f"model.path={tmp_path / 'sd21-tiny'}", "model.local_files_only=true",
            "model.device=cpu", "generation.height=64", "generation.width=64",
-           "generation.num_inference_steps=2", f"output.dir={tmp_path}", "ray.num_workers=2")
-    check_job_dir(tmp_path / "sd2_batch", "png")
+           "generation.num_inference_steps=2", f"output.dir={tmp_path}", "ray.num_workers=1",
+           faults="")
+    check_job_dir(tmp_path / "sd2_batch", "png", n_workers=1)

@@ -1,5 +1,6 @@
 """Failure and resume behaviour of the real CLI on a local Ray (tiny models, CPU workers).
 Faults are injected from outside the runner (tests/faults/sitecustomize.py) or by killing processes."""
+import contextlib
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 
 import imageio.v3 as iio
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from conftest import fault_env
@@ -24,8 +26,11 @@ def job(tmp_path, write_prompts):
     return dict(args=["job=demo_image", f"prompts.path={prompts}", f"output.dir={out}",
                       "job.name=j", "generation.height=64", "generation.width=64",
                       "generation.num_inference_steps=2", "run.shard_size=3", "run.batch_size=1",
-                      "output.results_every_s=0"],
+                      "output.results_every_s=0", "ray.cpu_workers=1"],
                 dir=out / "j")
+# One CPU worker unless the test is about several (each worker process costs ~7 CPU-s to start on
+# the 2-core CI machine); the dispatcher's multi-worker rules have unit tests in test_dispatch.py.
+TWO_WORKERS = "ray.cpu_workers=2"
 
 
 def cli(args, faults="", wait=True, **env):
@@ -67,6 +72,20 @@ def record_rows(job_dir):
             for line in open(os.path.join(d, n))]
 
 
+def workers_of(driver_pid: int) -> list[int]:
+    """PIDs of the `ray::Worker` actors under one driver (its local Ray's raylet starts them), not
+    another test's (pytest -n runs several jobs at once)."""
+    found = []
+    try:
+        for k in psutil.Process(driver_pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "ray::Worker" in " ".join(k.cmdline()):
+                    found.append(k.pid)
+    except psutil.Error:
+        pass
+    return found
+
+
 def wait_for_journal(job_dir, n, timeout=120):
     """Until the record holds n rows."""
     t0 = time.time()
@@ -78,7 +97,7 @@ def wait_for_journal(job_dir, n, timeout=120):
 
 
 def test_worker_crash_mid_job_loses_nothing(job):
-    rc, out, err = cli(job["args"], faults="crash_once:p04")
+    rc, out, err = cli(job["args"] + [TWO_WORKERS], faults="crash_once:p04")
     assert rc == 0, err[-3000:]
     assert_complete(job["dir"])
     summary = json.load(open(job["dir"] / "summary.json"))
@@ -90,30 +109,27 @@ def test_worker_crash_mid_job_loses_nothing(job):
 def test_worker_process_killed_from_outside(job):
     p = cli(job["args"], faults="slow:0.4", wait=False)
     wait_for_journal(job["dir"], 2)
-    pids = subprocess.run(["pgrep", "-f", "ray::Worker"], capture_output=True, text=True).stdout.split()
+    pids = workers_of(p.pid)
     assert pids, "no worker process found"
-    os.kill(int(pids[0]), signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     assert_complete(job["dir"])
 
 
-def test_poison_prompt_is_retried_then_recorded_failed(job):
-    rc, out, err = cli(job["args"] + ["run.max_shard_retries=1"], faults="crash:p07")
-    assert rc == 1                                   # the job completes, reporting a failure
-    table = assert_complete(job["dir"], failed={"p07"})
-    bad = next(r for r in table if r["id"] == "p07")
-    assert "failed 2 times" in bad["error"]          # 1 try + 1 retry, then given up
+def test_poison_prompt_is_retried_then_recorded_failed_and_a_nan_output_fails_only_its_item(job):
+    """Two workers, batches of 3: p07 kills its worker every time (retried row by row, then given
+    up); p02's output is NaN, which fails p02 alone, not its batch-mates p00 and p01."""
+    rc, out, err = cli(job["args"] + [TWO_WORKERS, "run.max_shard_retries=1", "run.batch_size=3"],
+                       faults="crash:p07,nan:p02")
+    assert rc == 1                                   # the job completes, reporting the failures
+    table = assert_complete(job["dir"], failed={"p07", "p02"})
+    error = {r["id"]: r["error"] for r in table}
+    assert "failed 2 times" in error["p07"]          # 1 try + 1 retry, then given up
+    assert "non-finite" in error["p02"]
     summary = json.load(open(job["dir"] / "summary.json"))
-    assert summary["failed"] == 1 and summary["ok"] == 11
+    assert summary["failed"] == 2 and summary["ok"] == 10
     assert "1 x failed 2 times" in open(job["dir"] / "summary.txt").read()
-
-
-def test_nan_output_fails_only_that_item(job):
-    rc, out, err = cli(job["args"] + ["run.batch_size=3"], faults="nan:p02")
-    assert rc == 1
-    table = assert_complete(job["dir"], failed={"p02"})
-    assert "non-finite" in next(r for r in table if r["id"] == "p02")["error"]
 
 
 def test_worker_killed_while_writing_leaves_no_partial_output_and_the_rerun_does_the_rest(job):
@@ -191,13 +207,19 @@ def test_ctrl_c_stops_cleanly_and_writes_the_summary(job):
     assert_complete(job["dir"])
 
 
-def test_hostile_ids_stay_inside_the_output_dir(tmp_path, write_prompts):
-    p = write_prompts({"prompt": ["a", "b"], "id": ["../../escape", "/etc/passwd"]})
+def test_hostile_ids_stay_inside_the_output_dir_and_empty_prompts_are_counted(tmp_path, write_prompts):
+    p = write_prompts({"prompt": ["a", "b", "", None], "id": ["../../escape", "/etc/passwd", "e1", "e2"]})
     rc, out, err = cli(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/o",
-                        "generation.num_inference_steps=2", "ray.cpu_workers=1"])
+                        "generation.num_inference_steps=2", "ray.cpu_workers=1",
+                        "prompts.on_empty=skip"])
     assert rc == 0, err[-2000:]
-    assert sorted(os.listdir(tmp_path / "o" / "demo_image" / "media")) == ["_.._escape.png", "_etc_passwd.png"]
+    job_dir = tmp_path / "o" / "demo_image"
+    assert sorted(os.listdir(job_dir / "media")) == ["_.._escape.png", "_etc_passwd.png"]
     assert sorted(os.listdir(tmp_path)) == ["o", "prompts.parquet"]
+    assert "2 rows with an empty prompt skipped" in err
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["skipped_empty"] == 2 and summary["ok"] == 2
+    assert "2 rows with an empty prompt skipped" in (job_dir / "summary.txt").read_text()
 
 
 @pytest.fixture
@@ -239,19 +261,6 @@ def test_a_warmup_error_that_repeats_is_not_retried_again(job):
     assert cause in err                               # the real cause, not Ray's wrapper
     assert err.count("starting a replacement") == 1   # one retry, never a third attempt
     assert "the same error as before: not retried" in err
-
-
-def test_rows_skipped_for_an_empty_prompt_are_counted(tmp_path, write_prompts):
-    prompts = write_prompts({"prompt": ["a cat", "", None, "a dog"], "id": ["a", "b", "c", "d"]})
-    rc, out, err = cli(["job=demo_image", f"prompts.path={prompts}", f"output.dir={tmp_path}",
-                        "job.name=j", "generation.height=64", "generation.width=64",
-                        "generation.num_inference_steps=2", "ray.cpu_workers=1",
-                        "prompts.on_empty=skip"])
-    assert rc == 0, err[-3000:]
-    assert "2 rows with an empty prompt skipped" in err
-    summary = json.loads((tmp_path / "j" / "summary.json").read_text())
-    assert summary["skipped_empty"] == 2 and summary["ok"] == 2
-    assert "2 rows with an empty prompt skipped" in (tmp_path / "j" / "summary.txt").read_text()
 
 
 def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(job):

@@ -59,7 +59,7 @@ def gcs_bucket(gcs_server, monkeypatch):
 def args(job, prompts, bucket, *extra):
     return [f"job={job}", f"prompts.path={prompts}", f"output.dir=gs://{bucket}/out", "job.name=j",
             "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
-            *extra]
+            "ray.cpu_workers=1", *extra]
 
 
 def test_demo_image_with_prompts_and_outputs_on_gcs(gcs_bucket):

@@ -12,7 +12,7 @@ import imageio.v3 as iio
 import imageio_ffmpeg
 import pyarrow.parquet as pq
 import pytest
-from test_cluster import RAY, ROOT, ray_cluster, sh  # noqa: F401  (ray_cluster is a fixture)
+from test_cluster import ROOT, ray_cluster, submit  # noqa: F401  (ray_cluster is a fixture)
 from test_faults import cli
 
 from runner.storage import resolve
@@ -30,7 +30,7 @@ def upload_prompts(bucket: str) -> str:
 def args(job, prompts, bucket, *extra):
     return [f"job={job}", f"prompts.path={prompts}", f"output.dir=s3://{bucket}/out", "job.name=j",
             "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
-            *extra]
+            "ray.cpu_workers=1", *extra]   # one worker: the store is the subject (two: submit test)
 
 
 def record_rows(store):
@@ -102,7 +102,7 @@ def sigkill_then_rerun(scheme: str, bucket: str, write_prompts, check_lock: bool
     a = ["job=demo_image", f"prompts.path={scheme}://{bucket}/in/p.parquet",
          f"output.dir={scheme}://{bucket}/out", "job.name=j", "generation.height=64",
          "generation.width=64", "generation.num_inference_steps=2", "run.shard_size=2",
-         "run.batch_size=1", "output.results_every_s=0"]
+         "run.batch_size=1", "output.results_every_s=0", "ray.cpu_workers=1"]
     store = resolve(f"{scheme}://{bucket}/out/j")
     p = cli(a, faults="slow:0.5", wait=False)
     wait_for_records(p, store, 2)
@@ -127,16 +127,12 @@ def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_buc
     the output directory is in the bucket, so no node needs a filesystem another can see."""
     prompts = upload_prompts(s3_bucket)
     aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    runtime_env = {"excludes": [".venv", "outputs", ".git"],
-                   "env_vars": {"RUNNER_FAULTS": "slow:1.0", "PYTHONPATH": "tests/faults", **aws}}
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}   # not from the shell
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    r = sh([*RAY, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ROOT,
-            "--runtime-env-json", json.dumps(runtime_env), "--",
-            "python", "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
-            f"output.dir=s3://{s3_bucket}/out", "generation.num_inference_steps=2",
-            "generation.height=64", "generation.width=64", "run.shard_size=1"],
-           timeout=400, env=env)
+    r = submit(ray_cluster["dashboard"], {"env_vars": aws},
+               ["job=demo_image", f"prompts.path={prompts}", f"output.dir=s3://{s3_bucket}/out",
+                "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
+                "run.shard_size=1"], env=env)
     assert "Job 'raysubmit_" in r.stdout and "succeeded" in r.stdout
     store = resolve(f"s3://{s3_bucket}/out/demo_image")
     table = check_store(store, pq.read_table(SAMPLE).column("id").to_pylist(), "png")
@@ -173,7 +169,7 @@ def job_on_a_dying_server(write_prompts, monkeypatch, slow: float, records: int)
         server.create_bucket("dying")
         a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://dying/out", "job.name=j",
              "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
-             "run.shard_size=2", "run.batch_size=1"]
+             "run.shard_size=2", "run.batch_size=1", "ray.cpu_workers=1"]
         p = cli(a, faults=f"slow:{slow}", wait=False)
         wait_for_records(p, resolve("s3://dying/out/j"), records)
         server.proc.kill()
