@@ -57,9 +57,9 @@ def stop_cluster(temp_dir: str) -> None:
 def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=400):
     """`ray job submit ... -- python -m runner <args>`, the working directory uploaded. Retried
     while the head's job agent is not up yet (`ray start` returns before it is; nothing was
-    submitted then). Paced with wait_ready:2 (tests/faults): both worker nodes serve."""
+    submitted then). Paced with wait_ready (tests/faults): both worker nodes serve."""
     runtime_env = {"excludes": [".venv", "outputs", ".git"], **runtime_env}
-    runtime_env["env_vars"] = {"RUNNER_FAULTS": "wait_ready:2", "PYTHONPATH": "tests/faults",
+    runtime_env["env_vars"] = {"RUNNER_FAULTS": "wait_ready", "PYTHONPATH": "tests/faults",
                                "RUNNER_FAULT_DIR": tempfile.mkdtemp(prefix="runner-faults-"),
                                **runtime_env.get("env_vars", {})}
     cmd = [*RAY, "job", "submit", "--address", dashboard, "--working-dir", ROOT,

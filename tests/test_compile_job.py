@@ -28,8 +28,8 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
     common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={tmp_path}/cc",
               "generation.num_inference_steps=2", "run.batch_size=1",
               "compile.compile_text_encoder=false", "compile.compile_vae=false"]   # the denoiser's blocks are enough to cache
-    # wait_ready:2 holds generation until both workers are warm, so each serves shards.
-    r = cli(*common, "job.name=a", faults="wait_ready:2")
+    # wait_ready holds generation until both workers are warm, so each serves shards.
+    r = cli(*common, "job.name=a", faults="wait_ready")
     m = metrics(tmp_path / "a")
     # start-up phases shown as they happen: one worker compiles, the other loads its artifact
     assert r.stderr.count("compiling and warming up (compile cache miss)") == 1, r.stderr

@@ -19,8 +19,8 @@ SAMPLE = os.path.join(ROOT, "jobs", "prompts", "sample.parquet")
 pytestmark = pytest.mark.e2e
 
 
-def runner(*args, timeout=300, faults="wait_ready:2"):
-    # wait_ready:2 (tests/faults): no item is generated before both workers are warm. Tiny models
+def runner(*args, timeout=300, faults="wait_ready"):
+    # wait_ready (tests/faults): no item is generated before both workers are warm. Tiny models
     # finish 8 prompts sooner than a second worker may start, and every check below expects both
     # workers to have served.
     r = subprocess.run([sys.executable, "-m", "runner", *args], cwd=ROOT, capture_output=True,

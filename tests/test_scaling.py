@@ -19,7 +19,7 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
                         "prompts_per_worker=3", f"out={out}", "ray.cpu_workers=2", "model.device=cpu"],
                        cwd=ROOT,
                        capture_output=True, text=True, timeout=400,
-                       env=fault_env("slow:0.5"))
+                       env=fault_env("wait_ready"))   # every worker of each job serves
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.load(open(out / "scaling.json"))["rows"]
     assert [(x["workers"], x["prompts"], x["ok"], x["alongside"]) for x in rows] == [

@@ -10,10 +10,13 @@ two of that module's functions. Faults, comma-separated:
     slow:<seconds>    sleep before each pipeline call (warm-up excluded)
     crash_write:<id>  the worker dies half-way through writing <id>'s file (a partial temp file
                       is left behind, as a kill mid-write would)
-    wait_ready:<n>    no item is generated until <n> workers have finished warming up (each leaves a
-                      marker in RUNNER_FAULT_DIR; waits 300 s at most), so that every worker serves
+    wait_ready        no item is generated until every worker of the job (`ray.num_workers` or
+                      `ray.cpu_workers` in its config.yaml) has warmed up: each leaves a marker,
+                      named by its job directory, in RUNNER_FAULT_DIR; waits 300 s at most. So
+                      every worker serves, however slowly the machine starts them.
 """
 
+import hashlib
 import importlib.abc
 import importlib.util
 import os
@@ -21,6 +24,7 @@ import sys
 import time
 
 FAULTS = [f.partition(":")[::2] for f in os.environ.get("RUNNER_FAULTS", "").split(",") if f]
+_JOB_DIR = []    # the worker's job directory, from its first `resolve` call (Worker.__init__)
 
 
 def _generate_with_faults(generate):
@@ -30,7 +34,7 @@ def _generate_with_faults(generate):
         if items[0].file != "warmup":
             for kind, arg in FAULTS:
                 if kind == "wait_ready":
-                    _wait_for_markers("ready-", int(arg), timeout_s=300)
+                    _wait_for_every_worker(timeout_s=300)
                 if kind == "slow":
                     time.sleep(float(arg))
                 for it in items:
@@ -42,8 +46,8 @@ def _generate_with_faults(generate):
                             open(marker, "w").close()
                             os._exit(71)
         out = generate(pipe, family, items, *args, **kwargs)
-        if items[0].file == "warmup" and "RUNNER_FAULT_DIR" in os.environ:
-            open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"ready-{os.getpid()}"), "w").close()
+        if items[0].file == "warmup" and _JOB_DIR and "RUNNER_FAULT_DIR" in os.environ:
+            open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"{_ready_prefix()}{os.getpid()}"), "w").close()
         for k, it in enumerate(items):
             if ("nan", it.id) in FAULTS:
                 out[k] = float("nan")
@@ -51,13 +55,29 @@ def _generate_with_faults(generate):
     return wrapped
 
 
-def _wait_for_markers(prefix: str, n: int, timeout_s: float) -> None:
+def _ready_prefix() -> str:
+    return "ready-" + hashlib.sha1(_JOB_DIR[0].encode()).hexdigest()[:12] + "-"
+
+
+def _wait_for_every_worker(timeout_s: float) -> None:
+    from omegaconf import OmegaConf
+    from runner.storage import resolve
+    ray_cfg = OmegaConf.create(resolve(_JOB_DIR[0]).read_text("config.yaml")).ray
+    n = ray_cfg.num_workers or ray_cfg.cpu_workers
     end = time.monotonic() + timeout_s
-    folder = os.environ["RUNNER_FAULT_DIR"]
+    folder, prefix = os.environ["RUNNER_FAULT_DIR"], _ready_prefix()
     while time.monotonic() < end:
         if sum(f.startswith(prefix) for f in os.listdir(folder)) >= n:
             return
         time.sleep(0.1)
+
+
+def _resolve_noting_the_job_dir(resolve):
+    def wrapped(uri, *args, **kwargs):
+        if not _JOB_DIR:
+            _JOB_DIR.append(str(uri))
+        return resolve(uri, *args, **kwargs)
+    return wrapped
 
 
 def _write_with_faults(write, atomic_path):
@@ -77,6 +97,7 @@ def _patch(worker):
     # Module functions only: Ray ships an actor class's methods from the driver by value, so a
     # patched method would run the driver's copy.
     worker.generate = _generate_with_faults(worker.generate)
+    worker.resolve = _resolve_noting_the_job_dir(worker.resolve)
     from runner.outputs import atomic_path
     worker.write_png = _write_with_faults(worker.write_png, atomic_path)
     worker.write_mp4 = _write_with_faults(worker.write_mp4, atomic_path)
