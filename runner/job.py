@@ -546,8 +546,27 @@ def _ray_init(opts) -> None:
                 pass
         need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
         log.info("starting a local Ray (ray.address or RAY_ADDRESS: use a cluster instead)")
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-                 logging_level=logging.WARNING)
+        start_local_ray(ray, num_cpus=max(os.cpu_count() or 1, need))
+
+
+def start_local_ray(ray, num_cpus: int, attempts: int = 2) -> None:
+    """ray.init of a new local Ray. Ray waits a fixed 30 s for its raylet to register, which a
+    loaded machine can exceed ("The current node timed out during startup"): tried once more,
+    then a JobError naming it (exit 2) instead of a traceback."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     logging_level=logging.WARNING)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
+            if attempt == attempts:
+                raise JobError(f"the local Ray did not start, {attempts} times ({e}); the machine may "
+                               f"be overloaded: rerun when it is not, or set ray.address to a "
+                               f"running cluster") from e
+            log.warning("the local Ray did not start in time (%s); starting it once more", e)
 
 
 def work_after(rows: list[dict], t_from: float) -> float:

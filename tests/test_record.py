@@ -293,3 +293,31 @@ def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts):
         subprocess.run(["umount", str(out)], capture_output=True)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "No space left on device" in r.stderr and "Traceback" not in r.stderr
+
+
+class SlowRay:
+    """`ray` whose init fails `fails` times as Ray's own 30 s raylet wait does on a loaded machine."""
+    def __init__(self, fails: int, error: str = "The current node timed out during startup."):
+        self.fails, self.error, self.inits, self.shutdowns = fails, error, 0, 0
+
+    def init(self, **kwargs):
+        self.inits += 1
+        if self.inits <= self.fails:
+            raise Exception(self.error)
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+def test_a_local_ray_slow_to_start_is_started_once_more_then_named():
+    from runner.job import start_local_ray
+    ray = SlowRay(fails=1)
+    start_local_ray(ray, num_cpus=2)
+    assert ray.inits == 2 and ray.shutdowns == 1
+    ray = SlowRay(fails=2)
+    with pytest.raises(JobError, match=r"did not start, 2 times .*timed out during startup.*ray\.address"):
+        start_local_ray(ray, num_cpus=2)
+    ray = SlowRay(fails=1, error="some other failure")        # not retried: raised as it is
+    with pytest.raises(Exception, match="some other failure"):
+        start_local_ray(ray, num_cpus=2)
+    assert ray.inits == 1
