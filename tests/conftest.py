@@ -13,6 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never touch the ne
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+# Upper bound on any one CLI run or wait in a test: a guard against a hang, not a measured figure
+# (bounds a test asserts are written where it asserts them). CI machines have run this suite at
+# half the speed of a quiet 2-core box, with a CLI run's Ray start and model load taking minutes.
+GUARD_S = 900
+
 FAULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
 

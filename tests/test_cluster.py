@@ -12,7 +12,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import fault_env
+from conftest import GUARD_S, fault_env
 from test_faults import record_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +27,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def sh(cmd, timeout=180, **kw):
+def sh(cmd, timeout=GUARD_S, **kw):
     r = subprocess.run(cmd, env=kw.pop("env", ENV), capture_output=True, text=True, timeout=timeout, **kw)
     assert r.returncode == 0, f"{cmd} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
@@ -54,7 +54,7 @@ def stop_cluster(temp_dir: str) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=400):
+def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=GUARD_S):
     """`ray job submit ... -- python -m runner <args>`, the working directory uploaded. Retried
     while the head's job agent is not up yet (`ray start` returns before it is; nothing was
     submitted then). Paced with wait_ready (tests/faults): both worker nodes serve."""
@@ -131,16 +131,16 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
         p = subprocess.Popen(
             [sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
              f"output.dir={tmp_path}", f"ray.address={cluster.address}", "run.shard_size=1",
-             "generation.num_inference_steps=2", "ray.worker_start_timeout_s=90"],
+             "generation.num_inference_steps=2"],
             cwd=ROOT, env={**ENV, **fault_env("slow:0.5")}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         t0 = time.time()
         while len(record_rows(job_dir)) < 3:
             assert p.poll() is None, f"job ended early ({p.returncode}): {p.stderr.read()[-4000:]}"
-            assert time.time() - t0 < 240, "job made no progress"
+            assert time.time() - t0 < GUARD_S, "job made no progress"
             time.sleep(0.2)
         cluster.remove_node(doomed)
-        out, err = p.communicate(timeout=300)
+        out, err = p.communicate(timeout=GUARD_S)
         assert p.returncode == 0, err[-4000:]
         assert "lost" in err
         table = pq.read_table(job_dir / "results.parquet").to_pylist()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import fault_env
+from conftest import GUARD_S, fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 def cli(*args, faults=""):
     r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", *args], cwd=ROOT,
                        env=fault_env(faults), capture_output=True, text=True,
-                       timeout=600)
+                       timeout=GUARD_S)
     assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r
 
@@ -49,7 +49,7 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
     with open(artifacts[0], "r+b") as f:
         f.truncate(os.path.getsize(artifacts[0]) // 2)
     r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", *common, "job.name=b"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile cache artifact rejected" in r.stderr
     report = json.loads(r.stdout)

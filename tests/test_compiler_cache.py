@@ -7,6 +7,7 @@ import torch
 
 from compiler import cache
 from runner.models import ModelSpec, build_pipeline
+from conftest import GUARD_S
 
 SHAPES = {"height": 64, "width": 64, "batch": 1}
 
@@ -140,5 +141,5 @@ def test_prewarm_imports_inductor_in_the_background():
             "t = compiler.prewarm(); t.join(300); assert not t.is_alive()\n"
             "assert 'torch._inductor.lowering' in sys.modules and 'torch._inductor.compile_fx' in sys.modules\n"
             "print('ok')\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD_S)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

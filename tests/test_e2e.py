@@ -11,7 +11,7 @@ import imageio_ffmpeg
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import fault_env
+from conftest import GUARD_S, fault_env
 from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ SAMPLE = os.path.join(ROOT, "jobs", "prompts", "sample.parquet")
 pytestmark = pytest.mark.e2e
 
 
-def runner(*args, timeout=300, faults="wait_ready"):
+def runner(*args, timeout=GUARD_S, faults="wait_ready"):
     # wait_ready (tests/faults): no item is generated before both workers are warm. Tiny models
     # finish 8 prompts sooner than a second worker may start, and every check below expects both
     # workers to have served.

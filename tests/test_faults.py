@@ -12,7 +12,7 @@ import imageio.v3 as iio
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import fault_env
+from conftest import GUARD_S, fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def cli(args, faults="", wait=True, **env):
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if not wait:
         return p
-    out, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=GUARD_S)
     return p.returncode, out, err
 
 
@@ -86,7 +86,7 @@ def workers_of(driver_pid: int) -> list[int]:
     return found
 
 
-def wait_for_journal(job_dir, n, timeout=120):
+def wait_for_journal(job_dir, n, timeout=GUARD_S):
     """Until the record holds n rows."""
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -112,7 +112,7 @@ def test_worker_process_killed_from_outside(job):
     pids = workers_of(p.pid)
     assert pids, "no worker process found"
     os.kill(pids[0], signal.SIGKILL)
-    out, err = p.communicate(timeout=300)
+    out, err = p.communicate(timeout=GUARD_S)
     assert p.returncode == 0, err[-3000:]
     assert_complete(job["dir"])
 
@@ -192,7 +192,7 @@ def test_ctrl_c_stops_cleanly_and_writes_the_summary(job):
     p = cli(job["args"], faults="slow:2", wait=False)
     wait_for_journal(job["dir"], 2)
     os.kill(p.pid, signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    out, err = p.communicate(timeout=GUARD_S)
     assert p.returncode == 130, err[-3000:]
     summary = json.load(open(job["dir"] / "summary.json"))
     assert summary["interrupted"] and 2 <= summary["ok"] < 12

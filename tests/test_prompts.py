@@ -6,6 +6,7 @@ import pytest
 from runner.config import GenerationDefaults
 from runner.prompts import (Constraints, PromptError, check_prompts, plan_shards,
                             sanitize_id)
+from conftest import GUARD_S
 
 GEN = GenerationDefaults(seed=3, height=64, width=64, num_frames=4, num_inference_steps=2,
                          guidance_scale=4.5, negative_prompt="ugly")
@@ -161,7 +162,7 @@ def test_a_bad_default_is_the_keys_error_not_every_rows(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
                         "generation.num_inference_steps=1"], cwd=root, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=GUARD_S)
     assert r.returncode == 2
     assert "generation.num_inference_steps=1 must be >= 2 for this model" in r.stderr
     assert "sample.parquet:" not in r.stderr          # no row is blamed

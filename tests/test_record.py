@@ -19,6 +19,7 @@ from runner.job import JobError, run
 from runner.prompts import Item, PromptError
 from runner.results import Results, lossy
 from test_faults import ROOT, cli, record_rows, rows, wait_for_journal
+from conftest import GUARD_S
 
 
 @pytest.fixture
@@ -171,7 +172,7 @@ def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
 def test_bad_output_dir_is_exit_2_on_the_command_line(tmp_path, write_prompts):
     p = write_prompts({"prompt": ["a"]})
     r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={p}",
-                        "output.dir=/proc/foo"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "output.dir=/proc/foo"], cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 2 and "error: output.dir" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -229,12 +230,12 @@ def test_second_driver_on_the_same_job_dir_exits_2_naming_the_holder(tmp_path, w
     first = cli(args, faults="slow:3", wait=False)      # >= 12 s of work after Ray and warm-up
     t0 = time.time()
     while not (job_dir / ".lock").exists():
-        assert time.time() - t0 < 120 and first.poll() is None, "the first driver never took the lock"
+        assert time.time() - t0 < GUARD_S and first.poll() is None, "the first driver never took the lock"
         time.sleep(0.2)
     rc, out, err = cli(args)
     assert rc == 2, err[-3000:]
     assert f"in use by another driver (pid {first.pid} on host" in err and "remove" in err
-    out, err = first.communicate(timeout=300)
+    out, err = first.communicate(timeout=GUARD_S)
     assert first.returncode == 0, err[-3000:]
     assert journal_lines(job_dir) == 4 and sorted(r["id"] for r in rows(job_dir)) == ids
     assert not (job_dir / ".lock").exists()
@@ -249,7 +250,7 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
     proc = cli(args, faults="slow:2", wait=False)
     wait_for_journal(job_dir, 2)
     os.kill(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=GUARD_S)
     assert proc.returncode == 143, err[-3000:]
     assert "terminated (SIGTERM)" in err
     summary = json.load(open(job_dir / "summary.json"))
@@ -288,7 +289,7 @@ def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts):
         os.close(fd)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         r = subprocess.run([sys.executable, "-m", "runner", *base_args(p, out)], cwd=root,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=GUARD_S)
     finally:
         subprocess.run(["umount", str(out)], capture_output=True)
     assert r.returncode == 2, r.stderr[-3000:]

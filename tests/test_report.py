@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import fault_env
+from conftest import GUARD_S, fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ["red-fox", "cat-window", "broken", "river"]
@@ -29,7 +29,7 @@ def run_job(tmp_path, job, *args):
                         f"output.dir={tmp_path}", "job.name=j", "ray.cpu_workers=1",
                         "generation.height=64", "generation.width=64",
                         "generation.num_inference_steps=2", *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S,
                        env=fault_env("nan:broken"))
     assert r.returncode == 1, f"runner ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "report.html not written" not in r.stderr, r.stderr[-5000:]
@@ -44,7 +44,7 @@ def chromium(page, tmp_path, *flags) -> subprocess.CompletedProcess:
     # Own profile directory: Chromium instances of parallel test runs must not share one.
     r = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                         f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1200,1600",
-                        *flags, page.as_uri()], capture_output=True, text=True, timeout=120)
+                        *flags, page.as_uri()], capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 

@@ -16,6 +16,7 @@ from test_cluster import ROOT, ray_cluster, submit  # noqa: F401  (ray_cluster i
 from test_faults import cli
 
 from runner.storage import resolve
+from conftest import GUARD_S
 
 pytestmark = pytest.mark.e2e
 SAMPLE = os.path.join(ROOT, "jobs", "prompts", "sample.parquet")
@@ -89,7 +90,7 @@ def wait_for_records(p, store, n: int) -> None:
     """Until the running job `p` has recorded `n` rows in `store` (fails if it ends first)."""
     t0 = time.time()
     while len(record_rows(store)) < n:
-        assert time.time() - t0 < 120 and p.poll() is None, "the job recorded nothing"
+        assert time.time() - t0 < GUARD_S and p.poll() is None, "the job recorded nothing"
         time.sleep(0.2)
 
 
@@ -181,7 +182,7 @@ def test_s3_server_killed_mid_job_ends_the_job_naming_the_error(write_prompts, m
     connection error named (exit 3, a persistent fault), never a hang."""
     with job_on_a_dying_server(write_prompts, monkeypatch, slow=0.5, records=2) as p:
         t_kill = time.time()
-        out, err = p.communicate(timeout=240)
+        out, err = p.communicate(timeout=GUARD_S)
         took = time.time() - t_kill
     assert took <= 120, took
     assert p.returncode == 3, err[-4000:]
@@ -204,6 +205,6 @@ def test_sigterm_while_the_store_is_down_is_still_143(write_prompts, monkeypatch
     job still exits 143 with the cause logged, not a traceback with exit 1."""
     with job_on_a_dying_server(write_prompts, monkeypatch, slow=1.0, records=1) as p:
         os.kill(p.pid, signal.SIGTERM)
-        out, err = p.communicate(timeout=180)
+        out, err = p.communicate(timeout=GUARD_S)
     assert p.returncode == 143, err[-4000:]
     assert "Traceback" not in err, err[-4000:]

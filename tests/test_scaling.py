@@ -6,7 +6,7 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import fault_env
+from conftest import GUARD_S, fault_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -18,7 +18,7 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "runner.bench.scaling", "job=demo_image", "workers=1+2",
                         "prompts_per_worker=3", f"out={out}", "ray.cpu_workers=2", "model.device=cpu"],
                        cwd=ROOT,
-                       capture_output=True, text=True, timeout=400,
+                       capture_output=True, text=True, timeout=GUARD_S,
                        env=fault_env("wait_ready"))   # every worker of each job serves
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.load(open(out / "scaling.json"))["rows"]

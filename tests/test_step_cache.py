@@ -21,6 +21,7 @@ from runner.families.latte import LATTE
 from runner.models import ModelSpec, build_pipeline
 from runner.prompts import Item
 from runner.worker import generate
+from conftest import GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6   # DDIM over 1000: timesteps 834..1: several inside both methods' reuse ranges
@@ -94,7 +95,7 @@ def test_good_parameters_reach_the_diffusers_config():
 ])
 def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path):
     r = subprocess.run([sys.executable, "-m", "runner", *args, f"output.dir={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr
     assert not (tmp_path / "demo_video").exists() and not (tmp_path / "demo_image").exists()
@@ -249,7 +250,7 @@ def _cli(tmp_path, *args):
     return subprocess.run([sys.executable, "-m", "runner", "job=demo_video", f"output.dir={tmp_path}",
                            "ray.cpu_workers=1", f"prompts.path={tmp_path / 'p.parquet'}",
                            f"generation.num_inference_steps={STEPS}", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
 
 
 @pytest.mark.e2e
@@ -316,7 +317,7 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
                         "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
                         "step_cache.method=pab", "reps=1", "extra=cache-all", f"out={out}",
                         "compile.compile_text_encoder=false", "compile.compile_vae=false"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.load(open(out))
     alone = res["step_cache_eager"]

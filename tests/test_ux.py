@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import pytest
+from conftest import GUARD_S
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -193,7 +194,7 @@ def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_pa
     args = [sys.executable, "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
             "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
             "ray.cpu_workers=1"]
-    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-4000:]
     err = r.stderr
     for noise in ("Token authentication", "RAY_AUTH_MODE", "usage stats", "Usage stats"):
@@ -213,7 +214,7 @@ def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_pa
     # a rerun with nothing to do, under another (lossless) mode: config.yaml keeps the mode that
     # made the outputs, like the summary does
     r = subprocess.run(args + ["compile.mode=cache-all"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.strip().startswith("nothing to do: all 8 prompts already done")
     assert len(r.stdout.strip().splitlines()) == 1 and "summary.txt" in r.stdout

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -15,7 +16,7 @@ def test_loops_and_job_on_the_same_prompts(tmp_path):
                         "modes=none", f"out={tmp_path}", "arms=loop,job", "ray.cpu_workers=1",
                         "generation.height=64", "generation.width=64",
                         "generation.num_inference_steps=2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.load(open(tmp_path / "vs_loop.json"))["rows"]
     assert [(x["arm"], x["mode"], x["items"]) for x in rows] == [("loop", "eager", 3), ("job", "none", 3)]

@@ -12,7 +12,7 @@ two of that module's functions. Faults, comma-separated:
                       is left behind, as a kill mid-write would)
     wait_ready        no item is generated until every worker of the job (`ray.num_workers` or
                       `ray.cpu_workers` in its config.yaml) has warmed up: each leaves a marker,
-                      named by its job directory, in RUNNER_FAULT_DIR; waits 300 s at most. So
+                      named by its job directory, in RUNNER_FAULT_DIR; waits 900 s at most. So
                       every worker serves, however slowly the machine starts them.
 """
 
@@ -34,7 +34,7 @@ def _generate_with_faults(generate):
         if items[0].file != "warmup":
             for kind, arg in FAULTS:
                 if kind == "wait_ready":
-                    _wait_for_every_worker(timeout_s=300)
+                    _wait_for_every_worker(timeout_s=900)
                 if kind == "slow":
                     time.sleep(float(arg))
                 for it in items:
