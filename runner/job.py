@@ -549,10 +549,11 @@ def _ray_init(opts) -> None:
         start_local_ray(ray, num_cpus=max(os.cpu_count() or 1, need))
 
 
-def start_local_ray(ray, num_cpus: int, attempts: int = 2) -> None:
+def start_local_ray(ray, num_cpus: int, attempts: int = 3) -> None:
     """ray.init of a new local Ray. Ray waits a fixed 30 s for its raylet to register, which a
-    loaded machine can exceed ("The current node timed out during startup"): tried once more,
-    then a JobError naming it (exit 2) instead of a traceback."""
+    loaded machine can exceed ("The current node timed out during startup"; seen on 2 cores with
+    other jobs starting): `attempts` tries in all, then a JobError naming it (exit 2) instead of a
+    traceback."""
     for attempt in range(1, attempts + 1):
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
@@ -566,7 +567,8 @@ def start_local_ray(ray, num_cpus: int, attempts: int = 2) -> None:
                 raise JobError(f"the local Ray did not start, {attempts} times ({e}); the machine may "
                                f"be overloaded: rerun when it is not, or set ray.address to a "
                                f"running cluster") from e
-            log.warning("the local Ray did not start in time (%s); starting it once more", e)
+            log.warning("the local Ray did not start in time (%s); starting it again (%d of %d)",
+                        e, attempt + 1, attempts)
 
 
 def work_after(rows: list[dict], t_from: float) -> float:
