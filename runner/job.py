@@ -267,6 +267,8 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
         import ray
         for s in slots:
             ray.kill(s.actor)
+        # ray.kill only asks: a worker mid-write could still put a file after the summary.
+        _wait_dead(ray, [s.actor for s in slots], timeout_s=15.0)
         # A worker that died mid-write left a temp file (its item was requeued, or is not recorded).
         remove_temp_files(out.job_dir)
 
@@ -452,6 +454,28 @@ def _nothing_to_do(results: Results, items, out) -> dict:
     print(f"nothing to do: all {len(ids)} prompts already done ({kept}); "
           f"output.overwrite=true regenerates them")
     return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True}
+
+
+def _wait_dead(ray, actors, timeout_s: float) -> None:
+    """Return once every killed actor's process is gone (a call to it fails), or after
+    `timeout_s` with a warning naming how many still answer."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(actors)
+    while alive and time.monotonic() < deadline:
+        calls = [(a, a.__ray_ready__.remote()) for a in alive]
+        alive = []
+        for a, ref in calls:
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                alive.append(a)                # answered: the kill has not reached it yet
+            except ray.exceptions.GetTimeoutError:
+                alive.append(a)
+            except Exception:                  # RayActorError: dead, as asked
+                pass
+        if alive:
+            time.sleep(0.2)
+    if alive:
+        log.warning("%d stopped worker(s) still running after %.0f s", len(alive), timeout_s)
 
 
 def _collect_metrics(slots, out, timeout_s: float = 60.0) -> list[dict]:
