@@ -40,7 +40,12 @@ def compiled(request):
     counters.clear()       # graph counts below are this pipeline's alone
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))
     ref = generate(pipe, preset)
-    compile_pipe(pipe, {"mode": "O2"})  # cudagraphs is a no-op on CPU; fusion + per-block compile
+    # cudagraphs is a no-op on CPU; fusion + per-block compile. The text encoder and VAE compile
+    # (the same T5 and AutoencoderKL classes in both families) is checked on PixArt only: ~20 CPU-s
+    # less on the 2-core CI machine.
+    opts = {"mode": "O2"} if preset != "latte1" else {
+        "mode": "O2", "compile_text_encoder": False, "compile_vae": False}
+    compile_pipe(pipe, opts)
     return preset, ref, pipe
 
 
@@ -48,8 +53,11 @@ def test_compiled_matches_eager(compiled):
     preset, ref, pipe = compiled
     out = generate(pipe, preset)
     assert sum(pipe._compile_report["compiled_blocks"].values()) >= 2
-    # compile_vae's and compile_text_encoder's default: compiled with the mode, for every family
-    assert pipe._compile_report.get("vae_blocks") and pipe._compile_report.get("text_encoder_blocks")
+    # compile_vae's and compile_text_encoder's default: compiled with the mode
+    if preset != "latte1":
+        assert pipe._compile_report.get("vae_blocks") and pipe._compile_report.get("text_encoder_blocks")
+    else:
+        assert not pipe._compile_report.get("vae_blocks")         # the options reach the compiler
     assert pipe._compile_report["fused_attention"] > 0
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)  # fp32 here; fp16 tolerance on GPU
 
@@ -99,7 +107,8 @@ def test_dynamic_serves_several_resolutions_without_recompiling():
     preset = "pixart_alpha_512"
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))
     eager = copy.deepcopy(pipe)
-    compile_pipe(pipe, {"mode": "O2", "dynamic": True})
+    # the text encoder's shapes do not depend on the resolution: left eager here
+    compile_pipe(pipe, {"mode": "O2", "dynamic": True, "compile_text_encoder": False})
     generate(pipe, preset, steps=2, height=64, width=96)  # non-square first (nexfort's advice)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for h, w in [(96, 64), (128, 128)]:

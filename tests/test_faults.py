@@ -203,8 +203,7 @@ def test_ctrl_c_stops_cleanly_and_writes_the_summary(job):
     for r in done:                                   # what is recorded is complete
         assert os.path.getsize(job["dir"] / r["output"]) > 0
     assert [f for _, _, fs in os.walk(job["dir"]) for f in fs if f.startswith(".tmp-")] == []
-    assert cli(job["args"])[0] == 0                  # and a rerun finishes the rest
-    assert_complete(job["dir"])
+    # (a rerun resumes from what an interrupted driver recorded: test_driver_sigkill_then_rerun_resumes)
 
 
 def test_hostile_ids_stay_inside_the_output_dir_and_empty_prompts_are_counted(tmp_path, write_prompts):

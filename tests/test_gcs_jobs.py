@@ -68,7 +68,10 @@ def test_demo_image_with_prompts_and_outputs_on_gcs(gcs_bucket):
     rc, out, err = cli(args("demo_image", f"gs://{gcs_bucket}/in/sample.parquet", gcs_bucket))
     assert rc == 0, err[-4000:]
     ids = pq.read_table(SAMPLE).column("id").to_pylist()
-    check_store(resolve(f"gs://{gcs_bucket}/out/j"), ids, "png")
+    store = resolve(f"gs://{gcs_bucket}/out/j")
+    table = check_store(store, ids, "png")
+    import imageio.v3 as iio                                            # a complete, decodable file
+    assert iio.imread(store.read_bytes(table[0]["output"]), extension=".png").shape == (64, 64, 3)
 
 
 def test_driver_sigkill_then_rerun_on_gcs(gcs_bucket, write_prompts):

@@ -254,10 +254,10 @@ def _cli(tmp_path, *args):
 
 
 @pytest.mark.e2e
-# One compiled case: every method under per-block compile is checked in-process above, and the
-# mode each method runs as (pab's O2 as cache-all) by test_cudagraphs_is_dropped_... .
-@pytest.mark.parametrize("method, mode, runs_as", [("fastercache", "none", "none"),
-                                                   ("residual", "O2", "O2")])
+# One case through the CLI: every method (eager and under per-block compile) is checked in-process
+# above through the same step_cache.apply the worker calls, and the mode each method runs as (pab's
+# O2 as cache-all) by test_cudagraphs_is_dropped_... . (Each CLI job costs ~25 CPU-s on CI's 2 cores.)
+@pytest.mark.parametrize("method, mode, runs_as", [("residual", "O2", "O2")])
 def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts):
     """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block compile,
     its step graph dropped because of the step cache)."""
@@ -315,7 +315,7 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "runner.bench.compiled", "model=latte1", "source=tiny",
                         "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
-                        "step_cache.method=pab", "reps=1", "extra=cache-all", f"out={out}",
+                        "step_cache.method=pab", "reps=1", "extra=none", f"out={out}",
                         "compile.compile_text_encoder=false", "compile.compile_vae=false"],
                        cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -328,8 +328,9 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
     # per-block compile + step cache gives the eager step cache's output
     assert abs(res["psnr_vs_eager_db"] - alone["psnr_db"]) < 1.0
     assert "PSNR" in r.stdout and "step cache `pab` alone" in r.stdout
-    # ablations state their error too (without the step cache: lossless here, fp32 on CPU)
-    assert res["extra"]["cache-all"]["max_abs_err"] < 1e-3 and res["extra"]["cache-all"]["psnr_db"] > 60
+    # ablations state their error too (without the step cache: lossless here, fp32 on CPU; `none`
+    # is the QKV fusion alone, not a second compile on the 2-core CI machine)
+    assert res["extra"]["none"]["max_abs_err"] < 1e-3 and res["extra"]["none"]["psnr_db"] > 60
 
 
 def test_bad_step_cache_argument_of_the_bench_names_the_valid_ones():
