@@ -22,7 +22,7 @@ Order of transforms (each later one wraps the earlier):
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
      from); for Latte one compiled function per (spatial, temporal) block pair with the layout
-     changes between them (`compiler/latte.py`); text encoder / VAE decoder blocks likewise, without
+     changes between them (`compiler/block_pairs.py`); text encoder / VAE decoder blocks likewise, without
      the denoiser-only settings, if `compile_text_encoder` / `compile_vae`;
   5. SDPA kernel priority around the denoiser forward (CUDA only: CPU keeps the default);
   6. `cudagraphs`: the denoiser call captured as one CUDA graph per input shape (CUDA only).
@@ -37,7 +37,7 @@ import threading
 import torch
 
 from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
-from . import latte, quant, transforms
+from . import block_pairs, quant, transforms
 from .cudagraph import StepGraph, wrap_step
 from .short_attention import use_short_attention
 
@@ -153,8 +153,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
 
     if opts.compile:
         kw = compile_kwargs(opts)
-        if latte.is_latte(den):  # spatial+temporal block pairs with the layout changes between them
-            report["compiled_blocks"] = latte.compile_pairs(den, kw)
+        if block_pairs.has_block_pairs(den):  # spatial+temporal pairs, the layout changes between them
+            report["compiled_blocks"] = block_pairs.compile_pairs(den, kw)
         else:
             report["compiled_blocks"] = transforms.compile_blocks(den, kw)
         aux_kw = compile_kwargs(opts, denoiser=False)

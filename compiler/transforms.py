@@ -26,10 +26,10 @@ import functools
 import torch
 from torch import nn
 
-# Denoiser class name -> names of its repeated block classes (compiled one graph per class).
+# Model class name -> names of its repeated block classes (compiled one graph per class), where
+# the model's own `_repeated_blocks` (diffusers' and transformers' declaration) is missing or
+# names fewer. A DiT that declares none is read from its structure (`block_classes`).
 REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {
-    "PixArtTransformer2DModel": ("BasicTransformerBlock",),
-    "LatteTransformer3DModel": ("BasicTransformerBlock",),
     "UNet2DConditionModel": ("BasicTransformerBlock", "ResnetBlock2D"),
     # text encoders / VAE decoder, compiled only when asked for
     "T5EncoderModel": ("T5Block",),
@@ -108,8 +108,14 @@ def _fuse_own(attn: nn.Module) -> bool:
 # Per-block compilation
 
 def block_classes(module: nn.Module) -> tuple[str, ...]:
-    name = type(module).__name__
-    return REPEATED_BLOCKS.get(name) or tuple(getattr(module, "_repeated_blocks", ()) or ())
+    """The class names of `module`'s repeated blocks: the table above, else the model's own
+    `_repeated_blocks`, else the classes in its block lists (diffusers' DiTs keep their blocks in
+    `transformer_blocks`, video DiTs also in `temporal_transformer_blocks`)."""
+    found = REPEATED_BLOCKS.get(type(module).__name__) or tuple(getattr(module, "_repeated_blocks", ()) or ())
+    if found:
+        return found
+    lists = [getattr(module, n, None) for n in ("transformer_blocks", "temporal_transformer_blocks")]
+    return tuple(dict.fromkeys(type(b).__name__ for l in lists if isinstance(l, nn.ModuleList) for b in l))
 
 
 def _call_dense(fn, module, *args, **kwargs):

@@ -8,7 +8,7 @@ Methods (`step_cache.method`, README "Step reuse"):
   settings (`plan`), never on tensor values: no host sync per step, the same schedule for every
   item of a batch, and under `cudagraphs` two captured graphs (compute, reuse) replayed as the
   schedule says. The mechanism is the denoiser forward's `step_reuse=` argument (the family record's
-`residual_forward` installs it; for Latte, `compiler/latte.py`'s).
+`residual_forward` installs it; for block-pair video DiTs, `compiler/block_pairs.py`'s).
 - `fastercache`, `pab`: diffusers' attention-level hooks (`FasterCacheConfig`,
   `PyramidAttentionBroadcastConfig`), deciding per attention call in Python.
 
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # Which methods a model family offers is its record's `step_reuse` (runner/families/). The hook
 # methods need a diffusers `CacheMixin` transformer whose pipeline exposes `_current_timestep`;
 # FasterCache's unconditional-branch skip needs the CFG batch in one denoiser call (Latte's
-# pipeline: torch.cat([latents] * 2)); residual needs the block-pair forward of compiler/latte.py.
+# pipeline: torch.cat([latents] * 2)); residual needs the block-pair forward of compiler/block_pairs.py.
 HOOKS = ("fastercache", "pab")   # diffusers' attention hooks (decide in Python, per call)
 DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffusers' defaults
 

@@ -72,11 +72,11 @@ def test_no_recompiles_across_steps(compiled):
 def test_blocks_of_one_type_share_graphs(compiled):
     from diffusers.models.attention import BasicTransformerBlock
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from compiler import latte
+    from compiler import block_pairs
     preset, _, pipe = compiled
     # Dynamo's graphs for the denoiser's compiled code: PixArt's 2 blocks share one graph; Latte's
     # 2 (spatial, temporal) pairs share one graph of the pair function. Never one per instance.
-    code = (latte._pair if preset == "latte1" else BasicTransformerBlock.forward).__code__
+    code = (block_pairs._pair if preset == "latte1" else BasicTransformerBlock.forward).__code__
     assert len(_debug_get_cache_entry_list(code)) == 1
 
 

@@ -94,11 +94,19 @@ def _tiny_latte(num_layers=4):
 
 
 def test_latte_pair_forward_is_diffusers_forward_in_eager():
-    from compiler.latte import compile_pairs
+    from compiler.block_pairs import compile_pairs, has_block_pairs
+    from compiler.transforms import block_classes
+    from diffusers import PixArtTransformer2DModel
     den, x, kw = _tiny_latte()
+    # found by structure (no class names): the pairs, and the block class of DiTs that declare none
+    assert has_block_pairs(den) and block_classes(den) == ("BasicTransformerBlock",)
+    pixart = PixArtTransformer2DModel(num_layers=2, num_attention_heads=2, attention_head_dim=8,
+                                      in_channels=4, out_channels=8, sample_size=8, caption_channels=32,
+                                      cross_attention_dim=16)
+    assert not has_block_pairs(pixart) and block_classes(pixart) == ("BasicTransformerBlock",)
     with torch.no_grad():
         ref = den(x, **kw)[0]
-        assert compile_pairs(den, None) == {"LattePair": 4}
+        assert compile_pairs(den, None) == {"BlockPair": 4}
         torch.testing.assert_close(den(x, **kw)[0], ref, atol=0, rtol=0)
         # what it does not cover goes to diffusers' own forward
         torch.testing.assert_close(den(x, enable_temporal_attentions=False, **kw)[0],
@@ -109,7 +117,7 @@ def test_latte_pairs_compile_to_one_graph():
     """All (spatial, temporal) pairs share one graph, with the layout changes inside it; the first
     pair's temporal position embedding is an input (zeros for the others), not a second graph."""
     from torch._dynamo.utils import counters
-    from compiler.latte import compile_pairs
+    from compiler.block_pairs import compile_pairs, has_block_pairs
     den, x, kw = _tiny_latte(num_layers=6)
     with torch.no_grad():
         ref = den(x, **kw)[0]
@@ -157,7 +165,7 @@ def test_fp8_feedforward_matches_fp8_linears_and_traces():
 def test_latte_pairs_serve_every_prompt_length_with_one_graph():
     """LattePipeline trims the text embeddings to each prompt's token count: with static shapes
     (dynamic=False, what the presets use) that must still not recompile per length."""
-    from compiler.latte import compile_pairs
+    from compiler.block_pairs import compile_pairs, has_block_pairs
     den, x, kw = _tiny_latte(num_layers=2)
     torch._dynamo.reset()
     with torch.no_grad():

@@ -43,9 +43,9 @@ def call_args(pipe, num_frames: int | None) -> dict:
 
 
 def residual_forward(den) -> None:
-    from compiler import latte
-    if not latte.has_pair_forward(den):   # eager: the same forward, pairs not compiled
-        latte.compile_pairs(den, None)
+    from compiler import block_pairs
+    if not block_pairs.has_pair_forward(den):   # eager: the same forward, pairs not compiled
+        block_pairs.compile_pairs(den, None)
 
 
 LATTE = Family(

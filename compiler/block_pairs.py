@@ -1,7 +1,9 @@
-"""Latte-1: compile each (spatial block, temporal block) pair with the layout changes between them.
+"""Video DiTs of spatial + temporal block pairs: compile each pair with the layout changes between them.
 
-Contract: `compile_pairs(transformer, compile_kwargs) -> {"LattePair": n}` gives a diffusers
-`LatteTransformer3DModel` a forward that runs its 28 spatial/temporal block pairs through ONE
+Which models: those with `transformer_blocks` and `temporal_transformer_blocks` of equal length
+(`has_block_pairs`; in diffusers 0.42, `LatteTransformer3DModel`, whose forward this copies).
+Contract: `compile_pairs(transformer, compile_kwargs) -> {"BlockPair": n}` gives such a
+transformer a forward that runs its n (28 at full size) block pairs through ONE
 `torch.compile`d function (one graph, shared by every pair), and is otherwise diffusers' forward
 (0.42) line for line. In eager mode the result is identical to diffusers'; it falls back to
 diffusers' forward for what it does not cover (`enable_temporal_attentions=False`, gradient
@@ -16,7 +18,7 @@ a tensor: no host sync, and under `cudagraphs` each kind of step is its own capt
 (`StepGraph` keys on non-tensor arguments), reading and writing the same fixed buffer.
 
 Why: between the blocks diffusers re-lays the activations out twice per pair,
-(B*F, H*W, C) -> (B*H*W, F, C) and back, as eager permute copies. At Latte's 512² x 16 frames with
+(B*F, H*W, C) -> (B*H*W, F, C) and back, as eager permute copies. At Latte-1's 512² x 16 frames with
 CFG that is 2 x 28 copies of a 32768 x 1152 fp16 tensor (75 MB) per step, ~0.2 ms each on an H100
 (~11 ms of a ~160 ms compiled step). Inside one compiled graph Inductor folds each permute into the
 kernels next to it (the residual add that ends one block, the LayerNorm that starts the next).
@@ -137,8 +139,12 @@ def _final_layer(self, hidden_states, embedded_timestep, num_frame: int, height:
     return Transformer2DModelOutput(sample=output)
 
 
-def is_latte(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "LatteTransformer3DModel"
+def has_block_pairs(module: torch.nn.Module) -> bool:
+    """Structure, not a class name: spatial and temporal block lists of equal length."""
+    spatial = getattr(module, "transformer_blocks", None)
+    temporal = getattr(module, "temporal_transformer_blocks", None)
+    return isinstance(spatial, torch.nn.ModuleList) and isinstance(temporal, torch.nn.ModuleList) \
+        and len(spatial) == len(temporal) > 0
 
 
 def compile_pairs(transformer: torch.nn.Module, compile_kwargs: dict | None) -> dict[str, int]:
@@ -146,7 +152,7 @@ def compile_pairs(transformer: torch.nn.Module, compile_kwargs: dict | None) -> 
     pair = torch.compile(_pair, **compile_kwargs) if compile_kwargs is not None else _pair
     transformer.forward = functools.partial(forward, transformer, pair)
     transformer._pair_forward = True   # wrappers added later (SDPA priority, StepGraph) pass kwargs on
-    return {"LattePair": len(transformer.transformer_blocks)}
+    return {"BlockPair": len(transformer.transformer_blocks)}
 
 
 def has_pair_forward(transformer: torch.nn.Module) -> bool:
