@@ -115,3 +115,10 @@ def test_max_optimize_sets_single_pass_rows_and_other_modes_reset_them(monkeypat
     finally:
         heuristics.set_persistent_rows(0)
         heuristics.V.set_choices_handler(heuristics.InductorChoices())
+
+
+def test_tuning_probe_names_its_valid_variants():
+    # the dev tool imports (it moved with the benchmark helpers) and rejects a bad variant by name
+    from runner.bench import tuning
+    with pytest.raises(SystemExit, match=r"unknown variant 'x'; valid: \['cdt', 'mapw', 'nocdt'\]"):
+        tuning.main(["variant=x", "cache_dir=/nonexistent"])

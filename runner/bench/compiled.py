@@ -170,7 +170,7 @@ def max_mem_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def measure(pipe, spec, args, steps: int) -> dict:
+def measure(pipe, spec, args, steps: int) -> tuple[dict, torch.Tensor]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     out, e2e, evs = run_call(pipe, spec, args, steps, events=True)

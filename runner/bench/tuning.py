@@ -1,6 +1,6 @@
-"""What Inductor's kernel tuning costs and buys on one model: `python -m compiler.tuning_probe`.
+"""What Inductor's kernel tuning costs and buys on one model: `python -m runner.bench.tuning`.
 
-    python -m compiler.tuning_probe model=latte1 variant=cdt|mapw|nocdt cache_dir=DIR [steps=4] [out=x.json]
+    python -m runner.bench.tuning model=latte1 variant=cdt|mapw|nocdt cache_dir=DIR [steps=4] [out=x.json]
 
 Compiles the model with O3 on `cache_dir` (run twice with the same directory to see the warm
 start) with the variant's Inductor setting: `cdt` coordinate_descent_tuning, `mapw`
@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from . import cache, compile_pipe
-from .bench import build, measure, parse_argv, run_call
+from compiler import cache, compile_pipe
+
+from .compiled import build, measure, parse_argv, run_call
 
 VARIANTS = {"cdt": {"coordinate_descent_tuning": True, "max_autotune_pointwise": False},
             "mapw": {"coordinate_descent_tuning": False, "max_autotune_pointwise": True},
