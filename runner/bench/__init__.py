@@ -3,6 +3,8 @@
 - `compiled`: eager vs compiled pipelines side by side (the compiler applied to the models);
 - `vs_loop`: the job against plain diffusers loops, eager and `torch.compile`;
 - `scaling`: the same job with 1..N workers (table, JSON, plots);
+- `decode`: the VAE decoder alone, eager vs compiled, contiguous vs channels_last, cudnn.benchmark;
+- `tuning`: what Inductor's kernel tuning costs and buys on one model;
 - `scale`: the driver's cost on a million-prompt file (dry run, sharding, resume planning).
 
 They share one argument convention, `key=value`, parsed by `parse_args`.
