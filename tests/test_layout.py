@@ -95,14 +95,14 @@ def family_words() -> set[str]:
 
 def test_no_family_name_outside_the_family_modules():
     """Adding a family is one module under runner/families (+ presets, a job): no code elsewhere
-    in runner/ names a family, a preset or a family's pipeline class (an identifier, or a string
+    in runner/ or compiler/ names a family, a preset or a family's pipeline class (an identifier, or a string
     that is one: what a branch on the family would compare with). Docs and help text may."""
     words = family_words()
     assert {"latte", "pixart_alpha_1024", "wan21_t2v_1_3b", "lattepipeline"} <= words
     named = re.compile(r"(?<![a-z])(" + "|".join(sorted(map(re.escape, words), key=len,
                                                          reverse=True)) + r")(?![a-z])")
     bad = []
-    for path in sorted((ROOT / "runner").rglob("*.py")):
+    for path in sorted([*(ROOT / "runner").rglob("*.py"), *(ROOT / "compiler").rglob("*.py")]):
         if path.parent.name == "families":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

@@ -1,7 +1,7 @@
 """VAE decode of one latent at a model's size: what compiling, channels_last and cuDNN's algorithm
 search each give, side by side in one process (CUDA).
 
-    python -m runner.bench.decode [model=pixart_alpha_1024] [batch=1] [iters=10] [out=decode.json]
+    python -m runner.bench.decode [model=<preset>] [batch=1] [iters=10] [out=decode.json]
 
 Builds the model's VAE at its published size (random weights, fp16) and times `vae.decode` of a
 (batch, C, H/8, W/8) latent: median of `iters` calls after 3 warm-up calls, CUDA events. Variants:
@@ -41,9 +41,9 @@ def time_decode(vae, z, iters: int) -> tuple[float, torch.Tensor]:
 def main(argv: list[str]) -> list[dict]:
     import compiler
     from compiler import transforms
-    from ..families import PRESETS
+    from ..families import DEFAULT_PRESET, PRESETS
     from ..families.parts import sd_vae
-    a, _ = parse_args(argv, dict(model="pixart_alpha_1024", batch="1", iters="10", out=None), USAGE)
+    a, _ = parse_args(argv, dict(model=DEFAULT_PRESET, batch="1", iters="10", out=None), USAGE)
     assert torch.cuda.is_available(), "the decode benchmark needs a CUDA GPU"
     preset = PRESETS[a["model"]].presets[a["model"]]
     with torch.device("cuda"):

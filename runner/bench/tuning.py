@@ -19,6 +19,7 @@ import torch
 
 from compiler import cache, compile_pipe
 
+from ..families import DEFAULT_PRESET
 from .compiled import build, measure, parse_argv, run_call
 
 VARIANTS = {"cdt": {"coordinate_descent_tuning": True, "max_autotune_pointwise": False},
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> dict:
         return best
     th.CachingAutotuner.coordinate_descent_tuning = timed
 
-    args = parse_argv([f"{k}={v}" for k, v in {"model": "latte1", **opts}.items()] + [f"steps={steps}"])
+    args = parse_argv([f"{k}={v}" for k, v in {"model": DEFAULT_PRESET, **opts}.items()] + [f"steps={steps}"])
     pipe, spec = build(args)
     compile_pipe(pipe, {"mode": "O3", "options": VARIANTS[variant]})
     t0 = time.perf_counter()
