@@ -223,31 +223,23 @@ def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, writ
 
 
 @pytest.mark.e2e
-def test_second_driver_on_the_same_job_dir_exits_2_naming_the_holder(tmp_path, write_prompts):
-    ids = [f"b{i}" for i in range(4)]
-    p = write_prompts({"prompt": [f"prompt {i}" for i in range(4)], "id": ids})
-    args, job_dir = base_args(p, tmp_path / "out", "run.shard_size=1"), tmp_path / "out" / "j"
-    first = cli(args, faults="slow:3", wait=False)      # >= 12 s of work after Ray and warm-up
-    t0 = time.time()
-    while not (job_dir / ".lock").exists():
-        assert time.time() - t0 < GUARD_S and first.poll() is None, "the first driver never took the lock"
-        time.sleep(0.2)
-    rc, out, err = cli(args)
-    assert rc == 2, err[-3000:]
-    assert f"in use by another driver (pid {first.pid} on host" in err and "remove" in err
-    out, err = first.communicate(timeout=GUARD_S)
-    assert first.returncode == 0, err[-3000:]
-    assert journal_lines(job_dir) == 4 and sorted(r["id"] for r in rows(job_dir)) == ids
-    assert not (job_dir / ".lock").exists()
-
-
 @pytest.mark.e2e
-def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
+def test_a_second_driver_is_refused_and_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
+    """One running job, two checks: a second driver on its job directory exits 2 naming the
+    holder (and leaves the lock alone); SIGTERM then stops the first like Ctrl-C, exit 143."""
     ids = [f"c{i:02d}" for i in range(12)]
     p = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
     args = base_args(p, tmp_path / "out", "run.shard_size=3", "ray.cpu_workers=2")
     job_dir = tmp_path / "out" / "j"
     proc = cli(args, faults="slow:2", wait=False)
+    t0 = time.time()
+    while not (job_dir / ".lock").exists():      # taken before Ray starts: the second driver
+        assert time.time() - t0 < GUARD_S and proc.poll() is None, "the first driver never took the lock"
+        time.sleep(0.2)                          # runs while the first one warms up
+    rc, out, err = cli(args)
+    assert rc == 2, err[-3000:]
+    assert f"in use by another driver (pid {proc.pid} on host" in err and "remove" in err
+    assert (job_dir / ".lock").exists() and proc.poll() is None
     wait_for_journal(job_dir, 2)
     os.kill(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=GUARD_S)

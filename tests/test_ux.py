@@ -183,17 +183,21 @@ def test_worker_reports_start_up_phases(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The real CLI, once: start-up lines, plain progress, quiet Ray, legend; then a no-op rerun.
+# The real CLI, once: the demo image job with overrides, its outputs; start-up lines, plain
+# progress, quiet Ray, legend; then a no-op rerun.
 
 @pytest.mark.e2e
-def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_path):
+def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_path):
     import subprocess
     import sys
+    import imageio.v3 as iio
+    from omegaconf import OmegaConf
+    from test_e2e import check_job_dir
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_ADDRESS")}
     args = [sys.executable, "-m", "runner", "job=demo_image", f"output.dir={tmp_path}",
-            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
-            "ray.cpu_workers=1"]
+            "generation.height=96", "generation.width=64", "generation.num_inference_steps=2",
+            "run.batch_size=3", "ray.cpu_workers=1"]
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-4000:]
     err = r.stderr
@@ -209,6 +213,9 @@ def test_cli_run_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_pa
     assert "steady_it_s: denoising steps/s" in r.stdout            # the legend under the table
 
     job_dir = tmp_path / "demo_image"
+    for row in check_job_dir(job_dir, "png", n_workers=1):        # the overrides took effect
+        assert iio.imread(job_dir / row["output"]).shape == (96, 64, 3)
+    assert OmegaConf.load(job_dir / "config.yaml").generation.height == 96
     before = {n: (job_dir / n).read_bytes() for n in ("summary.txt", "summary.json", "config.yaml")}
     mtimes = {n: (job_dir / n).stat().st_mtime_ns for n in before}
     # a rerun with nothing to do, under another (lossless) mode: config.yaml keeps the mode that
