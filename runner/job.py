@@ -465,13 +465,13 @@ def _wait_dead(ray, actors, timeout_s: float) -> None:
         calls = [(a, a.__ray_ready__.remote()) for a in alive]
         alive = []
         for a, ref in calls:
-            try:
+            try:       # an answer, or none in time: the kill has not reached it yet
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-                alive.append(a)                # answered: the kill has not reached it yet
             except ray.exceptions.GetTimeoutError:
-                alive.append(a)
-            except Exception:                  # RayActorError: dead, as asked
                 pass
+            except Exception:                  # RayActorError: dead, as asked
+                continue
+            alive.append(a)
         if alive:
             time.sleep(0.2)
     if alive:

@@ -97,12 +97,12 @@ def test_latte_pair_forward_is_diffusers_forward_in_eager():
     from compiler.block_pairs import compile_pairs, has_block_pairs
     from compiler.transforms import block_classes
     from diffusers import PixArtTransformer2DModel
+    from runner.families.pixart import ALPHA
     den, x, kw = _tiny_latte()
     # found by structure (no class names): the pairs, and the block class of DiTs that declare none
     assert has_block_pairs(den) and block_classes(den) == ("BasicTransformerBlock",)
-    pixart = PixArtTransformer2DModel(num_layers=2, num_attention_heads=2, attention_head_dim=8,
-                                      in_channels=4, out_channels=8, sample_size=8, caption_channels=32,
-                                      cross_attention_dim=16)
+    pixart = PixArtTransformer2DModel.from_config(
+        ALPHA.denoiser_config(ALPHA.presets["pixart_alpha_512"], tiny=True))
     assert not has_block_pairs(pixart) and block_classes(pixart) == ("BasicTransformerBlock",)
     with torch.no_grad():
         ref = den(x, **kw)[0]
