@@ -17,7 +17,8 @@ Order of transforms (each later one wraps the earlier):
      quantisation of the hidden activation in one Triton pass, `compiler/quant.py`), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
      GEMM with a GELU epilogue (a custom op Inductor keeps whole), and `short_attention` gives the
      fused self-attentions a processor that runs sequences of <= 64 tokens (Latte's temporal
-     attention) through one Triton kernel;
+     attention) through one Triton kernel, and `short_cross_attention` the fused cross-attentions one
+     that runs key sets of <= 128 tokens (a text encoder's, masked or not) through another;
   3. `memory_format`: channels_last for the UNet and the VAE (conv models; DiTs are unaffected);
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
@@ -39,6 +40,7 @@ import torch
 from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
 from . import block_pairs, quant, transforms
 from .cudagraph import StepGraph, wrap_step
+from .cross_attention import use_short_cross_attention
 from .short_attention import use_short_attention
 
 __all__ = ["compile_pipe", "prewarm", "parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD",
@@ -144,6 +146,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             report["fused_gelu"] = transforms.fuse_gelu(den)
         if opts.short_attention and fused:
             report["short_attention"] = use_short_attention(den)
+        if opts.short_cross_attention and fused:
+            report["short_cross_attention"] = use_short_cross_attention(den)
 
     if opts.memory_format == "channels_last":   # 2-D convolutions only (Wan's VAE is 3-D)
         for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):

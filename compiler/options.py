@@ -6,7 +6,7 @@ dict nexfort takes::
     {"mode": "max-autotune:cudagraphs:cache-all", "memory_format": "channels_last",
      "dynamic": false, "options": {...Inductor config overrides...},
      "fuse_qkv": true, "sdpa_priority": true, "fuse_gelu": true, "short_attention": true,
-     "compile_text_encoder": null, "compile_vae": null}
+     "short_cross_attention": true, "compile_text_encoder": null, "compile_vae": null}
 
 and returns a `CompileOptions`. Anything unknown (a flag, a top-level key, an Inductor option that
 `torch._inductor.config` does not have, a memory format) raises `ValueError` naming the bad value and
@@ -32,6 +32,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
 | key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
+| key `short_cross_attention` (default true) | compiled, CUDA: cross-attention against <= 128 keys (a text encoder's tokens), unmasked or with the key-padding bias the DiTs pass, as one Triton kernel reading q and the fused KV output in place |
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
@@ -87,8 +88,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
 LOSSY_FLAGS = frozenset({"low-precision"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
 # The boolean keys' defaults are CompileOptions' field defaults.
-BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "compile_text_encoder",
-             "compile_vae")
+BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "short_cross_attention",
+             "compile_text_encoder", "compile_vae")
 NULLABLE_KEYS = ("compile_vae", "compile_text_encoder")  # null: the compiler decides per pipeline
 TOP_LEVEL_KEYS = ("mode", "memory_format", "options", *BOOL_KEYS)
 
@@ -105,6 +106,7 @@ class CompileOptions:
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
+    short_cross_attention: bool = True  # CUDA, compiled: cross-attention to <= 128 keys, one Triton kernel
     compile_text_encoder: bool | None = None  # None: yes when compiling (see the table)
     compile_vae: bool | None = None     # None: yes when compiling, unless dynamic (see the table)
 
@@ -141,6 +143,7 @@ class CompileOptions:
         return {"mode": self.mode, "memory_format": self.memory_format, "dynamic": self.dynamic,
                 "options": dict(self.inductor), "fuse_qkv": self.fuse_qkv, "sdpa_priority": self.sdpa_priority,
                 "fuse_gelu": self.fuse_gelu, "short_attention": self.short_attention,
+                "short_cross_attention": self.short_cross_attention,
                 "compile_text_encoder": self.compile_text_encoder, "compile_vae": self.compile_vae}
 
 

@@ -27,7 +27,10 @@ def test_full_size_lossless_matches_eager(preset, kw, mode):
     if preset.startswith("wan21"):   # the published 1.3B: 1.419 B transformer parameters
         assert 1.40e9 < sum(p.numel() for p in pipe.transformer.parameters()) < 1.44e9
     ref = _call(pipe, 4, **kw)
-    compile_pipe(pipe, {"mode": mode, "memory_format": "channels_last"})
+    report = compile_pipe(pipe, {"mode": mode, "memory_format": "channels_last",
+                                 "short_cross_attention": True})._compile_report
+    if preset.startswith(("pixart", "latte")):   # every block's cross-attention (PixArt's masked)
+        assert report["short_cross_attention"] == 28
     _call(pipe, 4, **kw)
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = _call(pipe, 4, **kw)
@@ -47,6 +50,43 @@ def test_short_attention_kernel_matches_sdpa(n, s, heads, d):
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
     # a strided view (every other sequence) reads the same values
     torch.testing.assert_close(short_attention(qkv[::2], heads).float(), ref[::2], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("n, sq, skv, heads, d, masked, dtype", [
+    (2, 4096, 120, 16, 72, True, torch.float16),     # a 1024² DiT with CFG, padded prompts
+    (32, 1024, 120, 16, 72, False, torch.float16),   # a video DiT's spatial blocks
+    (2, 333, 77, 5, 64, False, torch.bfloat16),
+    (3, 100, 128, 4, 40, True, torch.float16),
+])
+def test_short_cross_attention_kernel_matches_sdpa(n, sq, skv, heads, d, masked, dtype):
+    from compiler.cross_attention import ShortKVCrossAttnProcessor, _reference, short_cross_attention
+    q = torch.randn(n, sq, heads * d, device="cuda", dtype=dtype)
+    kv = torch.randn(n, skv, 2 * heads * d, device="cuda", dtype=dtype)
+    bias = None
+    if masked:   # each prompt its own number of valid tokens; padding as the DiT passes it: -10000
+        valid = torch.arange(skv, device="cuda")[None, :] < torch.randint(1, skv, (n, 1), device="cuda")
+        valid[0] = True
+        bias = ((1 - valid.to(dtype)) * -10000.0).unsqueeze(1)                   # (N, 1, Skv)
+    ref = _reference(q.float(), kv.float(), bias, heads)
+    out = short_cross_attention(q, kv, bias, heads)
+    assert out.shape == (n, sq, heads * d) and out.dtype == dtype
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    sdpa = _reference(q, kv, bias, heads).float()   # what the model ran before, in its own dtype
+    assert (out.float() - ref).abs().max() <= 2 * (sdpa - ref).abs().max() + 1e-3
+    # strided inputs: every other query, k/v as a slice of a wider projection, a bias of batch 1
+    wide = torch.randn(n, skv, 3 * heads * d, device="cuda", dtype=dtype)
+    kv2 = wide[..., :2 * heads * d]
+    b1 = None if bias is None else bias[:1]
+    torch.testing.assert_close(short_cross_attention(q[:, ::2], kv2, b1, heads).float(),
+                               _reference(q[:, ::2].float(), kv2.float(), b1, heads), atol=tol, rtol=tol)
+    if masked:   # the processor takes exactly this call
+        from diffusers.models.attention_processor import Attention
+        attn = Attention(heads * d, cross_attention_dim=heads * d, heads=heads, dim_head=d).cuda()
+        attn.to_kv = torch.nn.Linear(heads * d, 2 * heads * d)
+        assert ShortKVCrossAttnProcessor.fits(attn, q, kv[..., :heads * d], bias)
+        assert not ShortKVCrossAttnProcessor.fits(attn, q.float(), kv[..., :heads * d].float(), bias)
+        assert not ShortKVCrossAttnProcessor.fits(attn, q, kv[..., :heads * d], bias[:, None].expand(n, heads, 1, skv))
 
 
 @pytest.mark.parametrize("m, n", [(8192, 4608), (7, 1152), (3, 100)])
@@ -110,6 +150,7 @@ for _m in gpu:
     test_full_size_o3_close_to_eager_with_decode = _m(test_full_size_o3_close_to_eager_with_decode)
 for _m in gpu:
     test_short_attention_kernel_matches_sdpa = _m(test_short_attention_kernel_matches_sdpa)
+    test_short_cross_attention_kernel_matches_sdpa = _m(test_short_cross_attention_kernel_matches_sdpa)
 for _m in gpu:
     test_full_size_lossless_matches_eager = _m(test_full_size_lossless_matches_eager)
 for _m in gpu:

@@ -176,3 +176,42 @@ def test_latte_pairs_serve_every_prompt_length_with_one_graph():
             enc = torch.randn(2, n, 32, generator=torch.Generator().manual_seed(n))
             with torch._dynamo.config.patch(error_on_recompile=n != 6):
                 torch.testing.assert_close(den(x, **{**kw, "encoder_hidden_states": enc})[0], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_short_cross_attention_processor_falls_back_on_cpu_and_matches_sdpa():
+    """The cross-attention processor: on CPU (and for anything the kernel does not take) diffusers'
+    fused processor, bit for bit; its own path (forced here, the op's CPU reference) reads the
+    key-padding bias as the DiT passes it and gives the same output; the op traces whole."""
+    from compiler.cross_attention import (ShortKVCrossAttnProcessor, head_tiles, short_cross_attention,
+                                          use_short_cross_attention)
+    pipe = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
+    den = pipe.transformer
+    fuse_qkv(den)
+    x = torch.randn(2, 4, 8, 8)
+    mask = torch.ones(2, 6)
+    mask[0, 3:] = 0   # the first prompt's last 3 tokens are padding
+    kw = dict(encoder_hidden_states=torch.randn(2, 6, 32), encoder_attention_mask=mask,
+              timestep=torch.tensor([10, 10]), added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+              return_dict=False)
+    with torch.no_grad():
+        ref = den(x, **kw)[0]
+        assert use_short_cross_attention(den) == 2   # the cross-attention of each block
+        proc = den.transformer_blocks[0].attn2.processor
+        assert isinstance(proc, ShortKVCrossAttnProcessor) and den.transformer_blocks[1].attn2.processor is proc
+        assert type(den.transformer_blocks[0].attn1.processor) is not ShortKVCrossAttnProcessor
+        torch.testing.assert_close(den(x, **kw)[0], ref, atol=0, rtol=0)   # CPU: the fallback
+        proc.fits = lambda *a: True                                        # the op's own path
+        torch.testing.assert_close(den(x, **kw)[0], ref, atol=1e-5, rtol=1e-5)
+        without = den(x, **{**kw, "encoder_attention_mask": None})[0]
+        assert (without - ref).abs().max() > 1e-3   # the mask mattered
+    # the op against plain math, with a bias of batch 1 and none; traced whole by Dynamo
+    q, kv = torch.randn(2, 5, 4 * 24), torch.randn(2, 7, 2 * 4 * 24)
+    bias = torch.tensor([0.0] * 5 + [-10000.0] * 2).view(1, 1, 7)
+    k, v = (t.view(2, 7, 4, 24).transpose(1, 2) for t in kv.split(96, -1))
+    s = q.view(2, 5, 4, 24).transpose(1, 2) @ k.transpose(-1, -2) / 24 ** 0.5 + bias[:, None]
+    want = (s.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, 96)
+    torch.testing.assert_close(short_cross_attention(q, kv, bias, 4), want, atol=1e-5, rtol=1e-5)
+    f = torch.compile(lambda q, kv, b: short_cross_attention(q, kv, b, 4) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(f(q, kv, bias), want * 2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f(q, kv, None), short_cross_attention(q, kv, None, 4) * 2)
+    assert [head_tiles(d) for d in (72, 64, 128, 40, 96)] == [(64, 16), (64, 0), (128, 0), (32, 16), (64, 32)]

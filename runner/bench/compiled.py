@@ -384,12 +384,15 @@ def main(argv: list[str]) -> dict:
         setattr(pipe, attr, copy.deepcopy(pristine).to(args["device"]))
         ref_short = run_call(pipe, spec, args, short)[0].float().cpu()
         setattr(pipe, attr, None)
-    # "MODE[-nofuse][-nosdpa][-nogelu][-noshort]": ablate QKV fusion / SDPA priority /
-    # GELU epilogue / short-sequence attention kernel
+    # "MODE[-nofuse][-nosdpa][-nogelu][-noshort][-nocross]": ablate QKV fusion / SDPA priority /
+    # GELU epilogue / short-sequence attention kernel / short-key-set cross-attention kernel.
+    # A mode named twice is measured twice (the repeat as "MODE#2", ...): arms alternated in one
+    # process.
     off = {"-nofuse": "fuse_qkv", "-nosdpa": "sdpa_priority", "-nogelu": "fuse_gelu",
-           "-noshort": "short_attention"}
-    for mode in extras:
-        name, opts = mode, {**args["compile"], **{key: suffix not in mode for suffix, key in off.items()}}
+           "-noshort": "short_attention", "-nocross": "short_cross_attention"}
+    for i, mode in enumerate(extras):
+        name = mode if mode not in extras[:i] else f"{mode}#{extras[:i].count(mode) + 1}"
+        opts = {**args["compile"], **{key: suffix not in mode for suffix, key in off.items()}}
         opts["mode"] = mode
         for suffix in off:
             opts["mode"] = opts["mode"].replace(suffix, "")
