@@ -80,12 +80,14 @@ def test_short_cross_attention_kernel_matches_sdpa(n, sq, skv, heads, d, masked,
     b1 = None if bias is None else bias[:1]
     torch.testing.assert_close(short_cross_attention(q[:, ::2], kv2, b1, heads).float(),
                                _reference(q[:, ::2].float(), kv2.float(), b1, heads), atol=tol, rtol=tol)
-    if masked:   # the processor takes exactly this call
+    if masked:   # the processor takes exactly this call (and no unmasked one, while MASKED_ONLY)
+        from compiler.cross_attention import MASKED_ONLY
         from diffusers.models.attention_processor import Attention
         attn = Attention(heads * d, cross_attention_dim=heads * d, heads=heads, dim_head=d).cuda()
         attn.to_kv = torch.nn.Linear(heads * d, 2 * heads * d)
         assert ShortKVCrossAttnProcessor.fits(attn, q, kv[..., :heads * d], bias)
         assert not ShortKVCrossAttnProcessor.fits(attn, q.float(), kv[..., :heads * d].float(), bias)
+        assert ShortKVCrossAttnProcessor.fits(attn, q, kv[..., :heads * d], None) is not MASKED_ONLY
         assert not ShortKVCrossAttnProcessor.fits(attn, q, kv[..., :heads * d], bias[:, None].expand(n, heads, 1, skv))
 
 
