@@ -18,7 +18,7 @@ Order of transforms (each later one wraps the earlier):
      GEMM with a GELU epilogue (a custom op Inductor keeps whole), and `short_attention` gives the
      fused self-attentions a processor that runs sequences of <= 64 tokens (Latte's temporal
      attention) through one Triton kernel, and `short_cross_attention` the fused cross-attentions one
-     that runs key sets of <= 128 tokens (a text encoder's, masked or not) through another;
+     that runs masked key sets of <= 128 tokens (a text encoder's padded prompt) through another;
   3. `memory_format`: channels_last for the UNet and the VAE (conv models; DiTs are unaffected);
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come

@@ -32,7 +32,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
 | key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
-| key `short_cross_attention` (default true) | compiled, CUDA: cross-attention against <= 128 keys (a text encoder's tokens), unmasked or with the key-padding bias the DiTs pass, as one Triton kernel reading q and the fused KV output in place |
+| key `short_cross_attention` (default true) | compiled, CUDA: masked cross-attention against <= 128 keys (a text encoder's padded prompt, with the key-padding bias the DiTs pass) as one Triton kernel reading q and the fused KV output in place; unmasked calls keep SDPA |
 | key `sdpa_priority` (default true) | CUDA: each attention call takes the first of cuDNN, flash, mem-efficient, math that accepts it |
 | key `memory_format: "channels_last"` | UNet and VAE in channels_last |
 | key `dynamic: true` | symbolic shapes from the first call: several resolutions, no recompiles |
@@ -106,7 +106,7 @@ class CompileOptions:
     sdpa_priority: bool = True          # CUDA: SDPA backend priority list (transforms.SDPA_PRIORITY)
     fuse_gelu: bool = True              # CUDA, compiled: Linear+GELU(tanh) as one cuBLASLt GEMM
     short_attention: bool = True        # CUDA, compiled: short self-attention as one Triton kernel
-    short_cross_attention: bool = True  # CUDA, compiled: cross-attention to <= 128 keys, one Triton kernel
+    short_cross_attention: bool = True  # CUDA, compiled: masked cross-attention to <= 128 keys, one Triton kernel
     compile_text_encoder: bool | None = None  # None: yes when compiling (see the table)
     compile_vae: bool | None = None     # None: yes when compiling, unless dynamic (see the table)
 

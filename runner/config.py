@@ -211,8 +211,8 @@ class CompileSection:
     fuse_gelu: bool = key(True, "compiled, CUDA: Linear + GELU(tanh) as one GEMM with a GELU epilogue")
     short_attention: bool = key(True, "compiled, CUDA: self-attention over <= 64 tokens "
                                       "(Latte temporal) as one Triton kernel")
-    short_cross_attention: bool = key(True, "compiled, CUDA: cross-attention to <= 128 text tokens "
-                                            "(masked or not) as one Triton kernel")
+    short_cross_attention: bool = key(True, "compiled, CUDA: masked cross-attention to <= 128 text "
+                                            "tokens (padded prompts) as one Triton kernel")
     sdpa_priority: bool = key(True, "CUDA: attention takes the first of cuDNN, flash, "
                                     "mem-efficient, math that fits")
     compile_text_encoder: bool | None = key(None, "also compile the text encoder's blocks "
