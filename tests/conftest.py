@@ -1,7 +1,23 @@
-"""Shared fixtures. GPU tests (`@pytest.mark.gpu`) are skipped, with the reason shown, without CUDA."""
+"""Shared fixtures. GPU tests (`@pytest.mark.gpu`) are skipped, with the reason shown, without CUDA.
+
+The CLI runs of a test session share one Ray cluster (`ray start --head`, started here before any
+test and stopped after the last), as jobs on a real cluster do: a job's own local Ray costs ~15
+CPU-seconds of daemons and start-up, ~40 % of a small job on the 2-core CI machine. RAY_ADDRESS
+names it to every CLI run. What a job's Ray workers need from a test's environment (faults, storage
+endpoints) goes with the job as its runtime_env (`cli_env`), since the workers are the cluster's
+processes, not the CLI's children. Tests about a job's own local Ray (its quiet start, a second
+driver on a new cluster, `ray job submit` onto a multi-node cluster) drop RAY_ADDRESS. Set
+RAY_ADDRESS yourself to run the suite on another cluster, or RUNNER_TEST_RAY=local for a local Ray
+per job as before.
+"""
 import contextlib
+import json
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 import uuid
 
 import pyarrow as pa
@@ -21,13 +37,118 @@ GUARD_S = 900
 FAULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 
 
+# What a job's Ray workers take from a test's environment (names, or prefixes ending in "_").
+WORKER_ENV = ("RUNNER_", "AWS_", "STORAGE_EMULATOR_HOST", "PYTHONPATH", "HF_HUB_OFFLINE")
+
+
 def fault_env(faults: str) -> dict:
     """Environment for a CLI run with injected faults: RUNNER_FAULTS and tests/faults first on
     PYTHONPATH, whose sitecustomize.py wraps the worker's functions in every process of the job;
-    RUNNER_FAULT_DIR, a fresh directory for the markers of `crash_once` faults."""
+    RUNNER_FAULT_DIR, a fresh directory for the markers of `crash_once` faults (and the run's
+    mark: `ray_workers_of` finds the job's worker processes by it)."""
     path = os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "RUNNER_FAULTS": faults, "PYTHONPATH": path,
-            "RUNNER_FAULT_DIR": tempfile.mkdtemp(prefix="runner-faults-")}
+    return cli_env(RUNNER_FAULTS=faults, PYTHONPATH=path,
+                   RUNNER_FAULT_DIR=tempfile.mkdtemp(prefix="runner-faults-"))
+
+
+def cli_env(**extra) -> dict:
+    """os.environ + `extra` for a CLI run. On a cluster (RAY_ADDRESS) the job's Ray workers get
+    WORKER_ENV's variables as the job's runtime_env, as `ray job submit --runtime-env-json` hands
+    them over: Ray's `ray.init` reads RAY_JOB_CONFIG_JSON_ENV_VAR, which is how a submitted job's
+    driver gets it."""
+    env = {**os.environ, **extra}
+    if env.get("RAY_ADDRESS"):
+        env_vars = {k: v for k, v in env.items()
+                    if any(k == w or (w.endswith("_") and k.startswith(w)) for w in WORKER_ENV)}
+        env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps({"runtime_env": {"env_vars": env_vars}})
+    return env
+
+
+def ray_workers_of(env: dict) -> list[int]:
+    """PIDs of the `ray::Worker` actor processes of the CLI run started with `env` (a `fault_env`):
+    found by its RUNNER_FAULT_DIR, so not another test's (pytest -n runs several jobs at once, on
+    one cluster or each on its own local Ray)."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if ("ray::Worker" in " ".join(p.info["cmdline"] or [])
+                    and p.environ().get("RUNNER_FAULT_DIR") == env["RUNNER_FAULT_DIR"]):
+                found.append(p.pid)
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_ray(temp_dir: str) -> None:
+    """Kill one Ray's processes only (`ray stop` would kill every Ray on the machine, also another
+    test's under pytest -n): those whose command line names its temp dir, and their children (the
+    agents a raylet starts rename themselves)."""
+    import psutil
+    roots = [p for p in psutil.process_iter(["cmdline"])
+             if any(temp_dir in a for a in (p.info["cmdline"] or []))]
+    procs = list(roots)
+    for p in roots:
+        with contextlib.suppress(psutil.Error):
+            procs += p.children(recursive=True)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
+_SHARED_RAY: dict = {}
+
+
+def pytest_configure(config):
+    """The session's Ray cluster, started once by the main process (pytest -n's workers inherit
+    RAY_ADDRESS). Its worker processes start with this environment; token auth is off for every
+    process of the session, as one cluster's processes must agree on it."""
+    if (hasattr(config, "workerinput") or os.environ.get("RAY_ADDRESS")
+            or os.environ.get("RUNNER_TEST_RAY") == "local"):
+        return
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")    # short: Ray's socket paths
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+         "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={temp_dir}",
+         # slots for every job pytest -n runs at once; the CPU itself is shared by the OS
+         "--num-cpus=64", "--include-dashboard=false", "--disable-usage-stats",
+         "--object-store-memory=1000000000", f"--ray-client-server-port={free_port()}",
+         # another Ray on the machine (a test's own) must not find its default ports taken
+         f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _SHARED_RAY.update(proc=proc, temp_dir=temp_dir)
+    lines, t0 = [], time.monotonic()
+    for line in proc.stdout:                 # `--block` keeps running once the cluster is up
+        lines.append(line)
+        if "Ray runtime started" in line or time.monotonic() - t0 > 180:
+            break
+    if not any("Ray runtime started" in line for line in lines):
+        pytest_unconfigure(config)
+        raise pytest.UsageError("the session's Ray cluster did not start:\n" + "".join(lines[-40:]))
+    # its further output (worker deaths it reports) is not read: drain it so it never blocks
+    import threading
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+
+
+def pytest_unconfigure(config):
+    if not _SHARED_RAY:
+        return
+    proc, temp_dir = _SHARED_RAY.pop("proc"), _SHARED_RAY.pop("temp_dir")
+    proc.terminate()                         # `ray start --block` stops its cluster on SIGTERM
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    stop_ray(temp_dir)                       # whatever did not stop with it
+    import shutil
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,6 @@ RAY_AUTH_MODE (token auth is on by default for local clusters in Ray 2.60)."""
 import json
 import shutil
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,46 +11,21 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import GUARD_S, fault_env
+from conftest import GUARD_S, fault_env, free_port, stop_ray
 from test_faults import record_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# its own clusters: not the session's (RAY_ADDRESS, tests/conftest.py)
+ENV = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "disabled",
+       "RAY_USAGE_STATS_ENABLED": "0"}
 pytestmark = pytest.mark.e2e
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sh(cmd, timeout=GUARD_S, **kw):
     r = subprocess.run(cmd, env=kw.pop("env", ENV), capture_output=True, text=True, timeout=timeout, **kw)
     assert r.returncode == 0, f"{cmd} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
-
-
-def stop_cluster(temp_dir: str) -> None:
-    """Kill this cluster's processes only (`ray stop` would kill every Ray on the machine, also
-    another test's under pytest -n): those whose command line names its temp dir, and their
-    children (the agents a raylet starts rename themselves)."""
-    import psutil
-    roots = [p for p in psutil.process_iter(["cmdline"])
-             if any(temp_dir in a for a in (p.info["cmdline"] or []))]
-    procs = list(roots)
-    for p in roots:
-        try:
-            procs += p.children(recursive=True)
-        except psutil.Error:
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=30)
 
 
 def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=GUARD_S):
@@ -95,7 +69,7 @@ def ray_cluster():
                 "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()])
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
-        stop_cluster(temp_dir)
+        stop_ray(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -111,6 +85,7 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
     # The nodes' processes inherit this environment: auth off, and paced workers (tests/faults).
     for k, v in {**fault_env("slow:0.5"), "RAY_AUTH_MODE": "disabled"}.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)      # its own cluster, not the session's
     ids = [f"q{i:02d}" for i in range(12)]
     prompts = write_prompts({"prompt": [f"p {i}" for i in range(12)], "id": ids})
     cluster = Cluster(initialize_head=True, head_node_args=dict(

@@ -1,6 +1,5 @@
-"""Failure and resume behaviour of the real CLI on a local Ray (tiny models, CPU workers).
+"""Failure and resume behaviour of the real CLI on Ray (tiny models, CPU workers).
 Faults are injected from outside the runner (tests/faults/sitecustomize.py) or by killing processes."""
-import contextlib
 import json
 import os
 import signal
@@ -9,10 +8,9 @@ import sys
 import time
 
 import imageio.v3 as iio
-import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import GUARD_S, fault_env
+from conftest import GUARD_S, fault_env, ray_workers_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -41,6 +39,7 @@ def cli(args, faults="", wait=True, **env):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if not wait:
+        p.env = e            # for ray_workers_of
         return p
     out, err = p.communicate(timeout=GUARD_S)
     return p.returncode, out, err
@@ -72,20 +71,6 @@ def record_rows(job_dir):
             for line in open(os.path.join(d, n))]
 
 
-def workers_of(driver_pid: int) -> list[int]:
-    """PIDs of the `ray::Worker` actors under one driver (its local Ray's raylet starts them), not
-    another test's (pytest -n runs several jobs at once)."""
-    found = []
-    try:
-        for k in psutil.Process(driver_pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if "ray::Worker" in " ".join(k.cmdline()):
-                    found.append(k.pid)
-    except psutil.Error:
-        pass
-    return found
-
-
 def wait_for_journal(job_dir, n, timeout=GUARD_S):
     """Until the record holds n rows."""
     t0 = time.time()
@@ -109,7 +94,7 @@ def test_worker_crash_mid_job_loses_nothing(job):
 def test_worker_process_killed_from_outside(job):
     p = cli(job["args"], faults="slow:0.4", wait=False)
     wait_for_journal(job["dir"], 2)
-    pids = workers_of(p.pid)
+    pids = ray_workers_of(p.env)
     assert pids, "no worker process found"
     os.kill(pids[0], signal.SIGKILL)
     out, err = p.communicate(timeout=GUARD_S)

@@ -12,7 +12,7 @@ import imageio.v3 as iio
 import imageio_ffmpeg
 import pyarrow.parquet as pq
 import pytest
-from test_cluster import ROOT, ray_cluster, submit  # noqa: F401  (ray_cluster is a fixture)
+from test_cluster import ENV, ROOT, ray_cluster, submit  # noqa: F401  (ray_cluster is a fixture)
 from test_faults import cli
 
 from runner.storage import resolve
@@ -130,8 +130,7 @@ def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_buc
     the output directory is in the bucket, so no node needs a filesystem another can see."""
     prompts = upload_prompts(s3_bucket)
     aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}   # not from the shell
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = {k: v for k, v in ENV.items() if not k.startswith("AWS_")}   # not from the shell
     r = submit(ray_cluster["dashboard"], {"env_vars": aws},
                ["job=demo_image", f"prompts.path={prompts}", f"output.dir=s3://{s3_bucket}/out",
                 "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
