@@ -143,6 +143,16 @@ def test_gelu_quant_dequantizes_to_gelu():
     assert ((q.float() * s - g).abs() <= g.abs() / 16 + s).all()
 
 
+def test_gelu_quant_row_chunks_cover_the_row_once():
+    """The kernel's two power-of-two chunks: the first inside the row, both together covering it,
+    and no idle lanes at the DiT widths (4608 = 4096 + 512, 1152 = 1024 + 128)."""
+    from compiler.quant import _chunks
+    for n in (*range(1, 70), 1024, 1152, 4096, 4608, 5120):
+        b0, b1 = _chunks(n)
+        assert b0 & (b0 - 1) == 0 and b1 & (b1 - 1) == 0 and (b0 < n or n == 1) and n <= b0 + b1 < n + max(b1, 2)
+    assert _chunks(4608) == (4096, 512) and _chunks(1152) == (1024, 128)
+
+
 def test_fp8_feedforward_matches_fp8_linears_and_traces():
     from compiler.quant import FP8FeedForward, fp8_feedforward
     pipe = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
