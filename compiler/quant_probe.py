@@ -3,7 +3,8 @@ quantisation kernels, side by side in one process, each checked against its fp32
 
 1. `gelu_quant` (compiler/quant.py) at PixArt-α's and Latte-1's shapes: the kernel before
    2026-11-25 (one block of next_power_of_2(N) lanes, kept here verbatim as `_padded_kernel`)
-   against the two-chunk kernel, GELU by sigmoid or by `tanh.approx.f32`, 4 / 8 / 16 warps.
+   against the two-chunk kernel at 4 / 8 / 16 warps (at 1722e93 also with GELU by `tanh.approx.f32`:
+   40.1 against 40.6 us, 99.88 % of the e4m3 values identical; not kept).
 2. LayerNorm (no affine) x (1 + scale) + shift -> row amax -> e4m3, what runs before the FP8 QKV
    and up-projection GEMMs of a PixArt/Latte block: Inductor's kernel under O3's settings against a
    hand-written one (`_ln_mod_quant_kernel`, one row per program, read once). Not wired into the
@@ -132,9 +133,7 @@ def gelu_sweep() -> list[dict]:
         rq, rs = _reference(*bufs[0])
         floor = m * n * 3 / HBM * 1e6
         variants = [("padded (before), 8 warps", lambda h, b: padded_gelu_quant(h, b, 8))]
-        for fast, w in itertools.product((False, True), (4, 8, 16)):
-            variants.append((f"two chunks, {'tanh.approx' if fast else 'sigmoid'}, {w} warps",
-                             functools.partial(launch, num_warps=w, fast_tanh=fast)))
+        variants += [(f"two chunks, {w} warps", functools.partial(launch, num_warps=w)) for w in (4, 8, 16)]
         for name, fn in variants:
             r = dict(kernel="gelu_quant", shape=f"{m} x {n}", variant=name, floor_us=round(floor, 1))
             try:
