@@ -229,7 +229,7 @@ SHAPES = {   # name: (batch incl. CFG, heads, queries, keys, head dim, key-paddi
 SWEEP = [(64, 4, 0, 4, 2), (64, 4, 0, 1, 1), (128, 4, 0, 1, 1), (128, 8, 0, 4, 2), (64, 4, 0, 8, 3)]
 
 
-def _graph_time_us(fn, reps: int = 20, inner: int = 10) -> float:
+def graph_time_us(fn, reps: int = 20, inner: int = 10) -> float:
     """Median over `reps` CUDA-graph replays of `inner` back-to-back calls, per call."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -283,10 +283,10 @@ def probe(sweep=SWEEP) -> dict:
         mask = None if bias is None else bias.repeat_interleave(h, dim=0).view(b, h, 1, lk)
         sdpa = lambda: F.scaled_dot_product_attention(qh, k, v, attn_mask=mask).transpose(1, 2).reshape(b, lq, h * d)
         with sdpa_kernel(sdpa_backends(), set_priority=True):
-            row = {"sdpa_us": _graph_time_us(sdpa), "sdpa_err": (sdpa().float() - ref).abs().max().item()}
+            row = {"sdpa_us": graph_time_us(sdpa), "sdpa_err": (sdpa().float() - ref).abs().max().item()}
         for cfg in sweep:
             f = lambda: launch(q, kv, bias, h, *cfg)
-            row[f"kernel_{_name(cfg)}_us"] = _graph_time_us(f)
+            row[f"kernel_{_name(cfg)}_us"] = graph_time_us(f)
             row[f"kernel_{_name(cfg)}_err"] = (f().float() - ref).abs().max().item()
         row["kernel_default_us"] = row.get(f"kernel_{_name(DEFAULT)}_us", float("nan"))
         row["hbm_bytes"] = 2 * q.numel() * 2 + kv.numel() * 2

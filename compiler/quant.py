@@ -33,7 +33,7 @@ from .transforms import FP8_MAX, FP8Linear
 _SQRT_2_OVER_PI = 0.7978845608028654
 
 
-def _reference(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = h.float() + bias.float()
     g = 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
     scale = g.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
@@ -74,7 +74,7 @@ def _triton_kernel():
     return gelu_quant_kernel
 
 
-def _chunks(n: int) -> tuple[int, int]:
+def row_chunks(n: int) -> tuple[int, int]:
     """(BLOCK0, BLOCK1): the largest power of two below n, and the power of two covering the rest."""
     b0 = 1 if n <= 2 else 1 << ((n - 1).bit_length() - 1)
     return b0, 1 << (max(n - b0, 1) - 1).bit_length()
@@ -88,7 +88,7 @@ def launch(h: torch.Tensor, bias: torch.Tensor, num_warps: int = NUM_WARPS):
     m, n = h.shape
     q = torch.empty(m, n, device=h.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
-    b0, b1 = _chunks(n)
+    b0, b1 = row_chunks(n)
     _triton_kernel()[(m,)](h, bias, q, scale, n, h.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
                            BLOCK0=b0, BLOCK1=b1, num_warps=num_warps)
     return q, scale
@@ -97,7 +97,7 @@ def launch(h: torch.Tensor, bias: torch.Tensor, num_warps: int = NUM_WARPS):
 @torch.library.custom_op("diffcompiler::gelu_quant", mutates_args=())
 def gelu_quant(h: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not h.is_cuda:
-        return _reference(h, bias)
+        return reference(h, bias)
     if h.stride(-1) != 1:
         h = h.contiguous()
     return launch(h, bias.contiguous())
@@ -151,17 +151,17 @@ def fp8_feedforward(module: nn.Module) -> int:
 
 def _bench() -> None:
     """`python -m compiler.quant`: the kernel against Inductor's default code for the same math, timed in
-    CUDA graphs (`cross_attention._graph_time_us`). Launched from Python one call at a time, PixArt's
+    CUDA graphs (`cross_attention.graph_time_us`). Launched from Python one call at a time, PixArt's
     8192 rows read 70.5 us against 40.6 in graphs (Latte's 32768: 150.3 and 151.1): that loop timed
     the CPU's dispatch of the op, not the kernel (BENCHMARKS.md, 2026-11-25)."""
-    from .cross_attention import _graph_time_us
-    inductor = torch.compile(_reference)
+    from .cross_attention import graph_time_us
+    inductor = torch.compile(reference)
     for m, n in [(8192, 4608), (32768, 4608)]:  # PixArt-α 1024², Latte-1 512² x 16 (batch 2, CFG)
         h = torch.randn(m, n, device="cuda").to(torch.bfloat16)
         b = torch.randn(n, device="cuda", dtype=torch.float16)
         floor = m * n * 3 / 3.35e12 * 1e6  # bytes read + written at the H100's 3.35 TB/s
-        print(f"{m} x {n}: gelu_quant {_graph_time_us(lambda: gelu_quant(h, b)):.1f} us, "
-              f"Inductor {_graph_time_us(lambda: inductor(h, b)):.1f} us, HBM floor {floor:.1f} us")
+        print(f"{m} x {n}: gelu_quant {graph_time_us(lambda: gelu_quant(h, b)):.1f} us, "
+              f"Inductor {graph_time_us(lambda: inductor(h, b)):.1f} us, HBM floor {floor:.1f} us")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ quantisation kernels, side by side in one process, each checked against its fp32
    hand-written one (`_ln_mod_quant_kernel`, one row per program, read once). Not wired into the
    compiler: this measures whether it would pay.
 
-Timing: median of 20 CUDA-graph replays of 10 calls (`cross_attention._graph_time_us`), the calls
+Timing: median of 20 CUDA-graph replays of 10 calls (`cross_attention.graph_time_us`), the calls
 cycling through enough input buffers that the L2 (50 MB) cannot hold them. "ok" is the GPU
 tests' criterion: scales within rtol 1e-5, every e4m3 value within one step, >= 99 % identical.
 """
@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from .cross_attention import _graph_time_us
-from .quant import _chunks, _reference, launch
+from .cross_attention import graph_time_us
+from .quant import row_chunks, reference, launch
 from .transforms import FP8_MAX, FP8Linear
 
 HBM = 3.35e12   # H100 SXM bytes/s
@@ -91,7 +91,7 @@ def ln_mod_quant(x, shift, scale, eps=1e-6, num_warps=4):
     b, s, c = x.shape
     q = torch.empty(b * s, c, device=x.device, dtype=torch.float8_e4m3fn)
     sc = torch.empty(b * s, 1, device=x.device, dtype=torch.float32)
-    b0, b1 = _chunks(c)
+    b0, b1 = row_chunks(c)
     _kernels()[1][(b * s,)](x, shift, scale, q, sc, c, s, c, shift.stride(0), eps, FP8_MAX=FP8_MAX,
                             BLOCK0=b0, BLOCK1=b1, num_warps=num_warps)
     return q, sc
@@ -121,7 +121,7 @@ def check(q, s, rq, rs) -> dict:
 
 def _timed(fn, bufs) -> float:
     it = itertools.cycle(bufs)
-    return _graph_time_us(lambda: fn(*next(it)))
+    return graph_time_us(lambda: fn(*next(it)))
 
 
 def gelu_sweep() -> list[dict]:
@@ -130,7 +130,7 @@ def gelu_sweep() -> list[dict]:
         g = torch.Generator("cuda").manual_seed(0)
         bufs = [((torch.randn(m, n, device="cuda", generator=g) * 3).to(torch.bfloat16),
                  torch.randn(n, device="cuda", dtype=torch.float16, generator=g)) for _ in range(2)]
-        rq, rs = _reference(*bufs[0])
+        rq, rs = reference(*bufs[0])
         floor = m * n * 3 / HBM * 1e6
         variants = [("padded (before), 8 warps", lambda h, b: padded_gelu_quant(h, b, 8))]
         variants += [(f"two chunks, {w} warps", functools.partial(launch, num_warps=w)) for w in (4, 8, 16)]

@@ -40,7 +40,7 @@ from .config import ConfigError, help_text, load_config, split
 from .dispatch import DispatchError, PersistentFault, dispatch
 from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table
-from .progress import PhasePrinter, Progress, StatusBoard
+from .progress import PhasePrinter, Progress
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
 from . import step_cache
 from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fingerprint,
@@ -195,9 +195,8 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
         log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
                  "warms up)", n, "GPU" if gpus else "CPU")
 
-        # Workers report their start-up phases to a board the driver polls (progress.py).
-        board = ray.remote(StatusBoard).options(num_cpus=0).remote()
-        phases = PhasePrinter(board)
+        # Each starting worker's phases, polled from the dispatch loop (progress.py).
+        phases = PhasePrinter()
 
         # 4. Stream: dynamic hand-out, each shard's rows recorded as they arrive (records/).
         progress = Progress(sum(len(items_of(s)) for s in shards))
@@ -230,7 +229,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
 
         def on_ready(slot):
             nonlocal t_ready, t_all_ready, t_all_ready_wall
-            phases.poll(force=True)
+            phases.poll(slots, flush=slot)
             log.info("worker %d: ready in %.1f s", slot.rank, time.monotonic() - slot.started)
             progress.start()     # the bar's rate counts generation from the first ready worker
             t_ready = t_ready or time.perf_counter()
@@ -240,11 +239,11 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
 
         try:
             with progress.logging():
-                dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker, board), n, shards, items_of,
+                dispatch(lambda k: RemoteWorker.remote(k, wcfg, broker), n, shards, items_of,
                          on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
                          max_restarts=job["ray"].max_worker_restarts,
                          start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
-                         slots=slots, on_tick=lambda: (phases.poll(), progress.tick()))
+                         slots=slots, on_tick=lambda: (phases.poll(slots), progress.tick()))
         except KeyboardInterrupt as e:           # Ctrl-C, or SIGTERM (TERMINATED)
             stopped = e
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",

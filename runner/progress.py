@@ -1,11 +1,11 @@
 """What the driver shows while a job runs: each worker's start-up phases, then the progress.
 
 Contract:
-- `StatusBoard` is a tiny Ray actor (num_cpus=0) owned by the driver. Workers report their start-up
-  phases to it fire-and-forget (`board.set.remote(rank, phase, seconds)`: loading model, compiling,
-  warming up, ready); the driver cannot ask a worker itself, since an actor runs one call at a time
-  and the worker is busy in `__init__`/`warmup()`. `PhasePrinter` polls the board from the driver's
-  wait loop (dispatch wakes every second) and logs one line per new phase.
+- `PhasePrinter.poll(slots)` logs each starting worker's start-up phases as they happen: "loading
+  model" when its actor is made (an actor answers no call before its `__init__` returns), then what
+  the worker's `phases()` reports during `warmup()` (compiling, warming up from the compile cache,
+  ...), which a threaded actor answers while it warms up. The driver polls from its wait loop
+  (dispatch wakes every second); a poll never blocks: one call per worker is in flight at a time.
 - `Progress` counts finished items. It starts at the first worker's ready, so its rate and ETA count
   generation, not start-up (the same clock as the summary's items/s). On a terminal it is a tqdm
   bar; otherwise (a log file, `ray job logs`) a plain line every `every_s` seconds and one at the end,
@@ -22,39 +22,41 @@ import time
 log = logging.getLogger("runner")
 
 
-class StatusBoard:
-    def __init__(self):
-        self.events: list[tuple[int, str, float]] = []
-
-    def set(self, rank: int, phase: str, seconds: float) -> None:
-        self.events.append((rank, phase, seconds))
-
-    def since(self, n: int) -> list[tuple[int, str, float]]:
-        return self.events[n:]
-
-
 class PhasePrinter:
-    """Driver side of the board: `poll()` logs the phases reported since the last poll."""
+    """Driver side: `poll(slots)` logs the phases the starting slots' workers reported since the
+    last poll; `poll(slots, flush=slot)` waits (up to 5 s) for that slot's last ones."""
 
-    def __init__(self, board, every_s: float = 0.5):
-        self.board, self.seen, self.every_s, self.last = board, 0, every_s, 0.0
+    def __init__(self, every_s: float = 0.5):
+        self.every_s, self.last = every_s, 0.0
+        self.asked: dict = {}        # rank -> [actor, its pending phases() call, phases seen]
 
-    def poll(self, force: bool = False) -> None:
-        """At most every `every_s` (the wait loop may spin faster while shards stream in)."""
-        import ray
-        if not force and time.monotonic() - self.last < self.every_s:
+    def poll(self, slots, flush=None) -> None:
+        if flush is None and time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()
+        for slot in slots:
+            if slot.state == "starting" or slot is flush:
+                self._poll(slot, wait_s=5 if slot is flush else 0)
+            if slot.state != "starting":
+                self.asked.pop(slot.rank, None)
+
+    def _poll(self, slot, wait_s: float) -> None:
+        import ray
+        asked = self.asked.get(slot.rank)
+        if asked is None or asked[0] != slot.actor:          # a new worker (or its replacement)
+            log.info("worker %d: loading model", slot.rank)
+            asked = self.asked[slot.rank] = [slot.actor, slot.actor.phases.remote(0), 0]
         try:
-            events = ray.get(self.board.since.remote(self.seen), timeout=5)
+            done, _ = ray.wait([asked[1]], timeout=wait_s)
+            events = ray.get(done[0]) if done else None
         except Exception:                # a display, never a reason to fail the job
+            self.asked.pop(slot.rank, None)
             return
-        self.seen += len(events)
-        for rank, phase, seconds in events:
-            if phase == "ready":
-                log.info("worker %d: ready in %.1f s", rank, seconds)
-            else:
-                log.info("worker %d: %s", rank, phase)
+        if events is not None:
+            for phase, _ in events:
+                log.info("worker %d: %s", slot.rank, phase)
+            asked[2] += len(events)
+            asked[1] = slot.actor.phases.remote(asked[2])
 
 
 def _duration(s: float) -> str:

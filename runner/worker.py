@@ -3,10 +3,10 @@
 Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load time measured);
 `warmup()` compiles it through `compiler` and runs one short call at the job's default shape;
 `submit(items)` queues a shard's items and returns at once; `run_shard(items)` waits for their rows;
-`metrics()` returns the worker's performance figures. The class is plain Python: the driver wraps it
-in `ray.remote` (one actor per GPU, threaded: see `start_shard`), and tests also use it in-process.
-What the driver calls on the actor (`warmup`, `start_shard`, `finish_shard`, `metrics`) is the
-typed `WorkerContract`.
+`metrics()` returns the worker's performance figures; `phases(since)` the warm-up's phases so far.
+The class is plain Python: the driver wraps it in `ray.remote` (one actor per GPU, threaded: see
+`start_shard`), and tests also use it in-process. What the driver calls on the actor (`warmup`,
+`start_shard`, `finish_shard`, `metrics`, `phases`) is the typed `WorkerContract`.
 
 Three stages, so the GPU never waits for the host:
     prepare   the driver sends each shard's validated items with it (no Parquet reads here); items
@@ -193,12 +193,16 @@ class WorkerContract(Protocol):
     def metrics(self) -> dict:
         """The worker's performance figures."""
 
+    def phases(self, since: int) -> list[tuple[str, float]]:
+        """Start-up phases from the `since`-th on: (phase, seconds since the worker started)."""
+
 
 class Worker:   # a WorkerContract (structurally: Ray wraps this class, so no Protocol base)
-    def __init__(self, rank: int, cfg: WorkerConfig, broker=None, status=None):
+    def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
         self.rank, self.cfg, self.broker = rank, cfg, broker
-        self.status, self.t_start = status, time.perf_counter()   # start-up phases (progress.py)
-        self._phase("loading model")
+        # warm-up's phases, for the driver (progress.py); it shows "loading model" itself: an
+        # actor answers no call before its __init__ returns
+        self.t_start, self._phases = time.perf_counter(), []
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.spec = cfg.model.resolved()
@@ -235,9 +239,11 @@ class Worker:   # a WorkerContract (structurally: Ray wraps this class, so no Pr
         self._util = None
 
     def _phase(self, name: str) -> None:
-        """Tell the driver's status board what this worker is doing now; fire-and-forget."""
-        if self.status is not None:
-            self.status.set.remote(self.rank, name, time.perf_counter() - self.t_start)
+        self._phases.append((name, time.perf_counter() - self.t_start))
+
+    def phases(self, since: int) -> list[tuple[str, float]]:
+        # Answered while warmup() runs (a threaded actor); the driver polls it (progress.py).
+        return self._phases[since:]
 
     def _sync(self):
         if self.cuda:

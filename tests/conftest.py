@@ -101,16 +101,37 @@ def stop_ray(temp_dir: str) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-_SHARED_RAY: dict = {}
+_SESSION: dict = {}
+
+
+def compile_cache() -> str:
+    """The session's compile cache directory (Inductor's and Triton's caches under it, as
+    `compiler.cache.configure_cache_dir` lays them out): every in-process compile of the session
+    uses it, and a CLI run or bench that does not test a cold cache passes it as
+    `compile.cache_dir` / `cache_dir`. The tiny models' graphs recur across tests, and a cold
+    compile is Inductor's C++ build (tens of CPU-seconds on CI's 2 cores); a cache hit still
+    runs Dynamo and AOTAutograd, so only the C++ build is shared, never a test's outcome."""
+    return os.environ["RUNNER_TEST_COMPILE_CACHE"]
 
 
 def pytest_configure(config):
-    """The session's Ray cluster, started once by the main process (pytest -n's workers inherit
-    RAY_ADDRESS). Its worker processes start with this environment; token auth is off for every
-    process of the session, as one cluster's processes must agree on it."""
-    if (hasattr(config, "workerinput") or os.environ.get("RAY_ADDRESS")
-            or os.environ.get("RUNNER_TEST_RAY") == "local"):
+    """The session's compile cache directory and Ray cluster, made once by the main process
+    (pytest -n's workers inherit the environment)."""
+    if hasattr(config, "workerinput"):
         return
+    if not os.environ.get("RUNNER_TEST_COMPILE_CACHE"):
+        os.environ["RUNNER_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="runner-test-cc-")
+        _SESSION["compile_cache"] = os.environ["RUNNER_TEST_COMPILE_CACHE"]
+    from compiler.cache import configure_cache_dir
+    configure_cache_dir(compile_cache())
+    if not (os.environ.get("RAY_ADDRESS") or os.environ.get("RUNNER_TEST_RAY") == "local"):
+        start_shared_ray(config)
+
+
+def start_shared_ray(config):
+    """The session's Ray cluster (RAY_ADDRESS for every CLI run). Its worker processes start with
+    this environment; token auth is off for every process of the session, as one cluster's
+    processes must agree on it."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")    # short: Ray's socket paths
     port = free_port()
@@ -124,7 +145,7 @@ def pytest_configure(config):
          f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
          f"--runtime-env-agent-port={free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _SHARED_RAY.update(proc=proc, temp_dir=temp_dir)
+    _SESSION.update(proc=proc, temp_dir=temp_dir)
     lines, t0 = [], time.monotonic()
     for line in proc.stdout:                 # `--block` keeps running once the cluster is up
         lines.append(line)
@@ -140,14 +161,16 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if not _SHARED_RAY:
+    import shutil
+    if "compile_cache" in _SESSION:
+        shutil.rmtree(_SESSION.pop("compile_cache"), ignore_errors=True)
+    if "proc" not in _SESSION:
         return
-    proc, temp_dir = _SHARED_RAY.pop("proc"), _SHARED_RAY.pop("temp_dir")
+    proc, temp_dir = _SESSION.pop("proc"), _SESSION.pop("temp_dir")
     proc.terminate()                         # `ray start --block` stops its cluster on SIGTERM
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
     stop_ray(temp_dir)                       # whatever did not stop with it
-    import shutil
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -97,11 +97,11 @@ def test_short_cross_attention_kernel_matches_sdpa(n, sq, skv, heads, d, masked,
 @pytest.mark.parametrize("m, n", [(8192, 4608), (32768, 4608), (7, 1152), (5, 4096), (3, 100)])
 @pytest.mark.parametrize("num_warps", [None, 4, 16])
 def test_gelu_quant_kernel_matches_reference(m, n, num_warps):
-    from compiler.quant import _reference, gelu_quant, launch
+    from compiler.quant import reference, gelu_quant, launch
     h = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.float16)
     q, s = gelu_quant(h, b) if num_warps is None else launch(h, b, num_warps=num_warps)
-    rq, rs = _reference(h, b)
+    rq, rs = reference(h, b)
     torch.testing.assert_close(s, rs, rtol=1e-5, atol=0)
     # fp32 GELU on both sides; a value on a rounding boundary may land one e4m3 step (1/8) away
     # (near zero the step is e4m3's smallest subnormal, 2**-9)

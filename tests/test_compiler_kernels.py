@@ -146,11 +146,11 @@ def test_gelu_quant_dequantizes_to_gelu():
 def test_gelu_quant_row_chunks_cover_the_row_once():
     """The kernel's two power-of-two chunks: the first inside the row, both together covering it,
     and no idle lanes at the DiT widths (4608 = 4096 + 512, 1152 = 1024 + 128)."""
-    from compiler.quant import _chunks
+    from compiler.quant import row_chunks
     for n in (*range(1, 70), 1024, 1152, 4096, 4608, 5120):
-        b0, b1 = _chunks(n)
+        b0, b1 = row_chunks(n)
         assert b0 & (b0 - 1) == 0 and b1 & (b1 - 1) == 0 and (b0 < n or n == 1) and n <= b0 + b1 < n + max(b1, 2)
-    assert _chunks(4608) == (4096, 512) and _chunks(1152) == (1024, 128)
+    assert row_chunks(4608) == (4096, 512) and row_chunks(1152) == (1024, 128)
 
 
 def test_fp8_feedforward_matches_fp8_linears_and_traces():

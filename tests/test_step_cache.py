@@ -21,7 +21,7 @@ from runner.families.latte import LATTE
 from runner.models import ModelSpec, build_pipeline
 from runner.prompts import Item
 from runner.worker import generate
-from conftest import GUARD_S
+from conftest import GUARD_S, compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6   # DDIM over 1000: timesteps 834..1: several inside both methods' reuse ranges
@@ -249,7 +249,10 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
 def _cli(tmp_path, *args):
     return subprocess.run([sys.executable, "-m", "runner", "job=demo_video", f"output.dir={tmp_path}",
                            "ray.cpu_workers=1", f"prompts.path={tmp_path / 'p.parquet'}",
-                           f"generation.num_inference_steps={STEPS}", *args],
+                           # the shapes and session cache of the in-process compiles above: their
+                           # C++ kernels are reused (the cold build is tested in test_compile_job.py)
+                           f"generation.num_inference_steps={STEPS}", "run.batch_size=1",
+                           f"compile.cache_dir={compile_cache()}", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
 
 
@@ -315,7 +318,7 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "runner.bench.compiled", "model=latte1", "source=tiny",
                         "device=cpu", "dtype=fp32", f"steps={STEPS}", "compile.mode=O2",
-                        "step_cache.method=pab", "reps=1", "extra=none", f"out={out}",
+                        "step_cache.method=pab", "reps=1", "extra=none", f"out={out}", f"cache_dir={compile_cache()}",
                         "compile.compile_text_encoder=false", "compile.compile_vae=false"],
                        cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-3000:]
