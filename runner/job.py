@@ -177,7 +177,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
     background, pending = ThreadPoolExecutor(1, thread_name_prefix="snapshot"), None
     if shards:
         import ray
-        from .worker import Worker
+        from .actor import WorkerActor
         _ray_init(job["ray"])
         _handle_sigterm()
         gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
@@ -190,7 +190,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
         wcfg = worker_config(job, limits, on_gpu=bool(gpus))
         # Threaded: a shard's two calls (start_shard, finish_shard) for each shard in flight, and
         # metrics(); the worker orders the GPU work itself.
-        RemoteWorker = ray.remote(Worker).options(max_restarts=0, scheduling_strategy="SPREAD",
+        RemoteWorker = ray.remote(WorkerActor).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                   max_concurrency=2 * INFLIGHT + 1, **actor_opts)
         log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
                  "warms up)", n, "GPU" if gpus else "CPU")
@@ -379,7 +379,7 @@ def _dry_run(cfg, job, items) -> dict:
 
 def worker_config(job: dict, limits: Constraints, on_gpu: bool):
     """What each worker needs to know (the only part of the config a worker sees)."""
-    from .worker import WorkerConfig
+    from .actor import WorkerConfig
     return WorkerConfig(model=job["model"], generation=job["generation"], limits=limits,
                         on_empty=job["prompts"].on_empty,
                         job_dir=_store(job["output"].job_dir).uri(),

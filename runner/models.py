@@ -18,8 +18,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 from .config import ModelSpec
 
 __all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_pretrained", "video_length"]
@@ -74,6 +72,7 @@ def _pretrained_file(spec: ModelSpec, name: str) -> str | None:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
+    import torch
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -84,6 +83,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_pipeline(spec: ModelSpec):
     """Build (or load) the pipeline for `spec`, on its device, in its dtype, in eval mode."""
+    import torch     # here, not at the top: the driver's checks (check_pretrained, video_length) need none
     spec = spec.resolved()
     if spec.source == "pretrained":
         pipe = _load_pretrained(spec)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from . import step_cache
-from .config import CompileConfig, GenerationDefaults, StepCacheSection
+from .actor import WorkerConfig
 from .families import Family
 from .models import ModelSpec, build_pipeline
 from .outputs import write_mp4, write_png
@@ -57,23 +57,6 @@ from .timing import Marks, UtilSampler, instrument
 
 HOST_THREADS = 2   # encode/write threads: one batch's files while the next batch's arrive
 STAGES = ("text_encode", "denoise", "decode", "to_host", "write", "wait")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    model: ModelSpec
-    generation: GenerationDefaults
-    limits: Constraints
-    on_empty: str
-    job_dir: str
-    batch_size: int = 1
-    warmup_steps: int = 2
-    fps: int = 8
-    compile: CompileConfig = CompileConfig()
-    step_cache: StepCacheSection = StepCacheSection()
-    num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
-    encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
-    cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
 
 def generate(pipe, family: Family, items: list[Item], device: str, clock=None,

@@ -1,4 +1,4 @@
-"""The shared compile cache in a real job (CLI, local Ray, tiny PixArt compiled on CPU)."""
+"""The shared compile cache in a real job (CLI, the session's Ray, tiny PixArt compiled on CPU)."""
 import glob
 import json
 import os
@@ -24,8 +24,14 @@ def metrics(job_dir):
     return [json.load(open(p)) for p in sorted(glob.glob(f"{job_dir}/metrics/worker-*.json"))]
 
 
-def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
-    common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={tmp_path}/cc",
+def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket):
+    """The compile cache on the store (S3 on the session's server), as a cluster without a shared
+    filesystem keeps it: one worker of the first job compiles, the other loads its artifact; a
+    truncated artifact is rejected and `runner.warm` fills the cache again; the next job's worker
+    (a fresh process, its local Inductor cache aside) warms from the store."""
+    from runner.storage import resolve
+    store = resolve(f"s3://{s3_bucket}/cc")
+    common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={store.uri()}",
               "generation.num_inference_steps=2", "run.batch_size=1",
               "compile.compile_text_encoder=false", "compile.compile_vae=false"]   # the denoiser's blocks are enough to cache
     # wait_ready holds generation until both workers are warm, so each serves shards.
@@ -41,21 +47,20 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path):
     assert loaded[0]["cache_source"] == "broker" and "warmup_with_cache_s" in loaded[0]
     # faster than compiling (by how much is for BENCHMARKS.md: here 3 other tests share 2 cores)
     assert loaded[0]["warmup_with_cache_s"] < compiled[0]["warmup_with_compile_s"]
-    artifacts = glob.glob(f"{tmp_path}/cc/*.artifact")
-    assert len(artifacts) == 1 and compiled[0]["artifact_bytes"] == os.path.getsize(artifacts[0])
+    ((name, size),) = store.list().items()
+    assert name.endswith(".artifact") and compiled[0]["artifact_bytes"] == size
 
-    # A truncated artifact in the cache dir is rejected (logged), and `runner.warm` compiles and
+    # A truncated artifact in the cache is rejected (logged), and `runner.warm` compiles and
     # fills the cache again ahead of the next job.
-    with open(artifacts[0], "r+b") as f:
-        f.truncate(os.path.getsize(artifacts[0]) // 2)
+    store.write_bytes_atomic(name, store.read_bytes(name)[: size // 2])
     r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", *common, "job.name=b"],
                        cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile cache artifact rejected" in r.stderr
     report = json.loads(r.stdout)
-    assert report["cache_hit"] is False and report["artifact_bytes"] == os.path.getsize(artifacts[0])
+    assert report["cache_hit"] is False and report["artifact_bytes"] == store.list()[name] == size
 
-    # The next job's first worker warms from the (rewritten) artifact in the cache dir.
+    # The next job's first worker warms from the (rewritten) artifact in the cache.
     cli(*common, "job.name=c", "ray.cpu_workers=1")
     (w,) = metrics(tmp_path / "c")
     assert w["cache_hit"] and w["cache_source"] == "cache_dir"

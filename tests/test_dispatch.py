@@ -395,10 +395,37 @@ def test_a_starting_slot_left_at_the_end_is_killed():
 def test_the_worker_implements_the_contract():
     """The actor's methods as the driver calls them (RayPool, runner.job): names, parameters and
     types match the Protocol."""
+    from runner.actor import WorkerActor
     from runner.worker import Worker, WorkerContract
-    for name in ("warmup", "start_shard", "finish_shard", "metrics"):
-        assert inspect.signature(getattr(Worker, name)) == \
-            inspect.signature(getattr(WorkerContract, name)), name
+    names = [n for n in vars(WorkerContract) if not n.startswith("_")]
+    assert sorted(names) == ["finish_shard", "metrics", "phases", "start_shard", "warmup"]
+    for cls in (Worker, WorkerActor):    # the class, and the actor the driver starts around it
+        for name in names:
+            assert inspect.signature(getattr(cls, name)) == \
+                inspect.signature(getattr(WorkerContract, name)), (cls, name)
+
+
+def test_the_drivers_path_imports_no_torch(tmp_path):
+    """The driver's checks and its actor class without torch (the workers import it; ~1.3 s of CPU
+    per job otherwise): a fresh process makes a job's worker config and the actor class."""
+    from pathlib import Path
+    code = f"""if True:
+        import sys
+        from runner.config import load_config, split
+        from runner import job
+        j = split(load_config(["job=demo_image", "compile.mode=O3", "output.dir={tmp_path}"]))
+        assert "cudagraphs" in job.check_compile(j["compile"])
+        limits = job.constraints(j["model"])
+        job.worker_config(j, limits, on_gpu=False)
+        import ray
+        from runner.actor import WorkerActor
+        ray.remote(WorkerActor)
+        print(sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules))
+    """
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]"
 
 
 def test_ray_pool_maps_ray_errors():

@@ -145,21 +145,8 @@ def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_buc
         "metrics/worker-0.json", "metrics/worker-1.json"]
 
 
-def test_compile_cache_on_s3_warms_the_next_job(s3_bucket):
-    """compile.cache_dir on the store: the first job's worker compiles and puts the artifact there;
-    the next job's worker (a fresh process, its local Inductor cache aside) loads it from S3."""
-    prompts = upload_prompts(s3_bucket)
-    common = ["compile.mode=cache-all", f"compile.cache_dir=s3://{s3_bucket}/cc", "ray.cpu_workers=1",
-              "run.batch_size=1", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
-    for name in ("a", "b"):
-        rc, out, err = cli(args("demo_image", prompts, s3_bucket, *common, f"job.name={name}"))
-        assert rc == 0, err[-4000:]
-    cache = resolve(f"s3://{s3_bucket}/cc").list()
-    assert len(cache) == 1 and next(iter(cache)).endswith(".artifact")
-    first, second = (json.loads(resolve(f"s3://{s3_bucket}/out/{n}").read_text("metrics/worker-0.json"))
-                     for n in ("a", "b"))
-    assert not first["cache_hit"] and first["artifact_bytes"] == next(iter(cache.values()))
-    assert second["cache_hit"] and second["cache_source"] == "cache_dir"
+# compile.cache_dir on S3 (the first job compiles and puts the artifact there, the next warms from
+# it): tests/test_compile_job.py's test_second_worker_warms_from_the_first_workers_artifact.
 
 
 @contextlib.contextmanager

@@ -1,0 +1,158 @@
+"""`compile_pipe` and what it needs: the torch side of `compiler` (contract: `compiler/__init__.py`,
+which exports these names and imports this module on first use)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import torch
+
+from .options import FLAGS, CompileOptions, parse_options
+from . import block_pairs, quant, transforms
+from .cudagraph import StepGraph, wrap_step
+from .cross_attention import use_short_cross_attention
+from .short_attention import use_short_attention
+
+log = logging.getLogger("compiler")
+
+
+def denoiser_of(pipe) -> torch.nn.Module:
+    den = getattr(pipe, "transformer", None)
+    den = den if den is not None else getattr(pipe, "unet", None)
+    if den is None:
+        raise ValueError(f"{type(pipe).__name__} has neither .transformer nor .unet to compile")
+    return den
+
+
+def prewarm() -> threading.Thread:
+    """Start importing what a compiled call needs (Dynamo, Inductor with its lowerings and kernel
+    templates, the Triton runtime) and the torch source hash Inductor's caches are keyed on, in a
+    daemon thread, so that this overlaps with loading the model instead of adding to the first call.
+
+    Why: Inductor is imported lazily by the first compiled call, even when every graph comes from
+    the cache: 2-3 s of a warm start (more where Python cannot keep bytecode, e.g. under
+    PYTHONDONTWRITEBYTECODE). Purely an optimisation: any failure is logged and ignored (the
+    first call imports whatever is missing as it would anyway).
+    """
+    def work():
+        import importlib
+        try:
+            for name in ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.lowering",
+                         "torch._inductor.kernel", "torch._inductor.select_algorithm",
+                         "torch._inductor.runtime.triton_heuristics", "triton.compiler"):
+                importlib.import_module(name)
+            from torch._inductor import codecache
+            codecache.torch_key()   # hash of torch's own sources (cached per process)
+        except Exception as e:
+            log.debug("prewarm stopped early: %s: %s", type(e).__name__, e)
+
+    t = threading.Thread(target=work, name="compiler-prewarm", daemon=True)
+    t.start()
+    return t
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    p = next(module.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+def _apply_switches(opts: CompileOptions) -> None:
+    """Process-wide backend switches (not Inductor config: that is passed per compile), and the
+    one Inductor heuristic that is not a config setting (`persistent_rows`, set for every compile)."""
+    rows = max((FLAGS[f].get("persistent_rows", 0) for f in opts.flags), default=0)
+    if opts.compile and (rows or "torch._inductor.virtualized" in sys.modules):  # else nothing to reset
+        from . import heuristics   # imports Inductor
+        heuristics.set_persistent_rows(rows)
+    if opts.has("low_precision"):
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    if opts.has("cudnn_benchmark"):
+        torch.backends.cudnn.benchmark = True
+
+
+def _raise_recompile_limit(n_blocks: int) -> None:
+    """Dynamo keeps at most `recompile_limit` graphs per code object; all instances of a block class
+    share one code object, and a UNet's ResnetBlock2D comes in ~10 shapes (channels x resolution)."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, n_blocks + 8)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * (n_blocks + 8))
+
+
+def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:
+    """Arguments for every torch.compile call the compiler makes (`denoiser=False`: text encoder,
+    VAE: without the denoiser-only settings, see FLAGS)."""
+    # dynamic=True: symbolic shapes from the first call (one graph serves all resolutions);
+    # False: specialise on each shape (fastest kernels, a recompile per new resolution).
+    return dict(fullgraph=True, dynamic=opts.dynamic, options=opts.inductor_config(denoiser))
+
+
+def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
+    opts = parse_options(options)
+    done = getattr(pipe, "_compile_options", None)
+    if done is not None:  # transforms are not reversible: a second call can only be a no-op
+        if done == opts:
+            return pipe
+        raise ValueError(f"pipeline already compiled with mode {done.mode!r}; build a fresh pipeline "
+                         f"to compile it with {opts.mode!r}")
+    den = denoiser_of(pipe)
+    device = _device_type(den)
+    report: dict = {"options": opts.to_dict(), "device": device}
+
+    _apply_switches(opts)
+
+    fused = fuse_qkv_projections and opts.fuse_qkv
+    if fused:
+        report["fused_attention"] = transforms.fuse_qkv(den)
+
+    if opts.compile and device == "cuda":
+        blocks = transforms.block_classes(den)
+        if opts.has("low_precision") and transforms.fp8_supported(den):
+            report["fp8_linears"] = transforms.to_fp8(den, blocks)
+            report["fp8_feedforwards"] = quant.fp8_feedforward(den)
+        if opts.fuse_gelu:
+            report["fused_gelu"] = transforms.fuse_gelu(den)
+        if opts.short_attention and fused:
+            report["short_attention"] = use_short_attention(den)
+        if opts.short_cross_attention and fused:
+            report["short_cross_attention"] = use_short_cross_attention(den)
+
+    if opts.memory_format == "channels_last":   # 2-D convolutions only (Wan's VAE is 3-D)
+        for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):
+            for conv in (m.modules() if m is not None else ()):
+                if isinstance(conv, torch.nn.Conv2d):
+                    conv.to(memory_format=torch.channels_last)
+
+    if opts.compile:
+        kw = compile_kwargs(opts)
+        if block_pairs.has_block_pairs(den):  # spatial+temporal pairs, the layout changes between them
+            report["compiled_blocks"] = block_pairs.compile_pairs(den, kw)
+        else:
+            report["compiled_blocks"] = transforms.compile_blocks(den, kw)
+        aux_kw = compile_kwargs(opts, denoiser=False)
+        if opts.compile_text_encoder is not False and getattr(pipe, "text_encoder", None) is not None:
+            report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, aux_kw)
+        # dynamic: the VAE's blocks specialise on sizes and strides and would recompile per
+        # resolution, which `dynamic` promises not to do: the VAE stays eager there.
+        if opts.compile_vae is not False and not opts.dynamic and getattr(pipe, "vae", None) is not None:
+            report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, aux_kw)
+        # the VAE's ResnetBlock2D shares its code object (and Dynamo's graph count) with the UNet's
+        _raise_recompile_limit(sum(sum(report.get(k, {}).values())
+                                   for k in ("compiled_blocks", "text_encoder_blocks", "vae_blocks")))
+
+    if device == "cuda" and opts.sdpa_priority:
+        transforms.with_sdpa_priority(den)
+        report["sdpa_priority"] = list(transforms.SDPA_PRIORITY)
+
+    if opts.has("cudagraphs"):
+        if device == "cuda":
+            wrap_step(den)
+            report["cudagraphs"] = "denoiser step"
+        else:
+            log.info("cudagraphs ignored on %s", device)
+
+    pipe._compile_options = opts
+    pipe._compile_report = report
+    log.info("compile_pipe: %s", report)
+    return pipe
