@@ -1,5 +1,5 @@
-"""Multi-node Ray on one machine: a head and two worker nodes, each worker node advertising one GPU
-resource (the tiny models run on CPU). Every process of a test cluster runs with the same
+"""Multi-node Ray on one machine: a head and a worker node, each advertising one GPU resource (the
+tiny models run on CPU; one job worker per node), the fewest nodes that show a job across nodes. Every process of a test cluster runs with the same
 RAY_AUTH_MODE (token auth is on by default for local clusters in Ray 2.60)."""
 import json
 import shutil
@@ -59,14 +59,13 @@ def agent_port() -> list[str]:
 def ray_cluster():
     port, dash = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")    # short: Ray's socket paths
-    sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1",
-        "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+    sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+        "--num-gpus=1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
         *agent_port()])
     try:
-        for _ in range(2):
-            sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-                "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()])
+        sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
+            "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()])
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
         stop_ray(temp_dir)
@@ -88,11 +87,11 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)      # its own cluster, not the session's
     ids = [f"q{i:02d}" for i in range(12)]
     prompts = write_prompts({"prompt": [f"p {i}" for i in range(12)], "id": ids})
+    # the head serves one worker, the doomed node the other
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=1, num_gpus=0, _system_config={"health_check_period_ms": 500,
-                                                "health_check_failure_threshold": 3}))
+        num_cpus=2, num_gpus=1, include_dashboard=False,
+        _system_config={"health_check_period_ms": 500, "health_check_failure_threshold": 3}))
     try:
-        cluster.add_node(num_cpus=2, num_gpus=1)
         doomed = cluster.add_node(num_cpus=2, num_gpus=1)
         job_dir = tmp_path / "demo_image"
         p = subprocess.Popen(

@@ -138,7 +138,7 @@ def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_buc
     assert "Job 'raysubmit_" in r.stdout and "succeeded" in r.stdout
     store = resolve(f"s3://{s3_bucket}/out/demo_image")
     table = check_store(store, pq.read_table(SAMPLE).column("id").to_pylist(), "png")
-    assert len({row["node_id"] for row in table}) == 2       # both worker nodes wrote to S3
+    assert len({row["node_id"] for row in table}) == 2       # both nodes (head and worker node) wrote to S3
     summary = json.loads(store.read_text("summary.json"))   # one worker per GPU-advertising node
     assert summary["workers"] == 2 and len({w["node_id"] for w in summary["workers_detail"]}) == 2
     assert sorted(n for n in store.list() if n.startswith("metrics/")) == [
