@@ -36,23 +36,27 @@ class PhasePrinter:
         self.last = time.monotonic()
         for slot in slots:
             if slot.state == "starting" or slot is flush:
-                self._poll(slot, wait_s=5 if slot is flush else 0)
+                self._poll(slot, flush=slot is flush)
             if slot.state != "starting":
                 self.asked.pop(slot.rank, None)
 
-    def _poll(self, slot, wait_s: float) -> None:
+    def _poll(self, slot, flush: bool) -> None:
         import ray
         asked = self.asked.get(slot.rank)
         if asked is None or asked[0] != slot.actor:          # a new worker (or its replacement)
             log.info("worker %d: loading model", slot.rank)
             asked = self.asked[slot.rank] = [slot.actor, slot.actor.phases.remote(0), 0]
-        try:
-            done, _ = ray.wait([asked[1]], timeout=wait_s)
-            events = ray.get(done[0]) if done else None
-        except Exception:                # a display, never a reason to fail the job
-            self.asked.pop(slot.rank, None)
-            return
-        if events is not None:
+        # flush (its warm-up has returned): the call in flight may have been answered before the
+        # last phases were recorded, so one more call after it, which sees them all
+        for _ in range(2 if flush else 1):
+            try:
+                done, _ = ray.wait([asked[1]], timeout=5 if flush else 0)
+                events = ray.get(done[0]) if done else None
+            except Exception:            # a display, never a reason to fail the job
+                self.asked.pop(slot.rank, None)
+                return
+            if events is None:
+                return
             for phase, _ in events:
                 log.info("worker %d: %s", slot.rank, phase)
             asked[2] += len(events)

@@ -176,6 +176,34 @@ def test_worker_reports_start_up_phases(tmp_path):
     assert 0 < w.phases(0)[0][1] < 600                 # seconds since the worker started
 
 
+def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(monkeypatch, caplog):
+    """A phases() call answered before warm-up recorded its phases must not hide them: when the
+    slot is ready, the driver asks once more (a fake Ray whose calls are answered when made)."""
+    import logging
+    import sys
+    from types import SimpleNamespace
+    from runner.progress import PhasePrinter
+
+    class Ref:                         # the worker's phases at the moment the call was made
+        def __init__(self, value):
+            self.value = value
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
+        wait=lambda refs, timeout: (refs, []), get=lambda ref: ref.value))
+    recorded = []
+    actor = SimpleNamespace(phases=SimpleNamespace(remote=lambda since: Ref(recorded[since:])))
+    slot = SimpleNamespace(rank=0, actor=actor, state="starting")
+    printer = PhasePrinter(every_s=0)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        printer.poll([slot])                           # answered: nothing yet; asked again
+        recorded.append(("warming up", 1.0))           # the warm-up runs and returns
+        slot.state = "ready"
+        printer.poll([slot], flush=slot)
+        printer.poll([slot])                           # ready: not asked any more
+    assert [r.getMessage() for r in caplog.records] == ["worker 0: loading model",
+                                                        "worker 0: warming up"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The real CLI, once: the demo image job with overrides, its outputs; start-up lines, plain
 # progress, quiet Ray, legend; then a no-op rerun.
