@@ -26,13 +26,17 @@ import os
 import time
 
 log = logging.getLogger("runner")
-LOCAL_CACHE = "~/.cache/runner/compile-cache"   # Inductor/Triton caches when cache_dir is a URI
+# Inductor/Triton working caches when cache_dir is a URI; RUNNER_LOCAL_COMPILE_CACHE moves them (a
+# node's larger disk; a test's own directory), and reaches workers like any RUNNER_* variable.
+LOCAL_CACHE = "~/.cache/runner/compile-cache"
 
 
 def local_dir(cache_dir: str) -> str:
     """Where Inductor and Triton keep their working caches for `cache_dir`."""
     from .storage import is_uri
-    return os.path.expanduser(LOCAL_CACHE) if is_uri(cache_dir) else cache_dir
+    if not is_uri(cache_dir):
+        return cache_dir
+    return os.path.expanduser(os.environ.get("RUNNER_LOCAL_COMPILE_CACHE") or LOCAL_CACHE)
 
 
 def read_artifact(cache_dir: str, key: str) -> bytes | None:

@@ -188,8 +188,8 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
             from .compile_cache import CacheBroker
             broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
         wcfg = worker_config(job, limits, on_gpu=bool(gpus))
-        # Threaded: a shard's two calls (start_shard, finish_shard) for each shard in flight, and
-        # metrics(); the worker orders the GPU work itself.
+        # Threaded: a shard's two calls (start_shard, finish_shard) for each shard in flight,
+        # metrics() and phases(); the worker orders the GPU work itself.
         RemoteWorker = ray.remote(WorkerActor).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                   max_concurrency=2 * INFLIGHT + 1, **actor_opts)
         log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "

@@ -1,8 +1,9 @@
 """What the driver shows while a job runs: each worker's start-up phases, then the progress.
 
 Contract:
-- `PhasePrinter.poll(slots)` logs each starting worker's start-up phases as they happen: "loading
-  model" when its actor is made (an actor answers no call before its `__init__` returns), then what
+- `PhasePrinter.poll(slots)` logs each starting worker's start-up phases as they happen: "starting,
+  then loading model" when its actor is made (an actor answers no call before its `__init__`, the
+  model load, returns), then what
   the worker's `phases()` reports during `warmup()` (compiling, warming up from the compile cache,
   ...), which a threaded actor answers while it warms up. The driver polls from its wait loop
   (dispatch wakes every second); a poll never blocks: one call per worker is in flight at a time.
@@ -31,6 +32,8 @@ class PhasePrinter:
         self.asked: dict = {}        # rank -> [actor, its pending phases() call, phases seen]
 
     def poll(self, slots, flush=None) -> None:
+        # flush: at most 2 x 5 s of the dispatch loop, for a worker whose warm-up has just returned
+        # (a threaded actor: it answers at once); the call it leaves in flight is never read
         if flush is None and time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()
@@ -44,16 +47,19 @@ class PhasePrinter:
         import ray
         asked = self.asked.get(slot.rank)
         if asked is None or asked[0] != slot.actor:          # a new worker (or its replacement)
-            log.info("worker %d: loading model", slot.rank)
+            # its process may still wait for a node's resources: its own phases start at warm-up
+            log.info("worker %d: starting, then loading model", slot.rank)
             asked = self.asked[slot.rank] = [slot.actor, slot.actor.phases.remote(0), 0]
+        if asked[1] is None:                                 # its phases() failed: nothing more
+            return
         # flush (its warm-up has returned): the call in flight may have been answered before the
         # last phases were recorded, so one more call after it, which sees them all
         for _ in range(2 if flush else 1):
             try:
                 done, _ = ray.wait([asked[1]], timeout=5 if flush else 0)
                 events = ray.get(done[0]) if done else None
-            except Exception:            # a display, never a reason to fail the job
-                self.asked.pop(slot.rank, None)
+            except Exception:            # a display, never a reason to fail the job; the slot's
+                asked[1] = None          # own error reaches the dispatcher through its warm-up
                 return
             if events is None:
                 return

@@ -4,7 +4,8 @@ Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load t
 `warmup()` compiles it through `compiler` and runs one short call at the job's default shape;
 `submit(items)` queues a shard's items and returns at once; `run_shard(items)` waits for their rows;
 `metrics()` returns the worker's performance figures; `phases(since)` the warm-up's phases so far.
-The class is plain Python: the driver wraps it in `ray.remote` (one actor per GPU, threaded: see
+The class is plain Python: the driver starts it as a Ray actor through `runner.actor.WorkerActor`
+(no torch on the driver; one actor per GPU, threaded: see
 `start_shard`), and tests also use it in-process. What the driver calls on the actor (`warmup`,
 `start_shard`, `finish_shard`, `metrics`, `phases`) is the typed `WorkerContract`.
 
@@ -162,7 +163,8 @@ class ShardRun:
 
 class WorkerContract(Protocol):
     """What the driver calls on a worker actor (`runner.dispatch.RayPool`, `runner.job`). `Worker`
-    implements it; tests/test_dispatch.py checks that the names and parameters match."""
+    implements it, and `runner.actor.WorkerActor` forwards it; tests/test_dispatch.py checks that
+    the names and parameters of both match."""
 
     def warmup(self) -> dict:
         """Compile and warm up; the ready info (node, load and compile seconds, ...)."""
@@ -180,7 +182,7 @@ class WorkerContract(Protocol):
         """Start-up phases from the `since`-th on: (phase, seconds since the worker started)."""
 
 
-class Worker:   # a WorkerContract (structurally: Ray wraps this class, so no Protocol base)
+class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol base)
     def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
         self.rank, self.cfg, self.broker = rank, cfg, broker
         # warm-up's phases, for the driver (progress.py); it shows "loading model" itself: an

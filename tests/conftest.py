@@ -41,14 +41,14 @@ FAULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 WORKER_ENV = ("RUNNER_", "AWS_", "STORAGE_EMULATOR_HOST", "PYTHONPATH", "HF_HUB_OFFLINE")
 
 
-def fault_env(faults: str) -> dict:
+def fault_env(faults: str, **extra) -> dict:
     """Environment for a CLI run with injected faults: RUNNER_FAULTS and tests/faults first on
     PYTHONPATH, whose sitecustomize.py wraps the worker's functions in every process of the job;
     RUNNER_FAULT_DIR, a fresh directory for the markers of `crash_once` faults (and the run's
     mark: `ray_workers_of` finds the job's worker processes by it)."""
     path = os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH")) if p)
     return cli_env(RUNNER_FAULTS=faults, PYTHONPATH=path,
-                   RUNNER_FAULT_DIR=tempfile.mkdtemp(prefix="runner-faults-"))
+                   RUNNER_FAULT_DIR=tempfile.mkdtemp(prefix="runner-faults-"), **extra)
 
 
 def cli_env(**extra) -> dict:
@@ -65,14 +65,14 @@ def cli_env(**extra) -> dict:
 
 
 def ray_workers_of(env: dict) -> list[int]:
-    """PIDs of the `ray::Worker` actor processes of the CLI run started with `env` (a `fault_env`):
+    """PIDs of the `ray::WorkerActor` actor processes of the CLI run started with `env` (a `fault_env`):
     found by its RUNNER_FAULT_DIR, so not another test's (pytest -n runs several jobs at once, on
     one cluster or each on its own local Ray)."""
     import psutil
     found = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if ("ray::Worker" in " ".join(p.info["cmdline"] or [])
+            if ("ray::WorkerActor" in " ".join(p.info["cmdline"] or [])
                     and p.environ().get("RUNNER_FAULT_DIR") == env["RUNNER_FAULT_DIR"]):
                 found.append(p.pid)
     return found

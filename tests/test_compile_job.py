@@ -12,9 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
 
 
-def cli(*args, faults=""):
+def cli(*args, faults="", **env):
     r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", *args], cwd=ROOT,
-                       env=fault_env(faults), capture_output=True, text=True,
+                       env=fault_env(faults, **env), capture_output=True, text=True,
                        timeout=GUARD_S)
     assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r
@@ -34,8 +34,11 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={store.uri()}",
               "generation.num_inference_steps=2", "run.batch_size=1",
               "compile.compile_text_encoder=false", "compile.compile_vae=false"]   # the denoiser's blocks are enough to cache
+    # Inductor's working cache (the node-local side of a URI cache_dir) in this test's own
+    # directory: the first compile is cold on any machine, and nothing lands in ~/.cache.
+    local = {"RUNNER_LOCAL_COMPILE_CACHE": str(tmp_path / "local-cc")}
     # wait_ready holds generation until both workers are warm, so each serves shards.
-    r = cli(*common, "job.name=a", faults="wait_ready")
+    r = cli(*common, "job.name=a", faults="wait_ready", **local)
     m = metrics(tmp_path / "a")
     # start-up phases shown as they happen: one worker compiles, the other loads its artifact
     assert r.stderr.count("compiling and warming up (compile cache miss)") == 1, r.stderr
@@ -54,15 +57,16 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     # fills the cache again ahead of the next job.
     store.write_bytes_atomic(name, store.read_bytes(name)[: size // 2])
     r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", *common, "job.name=b"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S, env={**os.environ, **local})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile cache artifact rejected" in r.stderr
     report = json.loads(r.stdout)
     assert report["cache_hit"] is False and report["artifact_bytes"] == store.list()[name] == size
 
     # The next job's first worker warms from the (rewritten) artifact in the cache.
-    cli(*common, "job.name=c", "ray.cpu_workers=1")
+    cli(*common, "job.name=c", "ray.cpu_workers=1", **local)
     (w,) = metrics(tmp_path / "c")
+    assert os.listdir(tmp_path / "local-cc" / "inductor")     # the workers' local side was there
     assert w["cache_hit"] and w["cache_source"] == "cache_dir"
     assert w["warmup_with_cache_s"] < compiled[0]["warmup_with_compile_s"]
 

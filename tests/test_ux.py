@@ -200,8 +200,22 @@ def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(monkeypatch,
         slot.state = "ready"
         printer.poll([slot], flush=slot)
         printer.poll([slot])                           # ready: not asked any more
-    assert [r.getMessage() for r in caplog.records] == ["worker 0: loading model",
+    assert [r.getMessage() for r in caplog.records] == ["worker 0: starting, then loading model",
                                                         "worker 0: warming up"]
+
+    # a phases() call that fails (the worker gone): logged once, not started over
+    def gone(since):
+        raise RuntimeError("actor died")
+    other = SimpleNamespace(rank=1, state="starting",
+                            actor=SimpleNamespace(phases=SimpleNamespace(remote=lambda s: Ref(gone))))
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
+        wait=lambda refs, timeout: (refs, []),
+        get=lambda ref: ref.value(0) if callable(ref.value) else ref.value))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="runner"):
+        for _ in range(3):
+            printer.poll([other])
+    assert [r.getMessage() for r in caplog.records] == ["worker 1: starting, then loading model"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +242,7 @@ def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the
     # phases before progress, in order; progress as plain lines (stderr is a pipe, not a terminal)
     lines = err.splitlines()
     at = {key: next(i for i, l in enumerate(lines) if key in l)
-          for key in ("worker 0: loading model", "worker 0: warming up", "worker 0: ready in",
+          for key in ("worker 0: starting, then loading model", "worker 0: warming up", "worker 0: ready in",
                       "generating: 8/8 items")}
     assert list(at.values()) == sorted(at.values()), err
     assert "\r" not in err and "%|" not in err
