@@ -3,10 +3,10 @@
 Contract:
 - `PhasePrinter.poll(slots)` logs each starting worker's start-up phases as they happen: "starting,
   then loading model" when its actor is made (an actor answers no call before its `__init__`, the
-  model load, returns), then what
-  the worker's `phases()` reports during `warmup()` (compiling, warming up from the compile cache,
-  ...), which a threaded actor answers while it warms up. The driver polls from its wait loop
-  (dispatch wakes every second); a poll never blocks: one call per worker is in flight at a time.
+  model load, returns), then what the worker's `phases()` reports during `warmup()` (compiling,
+  warming up from the compile cache, ...), which a threaded actor answers while it warms up. The
+  driver polls from its wait loop (dispatch wakes every second); a poll never blocks: one call per
+  worker is in flight at a time.
 - `Progress` counts finished items. It starts at the first worker's ready, so its rate and ETA count
   generation, not start-up (the same clock as the summary's items/s). On a terminal it is a tqdm
   bar; otherwise (a log file, `ray job logs`) a plain line every `every_s` seconds and one at the end,
