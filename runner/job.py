@@ -80,20 +80,39 @@ def _worker_detail(m: dict) -> dict:
     return d
 
 
-# Set by SIGTERM, which then takes Ctrl-C's path (KeyboardInterrupt). A flag, not an exception
-# subclass: inside ray.wait Ray's core turns whatever the handler raises into a KeyboardInterrupt.
-TERMINATED = threading.Event()
+# The stop signals received (SIGINT: Ctrl-C, SIGTERM). The handler only records the first: the
+# dispatch loop, awake at least once a second, raises KeyboardInterrupt at a point of its own
+# (`_check_stop`). A handler that raised wherever the main thread stood (inside a Ray call, or
+# the snapshot executor's submit) could leave a lock held: a CI run's driver wrote its summary
+# after SIGTERM, then hung at exit for 15 minutes. A second signal raises at once, as Python's
+# Ctrl-C does, for a stop that something stuck would never reach.
+STOPS: list[int] = []
 
 
-def _on_sigterm(signum, frame):
-    TERMINATED.set()
-    raise KeyboardInterrupt("SIGTERM")
+def _on_stop_signal(signum, frame):
+    STOPS.append(signum)
+    if len(STOPS) > 1:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _handle_sigterm() -> None:
-    """SIGTERM -> KeyboardInterrupt + TERMINATED. Again after `ray.init`, which installs its own."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+def _handle_stop_signals() -> None:
+    """SIGTERM, and SIGINT unless the process started with it ignored (`nohup`, `cmd &`), as
+    Python itself does. Again after `ray.init`, which installs its own SIGTERM handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _on_stop_signal)
+
+
+def _check_stop() -> None:
+    """Called from the dispatch loop: a received stop signal becomes KeyboardInterrupt here."""
+    if STOPS:
+        raise KeyboardInterrupt(signal.Signals(STOPS[0]).name)
+
+
+def _terminated() -> bool:
+    return bool(STOPS) and STOPS[0] == signal.SIGTERM
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    _handle_sigterm()
+    _handle_stop_signals()
     try:
         summary = run(argv)
     except (ConfigError, PromptError, JobError, LockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if TERMINATED.is_set():
+        if _terminated():
             print("terminated (SIGTERM): finished outputs and the summary so far are written; rerun "
                   "the same command to resume", file=sys.stderr)
             return 143
@@ -121,6 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     # 1: some items failed (see summary.txt); the others are complete.
     return 0 if summary["failed"] == 0 else 1
+
+
+def exit_within(status: int, timeout_s: float = 30.0) -> None:
+    """A last guard on the exit: past `timeout_s` (Ray's shutdown in `atexit`, a thread that
+    never ends), say so and end the process with `status`. Every output, record and summary is
+    written by then, and the job's lock released: nothing is left to finish."""
+    def guard():
+        time.sleep(timeout_s)
+        sys.stdout.flush()                           # os._exit flushes nothing
+        print(f"runner: the exit (Ray's shutdown, or a thread that does not end) took over "
+              f"{timeout_s:.0f} s; exiting anyway with status {status}", file=sys.stderr, flush=True)
+        os._exit(status)
+    threading.Thread(target=guard, name="exit-guard", daemon=True).start()
 
 
 def run(argv: list[str]) -> dict:
@@ -179,7 +211,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
         import ray
         from .actor import WorkerActor
         _ray_init(job["ray"])
-        _handle_sigterm()
+        _handle_stop_signals()
         gpus = int(ray.cluster_resources().get("GPU", 0)) if model.device != "cpu" else 0
         n = job["ray"].num_workers or (gpus or job["ray"].cpu_workers)
         actor_opts = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=job["ray"].cpus_per_worker)
@@ -243,11 +275,11 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
                          on_rows, inflight=INFLIGHT, max_retries=opts.max_shard_retries,
                          max_restarts=job["ray"].max_worker_restarts,
                          start_timeout_s=job["ray"].worker_start_timeout_s, on_ready=on_ready,
-                         slots=slots, on_tick=lambda: (phases.poll(slots), progress.tick()))
-        except KeyboardInterrupt as e:           # Ctrl-C, or SIGTERM (TERMINATED)
+                         slots=slots, on_tick=lambda: (_check_stop(), phases.poll(slots), progress.tick()))
+        except KeyboardInterrupt as e:           # Ctrl-C or SIGTERM (_check_stop)
             stopped = e
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
-                        "terminated" if TERMINATED.is_set() else "interrupted")
+                        "terminated" if _terminated() else "interrupted")
         except PersistentFault as e:         # the same error on every output: stop, summarize
             aborted = str(e)
             log.error("stopping: %s", e)

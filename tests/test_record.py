@@ -223,7 +223,6 @@ def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, writ
 
 
 @pytest.mark.e2e
-@pytest.mark.e2e
 def test_a_second_driver_is_refused_and_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path, write_prompts):
     """One running job, two checks: a second driver on its job directory exits 2 naming the
     holder (and leaves the lock alone); SIGTERM then stops the first like Ctrl-C, exit 143."""

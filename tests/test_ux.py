@@ -222,6 +222,49 @@ def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(monkeypatch,
 # The real CLI, once: the demo image job with overrides, its outputs; start-up lines, plain
 # progress, quiet Ray, legend; then a no-op rerun.
 
+def test_a_stop_signal_raises_in_the_dispatch_loop_not_where_it_lands(monkeypatch):
+    """SIGTERM (or Ctrl-C) raises nothing where it lands, which could be inside a lock of Ray or
+    of the snapshot executor (a driver then hung at exit after its summary); `_check_stop`, called
+    by the dispatch loop each second, raises KeyboardInterrupt; a second signal raises at once."""
+    import signal
+    import threading
+    from runner import job
+    monkeypatch.setattr(job, "STOPS", [])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    lock = threading.Lock()
+    try:
+        job._handle_stop_signals()
+        job._check_stop()                                  # nothing received: no stop
+        with lock:                                         # a handler that raised would leave the
+            os.kill(os.getpid(), signal.SIGTERM)           # code under this lock half done
+            for _ in range(100):                           # (the handler runs between bytecodes)
+                pass
+        assert job.STOPS == [signal.SIGTERM] and job._terminated()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            job._check_stop()
+        with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):
+                pass
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_an_exit_that_hangs_ends_with_the_jobs_status():
+    """After the summary, an exit that never finishes (here a thread that never ends; in a CI run,
+    a driver after SIGTERM) ends within the guard's time, with the job's status and a message."""
+    import subprocess
+    import sys
+    code = ("import threading, sys; from runner.job import exit_within; "
+            "threading.Thread(target=threading.Event().wait).start(); "   # not a daemon: blocks exit
+            "print('summary'); sys.stdout.flush(); exit_within(3, timeout_s=1.0); sys.exit(3)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 3 and r.stdout == "summary\n"
+    assert "took over 1 s; exiting anyway with status 3" in r.stderr
+
+
 @pytest.mark.e2e
 def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_path):
     import subprocess
