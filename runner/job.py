@@ -128,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # a second signal stops at once: the summary may not have been written
+        kept = ("finished outputs are kept (a second signal: the summary may be missing)"
+                if len(STOPS) > 1 else "finished outputs and the summary so far are written")
         if _terminated():
-            print("terminated (SIGTERM): finished outputs and the summary so far are written; rerun "
-                  "the same command to resume", file=sys.stderr)
+            print(f"terminated (SIGTERM): {kept}; rerun the same command to resume", file=sys.stderr)
             return 143
-        print("interrupted: finished outputs and the summary so far are written; rerun the same "
-              "command to resume", file=sys.stderr)
+        print(f"interrupted: {kept}; rerun the same command to resume", file=sys.stderr)
         return 130
     if summary.get("aborted"):   # 3: stopped early on a persistent fault (summary.txt says which)
         print(f"error: {summary['aborted']}", file=sys.stderr)
