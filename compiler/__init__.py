@@ -33,12 +33,11 @@ from __future__ import annotations
 
 from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_options
 
-__all__ = ["compile_pipe", "prewarm", "parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD",
-           "denoiser_of", "StepGraph", "compile_kwargs"]
-
 # These need torch (`compiler/pipeline.py`): imported on first use, so that checking options alone
 # (a job's driver, before any worker starts) imports no torch: ~1.3 s of CPU in every process.
-_PIPELINE = {"compile_pipe", "prewarm", "denoiser_of", "StepGraph", "compile_kwargs"}
+_PIPELINE = ("compile_pipe", "prewarm", "denoiser_of", "StepGraph", "compile_kwargs")
+
+__all__ = ["parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD", *_PIPELINE]
 
 
 def __getattr__(name: str):

@@ -25,6 +25,7 @@ import sys
 import torch
 
 from .cross_attention import graph_time_us
+from .options import FLAGS, parse_options
 from .quant import row_chunks, reference, launch
 from .transforms import FP8_MAX, FP8Linear
 
@@ -149,9 +150,11 @@ def gelu_sweep() -> list[dict]:
 def ln_sweep(code_out: str | None) -> list[dict]:
     from torch._inductor.utils import run_and_get_code
     from . import heuristics
-    heuristics.set_persistent_rows(2048)      # as O3 (max-optimize) compiles
-    o3 = {"aggressive_fusion": True, "epilogue_fusion": True, "max_autotune_pointwise": True,
-          "dynamic_scale_rblock": False, "triton.codegen_upcast_to_fp32": False, "fx_graph_cache": False}
+    # O3's settings, from the one place they live (options.py); the FX graph cache off, so that
+    # Inductor compiles here and `code_out` gets its code
+    o3_opts = parse_options("O3")
+    heuristics.set_persistent_rows(max(FLAGS[f].get("persistent_rows", 0) for f in o3_opts.flags))
+    o3 = {**o3_opts.inductor_config(), "fx_graph_cache": False}
     rows = []
     for b, s, c in [(2, 4096, 1152), (32, 1024, 1152)]:   # PixArt-α 1024² (CFG); Latte-1 spatial
         g = torch.Generator("cuda").manual_seed(0)

@@ -5,9 +5,9 @@ Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load t
 `submit(items)` queues a shard's items and returns at once; `run_shard(items)` waits for their rows;
 `metrics()` returns the worker's performance figures; `phases(since)` the warm-up's phases so far.
 The class is plain Python: the driver starts it as a Ray actor through `runner.actor.WorkerActor`
-(no torch on the driver; one actor per GPU, threaded: see
-`start_shard`), and tests also use it in-process. What the driver calls on the actor (`warmup`,
-`start_shard`, `finish_shard`, `metrics`, `phases`) is the typed `WorkerContract`.
+(no torch on the driver; one actor per GPU, threaded: see `start_shard`), and tests also use it
+in-process. What the driver calls on the actor (`warmup`, `start_shard`, `finish_shard`, `metrics`,
+`phases`) is the typed `WorkerContract`.
 
 Three stages, so the GPU never waits for the host:
     prepare   the driver sends each shard's validated items with it (no Parquet reads here); items

@@ -218,10 +218,6 @@ def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(monkeypatch,
     assert [r.getMessage() for r in caplog.records] == ["worker 1: starting, then loading model"]
 
 
-# ---------------------------------------------------------------------------------------------
-# The real CLI, once: the demo image job with overrides, its outputs; start-up lines, plain
-# progress, quiet Ray, legend; then a no-op rerun.
-
 def test_a_stop_signal_raises_in_the_dispatch_loop_not_where_it_lands(monkeypatch):
     """SIGTERM (or Ctrl-C) raises nothing where it lands, which could be inside a lock of Ray or
     of the snapshot executor (a driver then hung at exit after its summary); `_check_stop`, called
@@ -264,6 +260,10 @@ def test_an_exit_that_hangs_ends_with_the_jobs_status():
     assert r.returncode == 3 and r.stdout == "summary\n"
     assert "took over 1 s; exiting anyway with status 3" in r.stderr
 
+
+# ---------------------------------------------------------------------------------------------
+# The real CLI, once: the demo image job with overrides, its outputs; start-up lines, plain
+# progress, quiet Ray, legend; then a no-op rerun.
 
 @pytest.mark.e2e
 def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the_summary(tmp_path):
