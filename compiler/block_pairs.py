@@ -10,10 +10,11 @@ diffusers' forward for what it does not cover (`enable_temporal_attentions=False
 checkpointing during training).
 
 Step reuse (`step_reuse=`, the caller's choice per denoising step; runner/step_cache.py decides it
-from a fixed schedule): `"compute"` runs the blocks and keeps their residual (what the 28 pairs add
-to the patch embedding, (B*F, HW, C)) in a buffer of the transformer; `"reuse"` skips every pair and
-adds the kept residual instead (the embeddings and the final layer still run, with this step's
-timestep), as TeaCache and LeMiCa reuse a step. The decision is a Python argument, never read from
+from a fixed schedule), as `compiler.step_reuse` does for a plain block stack: `"compute"` runs the
+blocks and keeps their residual (what the pairs after the first `set_first_pairs` ones (default 0)
+add, (B*F, HW, C)) in a buffer of the transformer per `branch`; `"reuse"` runs only those first
+pairs and adds the kept residual instead (the embeddings and the final layer still run, with this
+step's timestep), as TeaCache and LeMiCa reuse a step. The decision is a Python argument, never read from
 a tensor: no host sync, and under `cudagraphs` each kind of step is its own captured graph
 (`StepGraph` keys on non-tensor arguments), reading and writing the same fixed buffer.
 
@@ -30,6 +31,8 @@ import functools
 
 import torch
 
+from .step_reuse import residual
+
 
 def _pair(spatial, temporal, hidden_states, enc_spatial, enc_mask, t_spatial, t_temp, temp_pos, batch_size: int):
     """One spatial block, (B*F, HW, C) -> (B*HW, F, C), + temporal position (zeros after pair 0),
@@ -44,9 +47,10 @@ def _pair(spatial, temporal, hidden_states, enc_spatial, enc_mask, t_spatial, t_
 
 
 def forward(self, pair, hidden_states, timestep=None, encoder_hidden_states=None, encoder_attention_mask=None,
-            enable_temporal_attentions: bool = True, return_dict: bool = True, step_reuse: str | None = None):
+            enable_temporal_attentions: bool = True, return_dict: bool = True, step_reuse: str | None = None,
+            branch=None):
     """diffusers 0.42 `LatteTransformer3DModel.forward` with the block loop calling `pair`;
-    `step_reuse`: None | "compute" | "reuse" (module docstring)."""
+    `step_reuse`: None | "compute" | "reuse", `branch`: which kept residual (module docstring)."""
     if not enable_temporal_attentions or (torch.is_grad_enabled() and self.gradient_checkpointing):
         if step_reuse is not None:
             raise ValueError("step reuse needs the pair forward (temporal attention on, no gradient checkpointing)")
@@ -62,18 +66,16 @@ def forward(self, pair, hidden_states, timestep=None, encoder_hidden_states=None
     added_cond_kwargs = {"resolution": None, "aspect_ratio": None}
     timestep, embedded_timestep = self.adaln_single(
         timestep, added_cond_kwargs=added_cond_kwargs, batch_size=batch_size, hidden_dtype=hidden_states.dtype)
-    if step_reuse == "reuse":
-        hidden_states = hidden_states + _residual(self, hidden_states, create=False)
-    else:
-        hidden_states = _blocks(self, pair, hidden_states, encoder_hidden_states, encoder_attention_mask,
-                                timestep, num_frame, num_patches, batch_size, keep=step_reuse == "compute")
+    hidden_states = _blocks(self, pair, hidden_states, encoder_hidden_states, encoder_attention_mask,
+                            timestep, num_frame, num_patches, batch_size, step_reuse, branch)
     return _final_layer(self, hidden_states, embedded_timestep, num_frame, height, width, batch_size, return_dict)
 
 
 def _blocks(self, pair, hidden_states, encoder_hidden_states, encoder_attention_mask, timestep,
-            num_frame: int, num_patches: int, batch_size: int, keep: bool):
-    """The 28 block pairs, (B*F, HW, C) -> (B*F, HW, C); `keep`: also store what they added."""
-    blocks_in = hidden_states
+            num_frame: int, num_patches: int, batch_size: int, step_reuse: str | None, branch):
+    """The 28 block pairs, (B*F, HW, C) -> (B*F, HW, C). Step reuse: the first `first` pairs
+    always run; "compute" runs the rest and keeps what they added, "reuse" adds that instead."""
+    first = self.__dict__.get("_reuse_first", 0)
     encoder_hidden_states = self.caption_projection(encoder_hidden_states)
     enc_spatial = encoder_hidden_states.repeat_interleave(
         num_frame, dim=0, output_size=encoder_hidden_states.shape[0] * num_frame
@@ -93,29 +95,21 @@ def _blocks(self, pair, hidden_states, encoder_hidden_states, encoder_attention_
     else:
         temp_pos = hidden_states.new_zeros(1, 1, hidden_states.shape[-1])
     no_pos = torch.zeros_like(temp_pos)
-    for i, (spatial, temporal) in enumerate(zip(self.transformer_blocks, self.temporal_transformer_blocks)):
+    pairs = list(zip(self.transformer_blocks, self.temporal_transformer_blocks))
+    stop = first if step_reuse == "reuse" else len(pairs)
+    blocks_in = hidden_states
+    for i, (spatial, temporal) in enumerate(pairs[:stop]):
+        if i == first:
+            blocks_in = hidden_states
         hidden_states = pair(spatial, temporal, hidden_states, enc_spatial, encoder_attention_mask,
                              t_spatial, t_temp, temp_pos if i == 0 else no_pos, batch_size)
-    if keep:
-        # One fixed buffer per shape (its address is what a captured graph writes and reads).
-        torch.sub(hidden_states, blocks_in, out=_residual(self, hidden_states, create=True))
+    # The kept residual (B*F, HW, C), batch items in the order of the call: one fixed buffer per
+    # branch and shape (its address is what a captured graph writes and reads).
+    if step_reuse == "reuse":
+        hidden_states = hidden_states + residual(self, branch, hidden_states, create=False)
+    elif step_reuse == "compute":
+        torch.sub(hidden_states, blocks_in, out=residual(self, branch, hidden_states, create=True))
     return hidden_states
-
-
-def _residual(self, like: torch.Tensor, create: bool) -> torch.Tensor:
-    """The kept residual for `like`'s shape: (B*F, HW, C), batch items in the order of the call."""
-    store = self.__dict__.setdefault("_step_residual", {})
-    key = (tuple(like.shape), like.dtype, like.device)
-    buf = store.get(key)
-    if buf is None:
-        if not create:
-            raise RuntimeError(f"step reuse: no computed step of shape {tuple(like.shape)} to reuse "
-                               f"(a call's first step must be computed)")
-        if like.is_cuda and torch.cuda.is_current_stream_capturing():
-            # allocating here would place it in the graph's private pool, shared with other graphs
-            raise RuntimeError("step reuse: residual buffer first needed during CUDA graph capture")
-        buf = store[key] = torch.empty_like(like)
-    return buf
 
 
 def _final_layer(self, hidden_states, embedded_timestep, num_frame: int, height: int, width: int,
@@ -153,6 +147,14 @@ def compile_pairs(transformer: torch.nn.Module, compile_kwargs: dict | None) -> 
     transformer.forward = functools.partial(forward, transformer, pair)
     transformer._pair_forward = True   # wrappers added later (SDPA priority, StepGraph) pass kwargs on
     return {"BlockPair": len(transformer.transformer_blocks)}
+
+
+def set_first_pairs(transformer: torch.nn.Module, first: int) -> None:
+    """Step reuse: the leading pairs run on every step, reused ones too (`first` < pair count)."""
+    n = len(transformer.transformer_blocks)
+    if not 0 <= first < n:
+        raise ValueError(f"step reuse: first={first} must be in [0, {n - 1}] ({n} block pairs)")
+    transformer.__dict__["_reuse_first"] = first
 
 
 def has_pair_forward(transformer: torch.nn.Module) -> bool:

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from .options import FLAGS, CompileOptions, parse_options
-from . import block_pairs, quant, transforms
+from . import block_pairs, quant, transforms, video_vae
 from .cudagraph import StepGraph, wrap_step
 from .cross_attention import use_short_cross_attention
 from .short_attention import use_short_attention
@@ -88,6 +88,18 @@ def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:
     return dict(fullgraph=True, dynamic=opts.dynamic, options=opts.inductor_config(denoiser))
 
 
+def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[str, int]:
+    """The VAE decoder, with the lossless settings. A causal video VAE (Wan's) decodes in chunks
+    of frames, its blocks compiled (`compiler.video_vae`); a 2-D one has its ResnetBlock2Ds
+    compiled. `dynamic`: the blocks specialise on sizes and strides and would recompile per
+    resolution, which `dynamic` promises not to do: the 2-D VAE stays eager, the video VAE runs
+    its chunks eager."""
+    if video_vae.supported(vae):
+        return video_vae.chunked_decode(vae, video_vae.CHUNK, None if opts.dynamic else aux_kw,
+                                        channels_last=device == "cuda" and video_vae.CHANNELS_LAST)
+    return {} if opts.dynamic else transforms.compile_blocks(vae.decoder, aux_kw)
+
+
 def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     opts = parse_options(options)
     done = getattr(pipe, "_compile_options", None)
@@ -133,10 +145,9 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
         aux_kw = compile_kwargs(opts, denoiser=False)
         if opts.compile_text_encoder is not False and getattr(pipe, "text_encoder", None) is not None:
             report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, aux_kw)
-        # dynamic: the VAE's blocks specialise on sizes and strides and would recompile per
-        # resolution, which `dynamic` promises not to do: the VAE stays eager there.
-        if opts.compile_vae is not False and not opts.dynamic and getattr(pipe, "vae", None) is not None:
-            report["vae_blocks"] = transforms.compile_blocks(pipe.vae.decoder, aux_kw)
+        vae = getattr(pipe, "vae", None)
+        if opts.compile_vae is not False and vae is not None:
+            report["vae_blocks"] = _compile_vae(vae, opts, aux_kw, device)
         # the VAE's ResnetBlock2D shares its code object (and Dynamo's graph count) with the UNet's
         _raise_recompile_limit(sum(sum(report.get(k, {}).values())
                                    for k in ("compiled_blocks", "text_encoder_blocks", "vae_blocks")))

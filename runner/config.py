@@ -227,7 +227,7 @@ class CompileSection:
 
 STEP_CACHE_METHODS = ("none", "residual", "fastercache", "pab")
 # The keys each method reads (what decides its outputs, its settings hash and compile-cache key).
-STEP_CACHE_KEYS = {"none": (), "residual": ("compute_ratio", "compute_steps"),
+STEP_CACHE_KEYS = {"none": (), "residual": ("compute_ratio", "compute_steps", "first_blocks"),
                    "fastercache": ("block_skip_range", "timestep_range", "uncond_skip_range"),
                    "pab": ("block_skip_range", "timestep_range")}
 
@@ -243,6 +243,9 @@ class StepCacheSection:
     compute_steps: list | None = key(None, "residual: the step indices computed in full (0 = first; "
                                            "overrides compute_ratio); null = a schedule from "
                                            "compute_ratio")
+    first_blocks: int = key(0, "residual: leading blocks computed on every step, reused steps "
+                               "included (0 = the whole stack reused, as TeaCache and LeMiCa; 1 = "
+                               "cache-dit's F1B0 first-block cache)")
     block_skip_range: int = key(2, "spatial self-attention computed every N steps, reused in "
                                    "between (>= 2)")
     timestep_range: list | None = key(None, "[low, high]: reuse only at timesteps strictly inside; "
@@ -257,6 +260,10 @@ class StepCacheSection:
             raise ConfigError(f"step_cache.block_skip_range={self.block_skip_range!r} must be >= 2 "
                               f"(2 = compute every other step; 1 would never reuse)")
         _positive("step_cache.uncond_skip_range", self.uncond_skip_range)
+        if not isinstance(self.first_blocks, int) or isinstance(self.first_blocks, bool) \
+                or self.first_blocks < 0:
+            raise ConfigError(f"step_cache.first_blocks={self.first_blocks!r} must be an integer >= 0 "
+                              f"(0 = the whole block stack reused on a reused step)")
         if not isinstance(self.compute_ratio, (int, float)) or not 0 < self.compute_ratio <= 1:
             raise ConfigError(f"step_cache.compute_ratio={self.compute_ratio!r} must be in (0, 1] "
                               f"(the share of steps computed in full; 1 = never reuse)")

@@ -1,14 +1,16 @@
 """Step reuse: skip part of a denoising step by reusing what earlier steps computed (lossy).
 
 Methods (`step_cache.method`, README "Step reuse"):
-- `residual`: whole denoiser calls skipped on a fixed schedule. A computed step keeps what the
-  blocks added to their input (the residual); a reused step runs only the embeddings and the final
-  layer and adds the kept residual (TeaCache's reuse, on a LeMiCa-style fixed schedule instead of
-  a threshold). Which steps compute depends only on the step index, the step count and the
-  settings (`plan`), never on tensor values: no host sync per step, the same schedule for every
-  item of a batch, and under `cudagraphs` two captured graphs (compute, reuse) replayed as the
-  schedule says. The mechanism is the denoiser forward's `step_reuse=` argument (the family record's
-`residual_forward` installs it; for block-pair video DiTs, `compiler/block_pairs.py`'s).
+- `residual`: the denoiser's block stack skipped on a fixed schedule, for every family whose
+  record names its stack (`step_blocks`: Wan, PixArt-α/Σ) or whose compiled forward has it built
+  in (Latte's block pairs). A computed step keeps what the blocks after the first `first_blocks`
+  added to their input (the residual); a reused step runs the embeddings, those first blocks and
+  the final layer and adds the kept residual (TeaCache's and LeMiCa's reuse with first_blocks=0,
+  cache-dit's F1B0 with 1). Which steps compute depends only on the step index, the step count
+  and the settings (`plan`), never on tensor values: no host sync per step, the same schedule for
+  every item of a batch, and under `cudagraphs` one captured graph per (compute or reuse,
+  guidance branch) replayed as the schedule says. The mechanism is `compiler.step_reuse`: the
+  denoiser's forward takes `step_reuse=` and `branch=`; `Scheduled` below decides them.
 - `fastercache`, `pab`: diffusers' attention-level hooks (`FasterCacheConfig`,
   `PyramidAttentionBroadcastConfig`), deciding per attention call in Python.
 
@@ -40,6 +42,7 @@ How the hook methods compose with the compiler:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -67,11 +70,27 @@ def check(sc: StepCacheSection, family) -> None:
                           f"it is for: {offered} (or step_cache.method=none)")
 
 
+def check_first_blocks(sc: StepCacheSection, model) -> None:
+    """`first_blocks` leaves blocks to reuse: checked against the denoiser's depth where the
+    driver knows it without loading weights (random and tiny builds; a pretrained model's is
+    checked by the worker, `compiler.step_reuse.install`)."""
+    fam = model.family
+    if sc.method != "residual" or not sc.first_blocks or model.source == "pretrained" \
+            or fam.denoiser_config is None:
+        return
+    layers = fam.denoiser_config(model.info, model.source == "tiny").get("num_layers")
+    if layers is not None and sc.first_blocks >= layers:
+        raise ConfigError(f"step_cache.first_blocks={sc.first_blocks} leaves no block to reuse: "
+                          f"this {model.preset} denoiser ({model.source}) has {layers} blocks; "
+                          f"set it to at most {layers - 1}")
+
+
 def prepare(job: dict) -> None:
     """Driver (job, runner.warm), before Ray: check `job["step_cache"]` against the model and drop
     the step graph from `job["compile"]` when a step cache is on (one log line, on the driver)."""
     sc = job["step_cache"]
     check(sc, job["model"].family)
+    check_first_blocks(sc, job["model"].resolved())
     options = compile_options(job["compile"].options, sc)
     if options is not job["compile"].options:
         job["compile"] = dataclasses.replace(job["compile"], options=options)
@@ -176,33 +195,73 @@ def plan(steps: int, sc: StepCacheSection) -> tuple[bool, ...]:
     return tuple(i == 0 or i in chosen for i in range(steps))
 
 
-class Scheduled:
-    """The transformer's forward, told for each call (one call = one denoising step: Latte's
-    pipeline batches CFG into one call) whether it computes or reuses. The step count comes from
-    the scheduler when a call begins (`pipe.scheduler.timesteps`, set before the first step)."""
+def warmup_steps(sc: StepCacheSection, steps: int, most: int = 8) -> int:
+    """The fewest steps >= `steps` (at most `most`) whose plan reuses a step, so that a warm-up
+    call of that length also captures the reuse step's graph (`steps` when none does)."""
+    if sc.method != "residual":
+        return steps
+    return next((n for n in range(steps, max(steps, most) + 1) if not all(plan(n, sc))), steps)
 
-    def __init__(self, inner, sc: StepCacheSection, pipe):
+
+class Scheduled:
+    """The denoiser's forward, told for each call whether it computes or reuses, and which kept
+    residual (`branch`) it reads and writes.
+
+    A step is one denoiser call (PixArt and Latte batch the guidance branches into one call), or
+    one call per branch where the pipeline runs them as separate calls inside the denoiser's
+    `cache_context(name, step_index=...)` (diffusers' Wan and FLUX pipelines: "cond", "uncond"):
+    there the branch is the context's name, and the step its `step_index` when given, else a new
+    step begins when the first branch comes again. The step count comes from the scheduler when a
+    pipeline call's first denoiser call begins. A branch's first call in a pipeline call is always
+    computed (there is nothing of this call to reuse yet: a second expert's first step, say)."""
+
+    def __init__(self, inner, sc: StepCacheSection, pipe, den):
         self.inner, self.sc, self.pipe = inner, sc, pipe
-        self.step, self.plan, self.reused = 0, (), 0
+        self.branch = self.step_index = None
+        self.reused = 0
+        self.reset()
+        context = getattr(den, "cache_context", None)
+        if context is not None:      # diffusers' CacheMixin: names each guidance branch's call
+            den.cache_context = self._context(context)
+
+    def _context(self, original):
+        @contextlib.contextmanager
+        def context(name, **kwargs):
+            self.branch, self.step_index = name, kwargs.get("step_index")
+            with original(name, **kwargs):
+                yield
+        return context
 
     def reset(self) -> None:
-        self.step = 0
+        """Before each pipeline call (`runner.step_cache.reset`)."""
+        self.calls, self.step, self.first_branch, self.computed = 0, 0, None, set()
 
     def __call__(self, *args, **kwargs):
-        if self.step == 0:
+        if self.calls == 0:
             self.plan = plan(len(self.pipe.scheduler.timesteps), self.sc)
-        compute = self.plan[self.step] if self.step < len(self.plan) else True
-        self.step = self.step + 1 if self.step + 1 < len(self.plan) else 0   # next call's step
+            self.first_branch = self.branch
+        elif self.step_index is None and self.branch == self.first_branch:
+            self.step += 1
+        step = self.step_index if self.step_index is not None else self.step
+        self.calls += 1
+        compute = (self.plan[step] if step < len(self.plan) else True) or self.branch not in self.computed
+        self.computed.add(self.branch)
         self.reused += not compute
-        return self.inner(*args, step_reuse="compute" if compute else "reuse", **kwargs)
+        return self.inner(*args, step_reuse="compute" if compute else "reuse", branch=self.branch,
+                          **kwargs)
 
 
 def _apply_residual(pipe, sc: StepCacheSection, family) -> int:
     den = pipe.transformer
-    family.residual_forward(den)   # its forward now takes step_reuse= (compiled or not)
-    den.forward = Scheduled(den.forward, sc, pipe)
-    log.info("step cache residual: %s of %d steps computed at 50 steps",
-             sum(plan(50, sc)), 50)
+    if family.residual_forward is not None:   # its forward has the reuse built in (Latte's pairs)
+        family.residual_forward(den, sc.first_blocks)
+        reused = len(den.transformer_blocks) - sc.first_blocks
+    else:
+        from compiler.step_reuse import install   # beneath compile_pipe's step graph, if any
+        reused = install(den, family.step_blocks, sc.first_blocks)
+    den.forward = Scheduled(den.forward, sc, pipe, den)
+    log.info("step cache residual: %d blocks reused on a reused step; %s of %d steps computed at "
+             "%d steps", reused, sum(plan(50, sc)), 50, 50)
     return 1
 
 

@@ -321,7 +321,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         items = [Item(id="warmup", prompt="warm up", negative_prompt=g.negative_prompt, seed=k,
                       height=g.height, width=g.width, num_frames=self._warmup_frames(),
                       guidance_scale=g.guidance_scale,
-                      num_inference_steps=max(self.cfg.warmup_steps, self.cfg.limits.min_steps),
+                      num_inference_steps=step_cache.warmup_steps(   # a reused step too, if any
+                          self.cfg.step_cache, max(self.cfg.warmup_steps, self.cfg.limits.min_steps)),
                       file="warmup", row=k) for k in range(self.cfg.batch_size)]
         with torch.inference_mode():   # the serving path, conversion and copy included
             x = generate(self.pipe, self.family, items, self.spec.device,

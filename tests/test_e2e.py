@@ -71,12 +71,16 @@ def test_demo_video_writes_playable_mp4s(tmp_path):
 
 
 def test_wan_job_tiny_model_writes_mp4s_of_4k_plus_1_frames(tmp_path):
-    """The shipped Wan 2.1 job with the tiny model: its family came in as one module (and presets)."""
+    """The shipped Wan 2.1 job with the tiny model: its family came in as one module (and presets);
+    with step reuse (`residual`, its guidance branches as separate calls: tests/test_step_reuse.py)."""
     r = runner("job=wan_batch", "model.source=tiny", f"output.dir={tmp_path}", "generation.height=64",
-               "generation.width=48", "generation.num_frames=5", "generation.num_inference_steps=2",
+               "generation.width=48", "generation.num_frames=5", "generation.num_inference_steps=4",
+               "step_cache.method=residual", "step_cache.compute_ratio=0.5",
                "ray.cpu_workers=1", "run.shard_size=2", faults="")
     assert "8/8 ok" in r.stdout
     job_dir = tmp_path / "wan_batch"
+    m = json.load(open(job_dir / "metrics" / "worker-0.json"))
+    assert m["step_cache_reused"] >= 8 * 2       # every video reused a step, in both branches
     for row in check_job_dir(job_dir, "mp4", n_workers=1):
         reader = imageio_ffmpeg.read_frames(str(job_dir / row["output"]))
         meta = next(reader)

@@ -131,7 +131,7 @@ def test_residual_schedule_depends_on_step_count_and_settings_only():
 
 def test_step_cache_settings_name_only_the_keys_the_method_reads():
     assert StepCacheSection(method="residual").settings() == {
-        "method": "residual", "compute_ratio": 0.54, "compute_steps": None}
+        "method": "residual", "compute_ratio": 0.54, "compute_steps": None, "first_blocks": 0}
     assert "compute_ratio" not in StepCacheSection(method="pab").settings()
 
 

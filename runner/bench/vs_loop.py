@@ -1,12 +1,19 @@
 """The runner against what users would run instead, side by side in one command on one GPU.
 
     python -m runner.bench.vs_loop job=pixart_batch model.source=random prompts=40 modes=none,O3 \
-        [arms=loop,loop_compile,job] [out=DIR] [key=value ...]
+        [arms=loop,loop_compile,cachedit,job] [out=DIR] [key=value ...]
 
 The same generated prompts (ids, seeds) go through:
   loop          a plain diffusers loop, eager: `pipe(prompt, generator=...)` then `.save()` (PIL PNG)
                 or `export_to_video` per prompt, as the diffusers docs write it;
   loop_compile  the same loop after `pipe.<denoiser> = torch.compile(pipe.<denoiser>)`;
+  cachedit      the peer stack users pip-install: the loop with cache-dit's DBCache as its docs
+                recommend for speed (first block computed on every step, F1B0; a static
+                step-computation mask with exactly the steps the job's `step_cache` schedule
+                computes, `runner.step_cache.plan`), `cache_dit.set_compile_configs()`, then
+                `torch.compile(pipe.transformer)`; its outputs are compared with the `loop` arm's
+                (its own no-reuse output, when that arm runs: PSNR per output). cache-dit is the
+                optional `bench` extra, never a runtime dependency;
   job           `python -m runner` with each `compile.mode` of `modes` (its own process and
                 local Ray, one worker on the GPU); `MODE+METHOD` (e.g. `O3+residual`) runs that
                 mode with `step_cache.method=METHOD`, and its outputs are compared with those of
@@ -14,6 +21,9 @@ The same generated prompts (ids, seeds) go through:
                 to the job's `metrics/psnr_vs_<mode>.json` and summarised in the table.
 Items/s are steady figures: a loop's from the end of its first item (warm-up, compilation) to
 the end of its last; the job's once its worker serves (`steady_items_per_s` of summary.json).
+`ready_s`: a loop's seconds from building the pipeline to its first item written; the job's
+worker's load + warm-up. `computed_steps`: denoising steps computed in full per item (the rest
+reuse), for the step-reuse arms.
 GPU busy is NVML's utilisation over the same windows (what nvidia-smi shows; the job's comes from
 its worker's metrics); null on CPU. Other `key=value` arguments go to the job and decide the
 loop's model and sizes too (`model.*`, `generation.*`). Prints a markdown table, writes
@@ -35,7 +45,8 @@ import pyarrow.parquet as pq
 from ..outputs import format_table, write_json
 from . import parse_args
 
-ARMS = ("loop", "loop_compile", "job")
+ARMS = ("loop", "loop_compile", "cachedit", "job")
+LOOPS = {"loop": "eager", "loop_compile": "torch.compile", "cachedit": "cache-dit F1B0 + torch.compile"}
 
 
 USAGE = (f"python -m runner.bench.vs_loop job=NAME [prompts=N] [modes=none,O3] "
@@ -61,16 +72,18 @@ def _write_prompts(out: str, n: int) -> str:
     return path
 
 
-def run_loop(job: dict, prompts: list[dict], out: str, compiled: bool) -> dict:
-    """The ten-line script a user writes instead of the runner."""
+def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
+    """The ten-line script a user writes instead of the runner (`arm`: a key of LOOPS)."""
     import torch
     from diffusers.utils import export_to_video
 
     from ..models import build_pipeline
     from ..timing import UtilSampler
+    t0 = time.perf_counter()
     spec, g = job["model"].resolved(), job["generation"]
     pipe = build_pipeline(spec)
-    if compiled:
+    mask = _cachedit(pipe, job["step_cache"], g.num_inference_steps) if arm == "cachedit" else None
+    if arm in ("loop_compile", "cachedit"):
         name = "unet" if hasattr(pipe, "unet") else "transformer"
         setattr(pipe, name, torch.compile(getattr(pipe, name)))
     video = spec.family.kind == "video"
@@ -91,9 +104,32 @@ def run_loop(job: dict, prompts: list[dict], out: str, compiled: bool) -> dict:
     if spec.device.startswith("cuda"):
         torch.cuda.empty_cache()
     window = (ends[0], ends[-1]) if len(ends) > 1 else None
-    return dict(items=len(ends),
+    return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
                 items_per_s=(len(ends) - 1) / (window[1] - window[0]) if window else None,
-                gpu_util=util.mean(*window) if util and window else None)
+                gpu_util=util.mean(*window) if util and window else None,
+                computed_steps=sum(mask) if mask else None)
+
+
+def reuse_plan(sc, steps: int) -> tuple[bool, ...]:
+    """The steps the job's `residual` schedule computes (`sc`: the job's step_cache section, its
+    method aside): what the job's `+residual` arms run and the cachedit arm's mask."""
+    import dataclasses
+
+    from ..step_cache import plan
+    return plan(steps, dataclasses.replace(sc, method="residual"))
+
+
+def _cachedit(pipe, sc, steps: int) -> list[int]:
+    """cache-dit's DBCache on `pipe` as its docs recommend for speed: F1B0, a static mask of the
+    steps the job's schedule computes. Returns the mask (1 = computed)."""
+    import cache_dit
+    from cache_dit import DBCacheConfig
+    mask = [int(c) for c in reuse_plan(sc, steps)]
+    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(
+        Fn_compute_blocks=1, Bn_compute_blocks=0, num_inference_steps=steps,
+        steps_computation_mask=mask, steps_computation_policy="static"))
+    cache_dit.set_compile_configs()
+    return mask
 
 
 def _job_name(mode: str) -> str:
@@ -143,14 +179,21 @@ def compare_outputs(out: str, mode: str, ref: str) -> dict:
     """PSNR of each output of job `mode` against job `ref`'s output of the same id (decoded mp4
     frames: the H.264 encoding at crf 18 adds its own error to both), written to the job's
     metrics directory; returns the median and the worst."""
-    import numpy as np
     a_dir, b_dir = (os.path.join(out, _job_name(m), "media") for m in (mode, ref))
+    res = compare_dirs(a_dir, b_dir, os.path.join(out, _job_name(mode), "metrics",
+                                                  f"psnr_vs_{_job_name(ref)}.json"), ref)
+    return dict(res, psnr_ref=ref)
+
+
+def compare_dirs(a_dir: str, b_dir: str, record: str, ref: str) -> dict:
+    """PSNR of each file of `a_dir` against the file of the same name in `b_dir`, written to
+    `record` (JSON); the median and the worst."""
+    import numpy as np
     per = {f: psnr(_frames(os.path.join(a_dir, f)), _frames(os.path.join(b_dir, f)))
            for f in sorted(os.listdir(a_dir)) if os.path.exists(os.path.join(b_dir, f))}
-    write_json(os.path.join(out, _job_name(mode), "metrics", f"psnr_vs_{_job_name(ref)}.json"),
-               dict(reference=ref, psnr_db=per))
+    write_json(record, dict(reference=ref, psnr_db=per))
     vals = list(per.values())
-    return dict(psnr_ref=ref, psnr_median_db=float(np.median(vals)) if vals else None,
+    return dict(psnr_median_db=float(np.median(vals)) if vals else None,
                 psnr_min_db=min(vals) if vals else None)
 
 
@@ -167,14 +210,20 @@ def main(argv: list[str]) -> list[dict]:
     prompts = pq.read_table(path).to_pylist()
     arms = opts["arms"].split(",")
     rows = []
-    for arm in ("loop", "loop_compile"):
+    for arm in LOOPS:
         if arm in arms:
-            r = run_loop(job, prompts, os.path.join(opts["out"], arm), compiled=arm == "loop_compile")
-            rows.append(dict(arm=arm, mode="torch.compile" if arm == "loop_compile" else "eager", **r))
+            r = run_loop(job, prompts, os.path.join(opts["out"], arm), arm)
+            rows.append(dict(arm=arm, mode=LOOPS[arm], **r))
+    if "cachedit" in arms and "loop" in arms:   # cache-dit against its own no-reuse output
+        rows[[r["arm"] for r in rows].index("cachedit")].update(psnr_ref="loop", **compare_dirs(
+            os.path.join(opts["out"], "cachedit"), os.path.join(opts["out"], "loop"),
+            os.path.join(opts["out"], "psnr_cachedit_vs_loop.json"), "loop"))
     if "job" in arms:
         modes = opts["modes"].split(",")
+        computed = sum(reuse_plan(job["step_cache"], job["generation"].num_inference_steps))
         for mode in modes:
-            rows.append(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode)))
+            rows.append(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode),
+                             computed_steps=computed if mode.endswith("+residual") else None))
         for r in rows:   # step reuse against the same mode without it (else the first mode)
             if r["arm"] == "job" and "+" in r["mode"]:
                 plain = r["mode"].partition("+")[0]
@@ -190,8 +239,8 @@ def main(argv: list[str]) -> list[dict]:
         plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
     print(format_table(rows, ["arm", "mode", "items", "items_per_s", "it_s", "ready_s", "recompiles",
-                              "gpu_util", *[f"x_{a}" for a in base],
-                              "x_same_mode", "psnr_median_db", "psnr_min_db"]))
+                              "gpu_util", "computed_steps", *[f"x_{a}" for a in base],
+                              "x_same_mode", "psnr_ref", "psnr_median_db", "psnr_min_db"]))
     return rows
 
 

@@ -42,10 +42,11 @@ def call_args(pipe, num_frames: int | None) -> dict:
     return dict(video_length=num_frames, clean_caption=False)
 
 
-def residual_forward(den) -> None:
+def residual_forward(den, first_blocks: int) -> None:
     from compiler import block_pairs
     if not block_pairs.has_pair_forward(den):   # eager: the same forward, pairs not compiled
         block_pairs.compile_pairs(den, None)
+    block_pairs.set_first_pairs(den, first_blocks)
 
 
 LATTE = Family(

@@ -53,11 +53,13 @@ ALPHA = Family(
              "pixart_alpha_512": _preset("PixArt-alpha/PixArt-XL-2-512x512", 512,
                                          "pixart_alpha_512", "sd_vae", 120)},
     build=_builder("PixArtAlphaPipeline"), encode=encode, call_args=call_args,
-    denoiser_config=denoiser_config, min_steps=2)
+    denoiser_config=denoiser_config, min_steps=2, step_reuse=("residual",),
+    step_blocks="transformer_blocks")
 
 SIGMA = Family(
     name="pixart_sigma", kind="image", pipeline="PixArtSigmaPipeline",
     presets={"pixart_sigma_1024": _preset("PixArt-alpha/PixArt-Sigma-XL-2-1024-MS", 1024,
                                           "pixart_sigma_1024", "sdxl_vae", 300)},
     build=_builder("PixArtSigmaPipeline"), encode=encode, call_args=call_args,
-    denoiser_config=denoiser_config, min_steps=2)
+    denoiser_config=denoiser_config, min_steps=2, step_reuse=("residual",),
+    step_blocks="transformer_blocks")

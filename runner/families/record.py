@@ -47,7 +47,12 @@ class Family:
     # share it (`runner.text`)
     trim_text: bool = False
     step_reuse: tuple[str, ...] = ()   # step_cache methods offered (`runner.step_cache`)
-    # (denoiser) -> None: make its forward take `step_reuse="compute"|"reuse"` (the `residual`
-    # method), unless compile_pipe already did
-    residual_forward: Callable[[Any], None] | None = None
+    # `residual` step reuse: the denoiser's block stack, the attribute holding its ModuleList of
+    # blocks (hidden states in and out, walked in order by the model's forward: Wan's `blocks`,
+    # PixArt's `transformer_blocks`); `compiler.step_reuse` reuses what it adds on a reused step
+    step_blocks: str | None = None
+    # or, for a denoiser whose compiled forward has the reuse built in (Latte's block pairs,
+    # `compiler.block_pairs`): (denoiser, first_blocks) -> None, making its forward take
+    # `step_reuse=` and `branch=` (unless compile_pipe already installed that forward)
+    residual_forward: Callable[[Any, int], None] | None = None
     load_kwargs: dict = field(default_factory=dict)   # extra `from_pretrained` arguments
