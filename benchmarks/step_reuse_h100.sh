@@ -4,7 +4,8 @@
 # bundle (../shared/device/README.md: diffusers, ray, omegaconf, imageio-ffmpeg, cache-dit):
 #   source .devbundle/install.sh && bash benchmarks/step_reuse_h100.sh a|b OUTDIR
 # a: Wan VAE decode variants + gpu tests (GPU 0); PixArt-a table, Latte-1 reuse job (GPU 1)
-# b: Wan 2.1 1.3B 33 frames x 20 steps table (GPU 0); 81 frames x 50 steps (GPU 1)
+# b: Wan 2.1 1.3B 33 frames x 20 steps table, Wan VAE gpu test (GPU 0); 81 frames x 50 steps (GPU 1)
+# c: the PixArt-a table alone (one GPU)
 set -u
 phase=$1; out=$2; mkdir -p "$out"
 python3 -c "import torch, triton, diffusers, cache_dit; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'cache-dit', cache_dit.__version__)"
@@ -26,12 +27,16 @@ if [ "$phase" = a ]; then
         prompts=8 arms=job modes=O3+residual out=/tmp/latte
     cp /tmp/latte/vs_loop.json "$out/latte_vs_loop.json"
   ) > "$out/gpu1.log" 2>&1 &
-else
+elif [ "$phase" = b ]; then
+  # b: Wan 2.1 1.3B 33 frames x 20 steps table, then the Wan VAE gpu test (GPU 0); 81 frames x 50
+  # steps (GPU 1)
   (
-    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m runner.bench.vs_loop job=wan_batch model.source=random \
+    CUDA_VISIBLE_DEVICES=0 timeout 480 python3 -m runner.bench.vs_loop job=wan_batch model.source=random \
         prompts=4 arms=loop,cachedit,job modes=O3,O3+residual step_cache.compute_ratio=0.75 \
         step_cache.first_blocks=1 out=/tmp/wan33
     cp /tmp/wan33/vs_loop.json "$out/wan33_vs_loop.json"
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+        tests/test_video_vae.py -k full_size
   ) > "$out/gpu0.log" 2>&1 &
   (
     CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m runner.bench.vs_loop job=wan_batch model.source=random \
@@ -39,6 +44,15 @@ else
         "step_cache.compute_steps=$LEMICA25" step_cache.first_blocks=1 out=/tmp/wan81
     cp /tmp/wan81/vs_loop.json "$out/wan81_vs_loop.json"
   ) > "$out/gpu1.log" 2>&1 &
+else
+  # c: the PixArt-a table alone on one GPU (its cachedit arm compiled past 6 minutes in (a), beside
+  # another table's compiles)
+  (
+    timeout 570 python3 -m runner.bench.vs_loop job=pixart_batch model.source=random \
+        prompts=16 arms=job,loop,cachedit modes=O3,O3+residual step_cache.compute_ratio=0.7 \
+        step_cache.first_blocks=1 out=/tmp/pixart
+    cp /tmp/pixart/vs_loop.json "$out/pixart_vs_loop.json"
+  ) > "$out/gpu0.log" 2>&1 &
 fi
 wait
-for f in "$out"/gpu0.log "$out"/gpu1.log; do echo "=== $f"; grep -v "Cache-DiT" "$f" | tail -40; done
+for f in "$out"/gpu*.log; do echo "=== $f"; grep -v "Cache-DiT" "$f" | tail -40; done

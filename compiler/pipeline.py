@@ -95,7 +95,7 @@ def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[s
     resolution, which `dynamic` promises not to do: the 2-D VAE stays eager, the video VAE runs
     its chunks eager."""
     if video_vae.supported(vae):
-        return video_vae.chunked_decode(vae, video_vae.CHUNK, None if opts.dynamic else aux_kw,
+        return video_vae.chunked_decode(vae, None, None if opts.dynamic else aux_kw,
                                         channels_last=device == "cuda" and video_vae.CHANNELS_LAST)
     return {} if opts.dynamic else transforms.compile_blocks(vae.decoder, aux_kw)
 

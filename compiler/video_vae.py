@@ -1,6 +1,6 @@
 """Wan's causal video VAE decoder, run over chunks of frames with its causal caches as plain tensors.
 
-Contract: `chunked_decode(vae, chunk=4, compile_kwargs=None, channels_last=False)` replaces
+Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False)` replaces
 `vae._decode` of a diffusers `AutoencoderKLWan` with the Wan 2.1 decoder (`decoder.up_blocks` of
 `WanUpBlock`; `supported(vae)` says whether it is one) so that `vae.decode(z)` decodes latent
 frame 0 alone, then the other latent frames `chunk` at a time, and returns what diffusers' decode
@@ -33,10 +33,19 @@ import torch
 import torch.nn.functional as F
 
 CACHE_T = 2   # frames of a causal convolution's input kept for the next chunk (time kernel 3)
-# What compile_pipe installs (measured choices, `python -m runner.bench.decode model=wan21_t2v_1_3b`
-# in BENCHMARKS): latent frames per decoder pass after the first, and the CUDA layout.
+# What compile_pipe installs (measured, `python -m runner.bench.decode model=wan21_t2v_1_3b` in
+# BENCHMARKS: 81 frames at 480x832 on an H100, diffusers 2066 ms; chunks of 4, compiled: 1065 ms
+# contiguous, 875 ms channels_last_3d, peak 18.6 GiB): latent frames per decoder pass after the
+# first at 480x832, scaled down for larger frames so that a pass's activations stay that size
+# (`chunk_for`), and the CUDA layout.
 CHUNK = 4
 CHANNELS_LAST = True
+
+
+def chunk_for(height: int, width: int, chunk: int = CHUNK) -> int:
+    """Latent frames per pass for (height, width) video frames: `chunk` at 480x832, fewer for
+    larger frames (720x1280: 1), at least 1."""
+    return max(1, chunk * 480 * 832 // (height * width))
 
 
 def supported(vae) -> bool:
@@ -149,10 +158,10 @@ def _chunk(fns: dict, dec, x: torch.Tensor, caches: _Caches, first: bool) -> tor
     return x
 
 
-def _decode(vae, fns: dict, chunk: int, channels_last: bool, original, z: torch.Tensor,
+def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, original, z: torch.Tensor,
             return_dict: bool = True):
     """`vae._decode` (diffusers' signature): (B, 16, F, h, w) latents -> (B, 3, 4(F-1)+1, 8h, 8w)
-    in [-1, 1]."""
+    in [-1, 1]. `chunk` None: `chunk_for` the frame size."""
     from diffusers.models.autoencoders.vae import DecoderOutput
     _, _, frames, height, width = z.shape
     if vae.use_tiling and (width > vae.tile_sample_min_width // vae.spatial_compression_ratio
@@ -161,6 +170,7 @@ def _decode(vae, fns: dict, chunk: int, channels_last: bool, original, z: torch.
     x = vae.post_quant_conv(z)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last_3d)
+    chunk = chunk or chunk_for(height * vae.spatial_compression_ratio, width * vae.spatial_compression_ratio)
     caches = _Caches(torch.channels_last_3d if channels_last else torch.contiguous_format)
     out = []
     starts = [0, *range(1, frames, chunk)]
@@ -171,13 +181,14 @@ def _decode(vae, fns: dict, chunk: int, channels_last: bool, original, z: torch.
     return DecoderOutput(sample=out) if return_dict else (out,)
 
 
-def chunked_decode(vae, chunk: int = 4, compile_kwargs: dict | None = None,
+def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = None,
                    channels_last: bool = False) -> dict[str, int]:
-    """Install the chunked decode on `vae` (module docstring). `compile_kwargs`: torch.compile's
+    """Install the chunked decode on `vae` (module docstring). `chunk`: latent frames per pass
+    after the first (None: `chunk_for` each call's frame size). `compile_kwargs`: torch.compile's
     arguments for each block function (None: eager)."""
     if not supported(vae):
         raise ValueError(f"{type(vae).__name__}: not a Wan 2.1-style causal video VAE")
-    if chunk < 1:
+    if chunk is not None and chunk < 1:
         raise ValueError(f"chunk={chunk}: latent frames per decoder pass must be >= 1")
     if channels_last:   # convolution weights in the activations' layout (3-D and the 2-D resamples)
         for m in vae.decoder.modules():

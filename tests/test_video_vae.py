@@ -48,6 +48,12 @@ def test_tiled_decode_keeps_diffusers_path_and_bad_chunk_is_an_error():
         video_vae.chunked_decode(_vae(), 0)
 
 
+def test_chunk_shrinks_with_the_frame_size():
+    assert video_vae.chunk_for(480, 832) == video_vae.CHUNK == 4
+    assert video_vae.chunk_for(720, 1280) == 1 and video_vae.chunk_for(704, 1280) == 1
+    assert video_vae.chunk_for(240, 416) == 16 and video_vae.chunk_for(4000, 4000) == 1
+
+
 def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     import compiler
     from runner.models import ModelSpec, build_pipeline
@@ -75,9 +81,9 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
         ref = vae.decode(z).sample.float()
         fast = copy.deepcopy(vae)
         torch._dynamo.config.recompile_limit = 64
-        counts = video_vae.chunked_decode(fast, video_vae.CHUNK, compiler.compile_kwargs(
+        counts = video_vae.chunked_decode(fast, None, compiler.compile_kwargs(
             compiler.parse_options("O2"), denoiser=False), channels_last=video_vae.CHANNELS_LAST)
-        assert counts["resblock"] == 15
+        assert counts["resblock"] == 14          # middle 2, up blocks 3 x 4
         out = fast.decode(z).sample.float()
         with torch._dynamo.config.patch(error_on_recompile=True):
             fast.decode(torch.randn_like(z))

@@ -26,8 +26,9 @@ worker's load + warm-up. `computed_steps`: denoising steps computed in full per 
 reuse), for the step-reuse arms.
 GPU busy is NVML's utilisation over the same windows (what nvidia-smi shows; the job's comes from
 its worker's metrics); null on CPU. Other `key=value` arguments go to the job and decide the
-loop's model and sizes too (`model.*`, `generation.*`). Prints a markdown table, writes
-`vs_loop.json` under `out`.
+loop's model and sizes too (`model.*`, `generation.*`). Arms run in the order `arms=` names them; each
+finished arm's row is printed as a JSON line and `vs_loop.json` (under `out`) rewritten, so a
+table cut short keeps its finished arms. Prints a markdown table at the end.
 """
 
 from __future__ import annotations
@@ -210,24 +211,30 @@ def main(argv: list[str]) -> list[dict]:
     prompts = pq.read_table(path).to_pylist()
     arms = opts["arms"].split(",")
     rows = []
-    for arm in LOOPS:
-        if arm in arms:
-            r = run_loop(job, prompts, os.path.join(opts["out"], arm), arm)
-            rows.append(dict(arm=arm, mode=LOOPS[arm], **r))
+
+    def done(row: dict) -> None:
+        """Each arm's row as it finishes (a log line and vs_loop.json so far): a table cut short
+        keeps its finished arms."""
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+        write_json(os.path.join(opts["out"], "vs_loop.json"), dict(argv=argv, rows=rows, partial=True))
+
+    modes = opts["modes"].split(",")
+    computed = sum(reuse_plan(job["step_cache"], job["generation"].num_inference_steps))
+    for arm in dict.fromkeys(arms):   # in the order given (a table cut short keeps the first)
+        if arm in LOOPS:
+            done(dict(arm=arm, mode=LOOPS[arm], **run_loop(job, prompts, os.path.join(opts["out"], arm), arm)))
+        for mode in modes if arm == "job" else ():
+            done(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode),
+                      computed_steps=computed if mode.endswith("+residual") else None))
     if "cachedit" in arms and "loop" in arms:   # cache-dit against its own no-reuse output
         rows[[r["arm"] for r in rows].index("cachedit")].update(psnr_ref="loop", **compare_dirs(
             os.path.join(opts["out"], "cachedit"), os.path.join(opts["out"], "loop"),
             os.path.join(opts["out"], "psnr_cachedit_vs_loop.json"), "loop"))
-    if "job" in arms:
-        modes = opts["modes"].split(",")
-        computed = sum(reuse_plan(job["step_cache"], job["generation"].num_inference_steps))
-        for mode in modes:
-            rows.append(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode),
-                             computed_steps=computed if mode.endswith("+residual") else None))
-        for r in rows:   # step reuse against the same mode without it (else the first mode)
-            if r["arm"] == "job" and "+" in r["mode"]:
-                plain = r["mode"].partition("+")[0]
-                r.update(compare_outputs(opts["out"], r["mode"], plain if plain in modes else modes[0]))
+    for r in rows:   # step reuse against the same mode without it (else the first mode)
+        if r["arm"] == "job" and "+" in r["mode"]:
+            plain = r["mode"].partition("+")[0]
+            r.update(compare_outputs(opts["out"], r["mode"], plain if plain in modes else modes[0]))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
