@@ -232,9 +232,9 @@ def main(argv: list[str]) -> list[dict]:
             os.path.join(opts["out"], "cachedit"), os.path.join(opts["out"], "loop"),
             os.path.join(opts["out"], "psnr_cachedit_vs_loop.json"), "loop"))
     for r in rows:   # step reuse against the same mode without it (else the first mode)
-        if r["arm"] == "job" and "+" in r["mode"]:
-            plain = r["mode"].partition("+")[0]
-            r.update(compare_outputs(opts["out"], r["mode"], plain if plain in modes else modes[0]))
+        ref = r["mode"].partition("+")[0] if r["mode"].partition("+")[0] in modes else modes[0]
+        if r["arm"] == "job" and "+" in r["mode"] and ref != r["mode"]:
+            r.update(compare_outputs(opts["out"], r["mode"], ref))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
