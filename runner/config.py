@@ -234,10 +234,10 @@ STEP_CACHE_KEYS = {"none": (), "residual": ("compute_ratio", "compute_steps", "f
 
 @dataclass(frozen=True)
 class StepCacheSection:
-    """Step reuse (lossy): README "Step reuse"; applied by runner/step_cache.py."""
-    method: str = key("none", "none | residual (whole steps skipped on a fixed schedule; composes "
-                              "with O2/O3) | fastercache | pab (attention outputs reused); lossy, "
-                              "video models, README \"Step reuse\"")
+    """Step reuse (lossy): docs/compiler.md "Step reuse"; applied by runner/step_cache.py."""
+    method: str = key("none", "none | residual (the block stack skipped on a fixed schedule; "
+                              "composes with O2/O3; Wan, PixArt, Latte) | fastercache | pab "
+                              "(attention outputs reused; Latte); lossy, docs/compiler.md")
     compute_ratio: float = key(0.54, "residual: share of the steps computed in full, the rest reuse "
                                      "the last computed step's residual (0.54 = 27 of 50 steps)")
     compute_steps: list | None = key(None, "residual: the step indices computed in full (0 = first; "

@@ -1,6 +1,6 @@
 """Step reuse: skip part of a denoising step by reusing what earlier steps computed (lossy).
 
-Methods (`step_cache.method`, README "Step reuse"):
+Methods (`step_cache.method`, docs/compiler.md "Step reuse"):
 - `residual`: the denoiser's block stack skipped on a fixed schedule, for every family whose
   record names its stack (`step_blocks`: Wan, PixArt-α/Σ) or whose compiled forward has it built
   in (Latte's block pairs). A computed step keeps what the blocks after the first `first_blocks`
