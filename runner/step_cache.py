@@ -217,7 +217,6 @@ class Scheduled:
 
     def __init__(self, inner, sc: StepCacheSection, pipe, den):
         self.inner, self.sc, self.pipe = inner, sc, pipe
-        self.branch = self.step_index = None
         self.reused = 0
         self.reset()
         context = getattr(den, "cache_context", None)
@@ -235,6 +234,7 @@ class Scheduled:
     def reset(self) -> None:
         """Before each pipeline call (`runner.step_cache.reset`)."""
         self.calls, self.step, self.first_branch, self.computed = 0, 0, None, set()
+        self.branch = self.step_index = None      # set by the context of each call that has one
 
     def __call__(self, *args, **kwargs):
         if self.calls == 0:
