@@ -173,3 +173,20 @@ def test_a_failing_report_does_not_fail_the_job(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="runner"):
         _report("/nonexistent", [], {})
     assert "report.html not written: OSError: disk full" in caplog.text
+
+
+@pytest.mark.parametrize("timeline,startup_s", [
+    ([(3.0, 2, 0)], 3.5),                   # a one-shard job: every row arrives at one moment
+    ([(3.0, 2, 0)], None),
+    ([(2.0, 1, 0), (2.0, 2, 1)], 2.0),
+    ([(0.0, 1, 0)], None),
+])
+def test_short_jobs_draw_their_plot_without_library_warnings(tmp_path, timeline, startup_s):
+    """A one-shard job's plot made matplotlib warn on the user's terminal ("Attempting to set
+    identical low and high xlims"): the axis is never of zero width."""
+    import warnings
+    from runner.report import throughput_plot
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = throughput_plot(timeline, {"startup_s": startup_s}, str(tmp_path / "t.png"))
+    assert iio.imread(path).std() > 0
