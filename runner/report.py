@@ -29,6 +29,7 @@ be a URI).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import html
 import json
@@ -67,6 +68,7 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         config_yaml = store.read_text("config.yaml")
     shown, hidden = sample_gallery(rows, MAX_GALLERY)
     deadline = None if thumb_budget_s is None else time.monotonic() + thumb_budget_s
+    no_thumb: list[tuple[str, str]] = []      # (output, why) of thumbnails that could not be made
     plots = [p for p in (throughput_plot(timeline, summary or {}, os.path.join(assets, "throughput.png")),
                          workers_plot(metrics, os.path.join(assets, "workers.png"))) if p]
     page = PAGE.format(
@@ -75,11 +77,15 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics), failures=_failure_list(rows),
-        gallery="\n".join(_entry(job_dir, r, deadline, store) for r in shown),
+        gallery="\n".join(_entry(job_dir, r, deadline, store, no_thumb) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
                 f"<a href='media/'>media/</a> and <code>results.parquet</code>.</p>" if hidden else ""),
         config=html.escape(config_yaml or "(no config.yaml)"))
+    if no_thumb:        # one line, not one per output (a full disk gave 93 of them)
+        log.warning("report: no thumbnail of %d output%s (%s: %s%s)", len(no_thumb),
+                    "s" if len(no_thumb) > 1 else "", *no_thumb[0],
+                    "; not tried for the rest" if no_thumb[-1][1] == _FULL else "")
     if not store.local:
         _upload(store, job_dir)
     store.write_text("report.html", page)
@@ -309,7 +315,13 @@ def _video_preview(src: str, dst: str) -> None:
 
 # -------------------------------------------------------------------------------------- html
 
-def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = None) -> str:
+_FULL = "the disk is full"     # a thumbnail that failed so: the others are not tried
+
+
+def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = None,
+           no_thumb: list | None = None) -> str:
+    """One gallery entry; a thumbnail that cannot be made is added to `no_thumb` (output, why)."""
+    no_thumb = [] if no_thumb is None else no_thumb
     ok = r.get("status") == "ok"
     prompt = str(r.get("prompt") or "")
     short = prompt if len(prompt) <= 90 else prompt[:87] + "..."
@@ -318,11 +330,15 @@ def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = 
         meta.append(f"{r['num_frames']} frames")
     if ok and r.get("e2e_s"):
         meta.append(f"{r['e2e_s']:.2g} s")
-    try:
-        thumb = thumbnail(job_dir, r, deadline, store) if ok else None
-    except Exception as e:            # an unreadable file: the entry stays, without a picture
-        log.warning("report: no thumbnail of %s: %s", r.get("output"), e)
-        thumb = None
+    thumb = None
+    if ok and no_thumb and no_thumb[-1][1] == _FULL:
+        no_thumb.append((str(r.get("output")), _FULL))
+    elif ok:
+        try:
+            thumb = thumbnail(job_dir, r, deadline, store)
+        except Exception as e:        # an unreadable file: the entry stays, without a picture
+            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            no_thumb.append((str(r.get("output")), _FULL if full else f"{type(e).__name__}: {e}"))
     if thumb:
         pic = (f"<a href='{_url(r['output'])}'><img src='{_url(thumb)}' loading='lazy' "
                f"alt='{html.escape(r['id'], True)}'></a>")
