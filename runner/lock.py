@@ -155,7 +155,7 @@ def _acquire_remote(store: Store) -> dict:
 
 
 @contextlib.contextmanager
-def _remote_lock(store: Store, release_s: float | None = None):
+def _remote_lock(store: Store, release_s=None):
     me = _acquire_remote(store)
     stop = threading.Event()
 
@@ -170,7 +170,8 @@ def _remote_lock(store: Store, release_s: float | None = None):
         yield store.uri(LOCK)
     finally:
         stop.set()
-        _release_remote(store, me["token"], t, RELEASE_S if release_s is None else release_s)
+        budget = release_s() if callable(release_s) else release_s
+        _release_remote(store, me["token"], t, RELEASE_S if budget is None else max(0.0, budget))
 
 
 def _release_remote(store: Store, token: str, heartbeat: threading.Thread, timeout_s: float) -> None:
@@ -215,9 +216,10 @@ def _locked(job_dir: str, path: str, holder: dict | None) -> LockedError:
 
 
 @contextlib.contextmanager
-def job_lock(job_dir: "str | Store", release_s: float | None = None):
-    """`release_s`: on an object store, how long removing the lock may take at the end (default
-    `RELEASE_S`); past it a warning names the lock. A local lock is one `os.remove`."""
+def job_lock(job_dir: "str | Store", release_s=None):
+    """`release_s`: on an object store, how long removing the lock may take at the end, in
+    seconds, or a function returning it when the end comes (what is left of a stop deadline);
+    default `RELEASE_S`. Past it a warning names the lock. A local lock is one `os.remove`."""
     store = job_dir if isinstance(job_dir, Store) else resolve(job_dir)
     if not store.local:
         with _remote_lock(store, release_s) as path:

@@ -303,7 +303,7 @@ def test_the_lock_on_a_stalled_store_is_named_and_removed_once_it_answers(stalle
     store = resolve(f"s3://{stalled_s3.bucket}/job")
     t = None
     with caplog.at_level("WARNING", logger="runner"):
-        with job_lock(store, release_s=2.0):
+        with job_lock(store, release_s=lambda: 2.0):   # what is left of a stop deadline
             assert store.exists(LOCK)
             stalled_s3.pause()
             t = time.monotonic()
