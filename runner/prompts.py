@@ -231,7 +231,8 @@ def _decode_text(table: pa.Table, file: str, first_row: int, bad) -> pa.Table | 
             found = 0
             for i, v in enumerate(col.to_pylist()):
                 try:
-                    v is None or bytes(v).decode("utf-8")
+                    if v is not None:
+                        bytes(v).decode("utf-8")
                 except UnicodeDecodeError as e:
                     bad(f"{file}:{first_row + i}: column {c!r} is binary and this value is not "
                         f"UTF-8 text ({bytes(v)[:40]!r}: {e.reason} at byte {e.start}); write the "
