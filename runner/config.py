@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -132,6 +133,8 @@ class PromptsSection:
     path: str | list = key(REQUIRED, "a .parquet file, a directory of them, or a list of either; "
                                      "local, s3:// or gs://")
     on_empty: str = key("error", "null/empty prompt: error (before any model is built) | skip")
+    strict: bool = key(False, "unknown prompt columns: false = one warning line naming them (with "
+                              "the closest known name) | true = an error")
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,10 @@ class GenerationDefaults:
             _positive(f"generation.{k}", getattr(self, k))
         if self.seed < 0:
             raise ConfigError(f"generation.seed={self.seed} must be >= 0")
+        g = self.guidance_scale
+        if not isinstance(g, (int, float)) or isinstance(g, bool) or not math.isfinite(g) or g < 0:
+            raise ConfigError(f"generation.guidance_scale={g!r} must be a finite number >= 0 "
+                              f"(<= 1: no classifier-free guidance)")
 
 
 @dataclass(frozen=True)
@@ -455,6 +462,26 @@ def _check_types(cfg: DictConfig) -> None:
         if not ok:
             raise ConfigError(f"{k.name}={got!r} has the wrong type: expected {_type_name(k.type)} "
                               f"(default {k.default!r})")
+        bad = _non_finite(got)
+        if bad is not None:   # NaN passes every range check (NaN < 0 is False) and NaN != NaN
+            what = "is not a finite number" if bad is got else f"holds {bad}, not a finite number"
+            raise ConfigError(f"{k.name}={_plain(got)!r} {what}; give a finite value (default "
+                              f"{_show(k.default)})")
+
+
+def _non_finite(value) -> float | None:
+    """The first NaN or infinity in a number or a list of them (nested), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    if isinstance(value, (list, tuple, ListConfig)):
+        for v in value:
+            if (bad := _non_finite(v)) is not None:
+                return bad
+    return None
+
+
+def _plain(value):
+    return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
 
 
 def load_config(argv: list[str]) -> DictConfig:
@@ -501,6 +528,7 @@ def load_config(argv: list[str]) -> DictConfig:
 class PromptSource:
     paths: tuple[str, ...]
     on_empty: str
+    strict: bool = False          # prompts.strict: unknown columns are an error
 
     def __post_init__(self):
         _choice("prompts.on_empty", self.on_empty, ("error", "skip"))
@@ -583,7 +611,8 @@ def split(cfg: DictConfig) -> dict:
     return dict(
         name=name,
         model=model,
-        prompts=PromptSource(paths=_as_paths(cfg.prompts.path), on_empty=cfg.prompts.on_empty),
+        prompts=PromptSource(paths=_as_paths(cfg.prompts.path), on_empty=cfg.prompts.on_empty,
+                             strict=cfg.prompts.strict),
         generation=GenerationDefaults(**section("generation")),
         run=RunOptions(**section("run")),
         ray=RayOptions(**section("ray")),

@@ -167,7 +167,8 @@ def run(argv: list[str]) -> dict:
     step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
     compile_flags = check_compile(job["compile"])
     files, raw_rows, items = check_prompts(job["prompts"].paths, job["generation"], limits,
-                                           job["prompts"].on_empty)
+                                           job["prompts"].on_empty, job["prompts"].strict)
+    step_cache.check_steps(job["step_cache"], items)   # compute_steps within every row's steps
     skipped = sum(raw_rows.values()) - len(items)      # empty prompts, prompts.on_empty=skip
     if skipped:
         log.warning("%d rows with an empty prompt skipped (prompts.on_empty=skip)", skipped)

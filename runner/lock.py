@@ -11,7 +11,9 @@ its pid dead and takes over.
 On an object store (`s3://`, `gs://` output.dir) there is no exclusive create: the lock is an
 object holding the same JSON plus `heartbeat` (unix seconds), which a thread of the holder rewrites
 every `HEARTBEAT_S`. A lock whose heartbeat is older than `STALE_S` (its driver died, on any host)
-is stale and taken over. This is best effort: two drivers starting within the same second can both
+is stale and taken over. Removing it at the end takes at most `RELEASE_S` (`release_s`): a
+store that does not answer leaves the lock behind, named in a warning, for the next run to take
+over once stale (the release goes on in the background meanwhile). This is best effort: two drivers starting within the same second can both
 see no lock and both write one; each then reads the lock back after a short pause and only the one
 whose write is there proceeds, which narrows the race to near-simultaneous writes but does not
 close it (S3 has no compare-and-swap in the API pyarrow speaks). Do not start two drivers on one
@@ -35,6 +37,7 @@ from .storage import Store, resolve
 LOCK = ".lock"
 HEARTBEAT_S = 15.0      # object stores: how often the holder rewrites its lock
 STALE_S = 120.0         # object stores: a lock not rewritten for this long is stale
+RELEASE_S = 15.0        # object stores: removing the lock at the end gives up after this long
 
 
 class LockedError(RuntimeError):
@@ -152,7 +155,7 @@ def _acquire_remote(store: Store) -> dict:
 
 
 @contextlib.contextmanager
-def _remote_lock(store: Store):
+def _remote_lock(store: Store, release_s=None):
     me = _acquire_remote(store)
     stop = threading.Event()
 
@@ -167,15 +170,40 @@ def _remote_lock(store: Store):
         yield store.uri(LOCK)
     finally:
         stop.set()
-        t.join(5)
-        try:   # releasing never raises: the job's own outcome (or its error) is what counts
+        budget = release_s() if callable(release_s) else release_s
+        _release_remote(store, me["token"], t, RELEASE_S if budget is None else max(0.0, budget))
+
+
+def _release_remote(store: Store, token: str, heartbeat: threading.Thread, timeout_s: float) -> None:
+    """Delete the lock if it is still ours, within `timeout_s` in all; never raises (the job's own
+    outcome, or its error, is what counts). First the heartbeat must have stopped: a beat still
+    in flight would put the lock back after the delete. Past `timeout_s` (the store does not
+    answer) a warning names the lock and what happens to it; the release goes on in the
+    background, so a store that answers again before the process ends still gets it removed."""
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def release():
+        try:
+            heartbeat.join()
             h = _read_remote(store)
-            if h and h.get("token") == me["token"]:
+            if h and h.get("token") == token:
                 store.delete(LOCK)
-        except Exception as e:
-            log.warning("could not remove the lock %s (%s: %s); the next run takes it over once "
-                        "its heartbeat is stale", store.uri(LOCK), type(e).__name__,
-                        str(e).splitlines()[0][:200])
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=release, name="lock-release", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("could not remove the lock %s: the store did not answer within %.0f s; the "
+                    "next run takes it over once its heartbeat is %.0f s old (or remove it by hand)",
+                    store.uri(LOCK), timeout_s, STALE_S)
+    elif failed:
+        e = failed[0]
+        log.warning("could not remove the lock %s (%s: %s); the next run takes it over once its "
+                    "heartbeat is %.0f s old (or remove it by hand)", store.uri(LOCK),
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "", STALE_S)
 
 
 def _locked(job_dir: str, path: str, holder: dict | None) -> LockedError:
@@ -188,10 +216,13 @@ def _locked(job_dir: str, path: str, holder: dict | None) -> LockedError:
 
 
 @contextlib.contextmanager
-def job_lock(job_dir: "str | Store"):
+def job_lock(job_dir: "str | Store", release_s=None):
+    """`release_s`: on an object store, how long removing the lock may take at the end, in
+    seconds, or a function returning it when the end comes (what is left of a stop deadline);
+    default `RELEASE_S`. Past it a warning names the lock. A local lock is one `os.remove`."""
     store = job_dir if isinstance(job_dir, Store) else resolve(job_dir)
     if not store.local:
-        with _remote_lock(store) as path:
+        with _remote_lock(store, release_s) as path:
             yield path
         return
     path = acquire(store.base)

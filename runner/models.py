@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .config import ModelSpec
 
-__all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_pretrained", "video_length"]
+__all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_pretrained", "hub_unreachable",
+           "video_length"]
 
 
 class ModelLoadError(RuntimeError):
@@ -39,8 +40,56 @@ def video_length(spec: ModelSpec) -> int | None:
     return fam.exact_frames(json.loads(Path(cfg).read_text()) if cfg else {})
 
 
+HUB_PROBE_S = 3.0     # the hub's answer to one request, waited for this long (name lookup included)
+
+
+def hub_unreachable(url: str | None = None, timeout_s: float = HUB_PROBE_S) -> str | None:
+    """Why the Hugging Face hub (`url`, default its endpoint: HF_ENDPOINT or huggingface.co) cannot
+    be reached now, or None if it answered (any HTTP status is an answer). One HEAD request
+    through the environment's proxy settings, in a thread waited for `timeout_s`: a name lookup
+    that hangs is bounded too. Without it, a machine with no network spent 24 s in the hub
+    client's retries (22 log lines) before the error."""
+    import threading
+    import urllib.error
+    import urllib.request
+    if url is None:
+        from huggingface_hub import constants
+        url = constants.ENDPOINT
+    why: list[str] = []
+
+    def probe():
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            pass                                  # an HTTP status is an answer: reachable
+        except urllib.error.URLError as e:        # name lookup, connection refused, ...
+            why.append(str(e.reason))
+        except Exception as e:                    # a timeout, a reset connection
+            why.append(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+
+    t = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return f"no answer from {url} in {timeout_s:.0f} s"
+    return f"{url}: {why[0]}" if why else None
+
+
+def _offline(spec: ModelSpec) -> bool:
+    from huggingface_hub import constants
+    return spec.local_files_only or constants.HF_HUB_OFFLINE
+
+
+def _download_fix(spec: ModelSpec) -> str:
+    return (f"Fix: download it where there is network (hf download {spec.info['hub_id']} "
+            f"--local-dir DIR) and run with model.path=DIR, or use model.source=random|tiny to run "
+            f"without weights.")
+
+
 def check_pretrained(spec: ModelSpec) -> None:
-    """Fail fast, on the driver, when `pretrained` weights cannot be found (no GPU time spent)."""
+    """Fail fast, on the driver, when `pretrained` weights cannot be found (no GPU time spent),
+    in one line: a hub that does not answer is found by `hub_unreachable` before any call of the
+    hub client (which retries for ~24 s, logging each try)."""
     if spec.source != "pretrained":
         return
     path = spec.path or spec.info["hub_id"]
@@ -50,22 +99,39 @@ def check_pretrained(spec: ModelSpec) -> None:
                                  f"not a diffusers pipeline (save one with save_pretrained, or "
                                  f"download {spec.info['hub_id']} into it)")
         return
+    if not _offline(spec):
+        why = hub_unreachable()
+        if why is not None:
+            if _pretrained_file(spec, "model_index.json", local_only=True) is not None:
+                raise ModelLoadError(
+                    f"cannot reach the Hugging Face hub ({why}); {path!r} is in the local hub "
+                    f"cache: run with model.local_files_only=true (or HF_HUB_OFFLINE=1) to use it")
+            raise ModelLoadError(f"cannot reach the Hugging Face hub ({why}) and {path!r} is not "
+                                 f"in the local hub cache. {_download_fix(spec)}")
     if _pretrained_file(spec, "model_index.json") is None:
         raise ModelLoadError(
-            f"cannot find the pretrained model {path!r} (not a local directory; not reachable on the "
-            f"hub or not in the local hub cache). Fix: download it where there is network "
-            f"(huggingface-cli download {spec.info['hub_id']} --local-dir DIR) and run with "
-            f"model.path=DIR, or use model.source=random|tiny to run without weights.")
+            f"cannot find the pretrained model {path!r} (not a local directory; "
+            + ("not in the local hub cache, and model.local_files_only or HF_HUB_OFFLINE=1 forbid "
+               "the network" if _offline(spec) else "not on the hub, or not readable with the "
+               "credentials here (HF_TOKEN, hf auth login)") + f"). {_download_fix(spec)}")
 
 
-def _pretrained_file(spec: ModelSpec, name: str) -> str | None:
+def _pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> str | None:
+    """`name` of the pretrained model: from its directory, or the hub (through the local hub cache);
+    with `local_only` (or offline settings) from the cache alone. The cache is read directly:
+    `hf_hub_download(local_files_only=True)` still goes to the network (huggingface_hub 2.4
+    fetches an "agent harnesses" list for its User-Agent, 3 s when the hub does not answer)."""
     path = spec.path or spec.info["hub_id"]
     if os.path.isdir(path):
         p = Path(path) / name
         return str(p) if p.exists() else None
     try:
+        if local_only or _offline(spec):
+            from huggingface_hub import try_to_load_from_cache
+            found = try_to_load_from_cache(path, name)
+            return found if isinstance(found, str) else None
         from huggingface_hub import hf_hub_download
-        return hf_hub_download(path, name, local_files_only=spec.local_files_only)
+        return hf_hub_download(path, name)
     except Exception:
         return None
 
@@ -120,6 +186,6 @@ def _load_pretrained(spec: ModelSpec):
         where = "local directory" if os.path.isdir(path) else "hub id"
         raise ModelLoadError(
             f"could not load {cls.__name__} from {where} {path!r}: {e}\n"
-            f"Fix: download the weights once (huggingface-cli download {spec.info['hub_id']} "
-            f"--local-dir DIR) and run with model.path=DIR, or set model.source=random/tiny "
-            f"for a run without weights.") from e
+            f"Fix: download the weights once (hf download {spec.info['hub_id']} --local-dir DIR) "
+            f"and run with model.path=DIR, or set model.source=random/tiny for a run without "
+            f"weights.") from e

@@ -14,9 +14,12 @@ Layout under `<output.dir>/<job name>/`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import subprocess
 import uuid
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -54,27 +57,42 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
 
 
 def write_png(path, image: np.ndarray) -> None:
-    """image: (H, W, 3) uint8, or floats in [0, 1]."""
+    """image: (H, W, 3) uint8, or floats in [0, 1]. Encoded in memory, then written here: when
+    imageio writes a file itself and the disk is full, it keeps the file open, and closing it in
+    its `__del__` fails again, printed as "Exception ignored in PluginV3.__del__" long after this
+    call raised. Here a full disk raises in this call, once, and nothing is left open."""
     import imageio.v3 as iio
+    data = iio.imwrite("<bytes>", to_uint8(image), extension=".png")
     with atomic_path(path) as tmp:
-        iio.imwrite(tmp, to_uint8(image), extension=".png")
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 def write_mp4(path, frames: np.ndarray, fps: int) -> None:
-    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4."""
+    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4 (CRF 18), through the
+    ffmpeg that imageio-ffmpeg ships, run here rather than through `imageio_ffmpeg.write_frames`:
+    that ignores ffmpeg's exit status (a full disk gave a truncated file, published as the
+    output) and lets ffmpeg print to the worker's stderr. Here a failure raises `OSError` with
+    ffmpeg's message (`[Errno 28] No space left on device` when it is that), and ffmpeg prints
+    nothing."""
     import imageio_ffmpeg
-    frames = to_uint8(frames)
+    frames = np.ascontiguousarray(to_uint8(frames))
     _, h, w, _ = frames.shape
+    # imageio_ffmpeg.write_frames' command for these settings (macro_block_size=1: sizes are
+    # already multiples of the model's factor, never rescaled)
+    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-f", "rawvideo", "-vcodec", "rawvideo",
+           "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(Fraction(fps).limit_denominator()),
+           "-i", "-", "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-v", "error",
+           "-crf", "18"]
     with atomic_path(path) as tmp:
-        # macro_block_size=1: sizes are already multiples of the model's factor; never rescale.
-        writer = imageio_ffmpeg.write_frames(str(tmp), (w, h), fps=fps, codec="libx264",
-                                             pix_fmt_out="yuv420p", macro_block_size=1,
-                                             quality=None, bitrate=None,
-                                             output_params=["-crf", "18"], ffmpeg_log_level="error")
-        writer.send(None)
-        for f in frames:
-            writer.send(np.ascontiguousarray(f))
-        writer.close()
+        proc = subprocess.run([*cmd, str(tmp)], input=memoryview(frames).cast("B"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if proc.returncode:
+            said = proc.stderr.decode(errors="replace").replace(str(tmp), "<output>").strip()
+            if "No space left on device" in said:      # as a full disk reads from Python's writes
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            last = said.splitlines()[-1] if said else "no message"
+            raise OSError(f"ffmpeg could not write the video (exit status {proc.returncode}): {last}")
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:

@@ -8,20 +8,27 @@ Contract:
   the result rows and resume's "made from" comparison derive from it.
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
-  job's `generation` defaults. Unknown columns are ignored.
+  job's `generation` defaults. Unknown columns are named in one warning line, with the closest
+  known name (a misspelt `seeds` would otherwise silently run every row with the default seed);
+  with `strict` they are an error. A pandas index written into the file is not a column.
+- Text columns (`id`, `prompt`, `negative_prompt`) must be of a string type, or binary holding
+  UTF-8, decoded strictly (a row that is not valid UTF-8 is an error naming it): never
+  stringified, which would give `b'...'` names. Numbers must be finite: NaN or infinity in any
+  cell is an error (a null cell is what takes the default); `guidance_scale` must be >= 0.
 - A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another.
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
   would fail later (before any model is built): one error listing every bad row (the first
   `MAX_LISTED` as file:row: reason, and the count), so a 50k-row file is fixed in one pass.
-  The `prompt` column must be of a string type (an integer column is an error, not stringified).
 - A shard is `(file, start, stop)` over raw rows, planned over the rows still to do. The driver
   sends each shard's validated items with it, so workers never read the Parquet files.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import re
@@ -35,6 +42,7 @@ import pyarrow.parquet as pq
 from . import storage
 from .config import GenerationDefaults
 
+log = logging.getLogger("runner")
 _ID_BAD = re.compile(r"[^A-Za-z0-9._-]")
 MAX_ID_LEN = 150
 MAX_LISTED = 20          # bad rows shown in one PromptError (all are counted)
@@ -71,8 +79,9 @@ class Constraints:
 def _col(kind: str = "param"):
     """An Item field read from a Parquet column: `param` (an output is made from it; absent or null
     cells take the `generation` default of the same name), `int` (a param that must be an
-    integer), `id` (a column, not a param)."""
-    return field(metadata={"column": True, "param": kind != "id", "int": kind == "int"})
+    integer), `text` (a param that must be text), `id` (a text column, not a param)."""
+    return field(metadata={"column": True, "param": kind != "id", "int": kind == "int",
+                           "text": kind in ("text", "id")})
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,8 @@ class Item:
     """One prompt row, validated. Adding a per-row parameter is adding a field here (and its
     default in config.GenerationDefaults)."""
     id: str = _col("id")
-    prompt: str = _col()
-    negative_prompt: str = _col()
+    prompt: str = _col("text")
+    negative_prompt: str = _col("text")
     seed: int = _col("int")
     height: int = _col("int")
     width: int = _col("int")
@@ -112,6 +121,8 @@ PARAMS = tuple(f.name for f in fields(Item) if f.metadata.get("param"))
 OPTIONAL_COLUMNS = tuple(f.name for f in fields(Item)
                          if f.metadata.get("column") and f.name != "prompt")
 _INT_COLUMNS = tuple(f.name for f in fields(Item) if f.metadata.get("int"))
+_TEXT_COLUMNS = tuple(f.name for f in fields(Item) if f.metadata.get("text"))
+KNOWN_COLUMNS = ("prompt", *OPTIONAL_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,82 @@ def _is_text(t: pa.DataType) -> bool:
         (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t))
 
 
+def _is_binary(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or \
+        pa.types.is_fixed_size_binary(t) or \
+        (hasattr(pa.types, "is_binary_view") and pa.types.is_binary_view(t))
+
+
+def _decode_text(table: pa.Table, file: str, first_row: int, bad) -> pa.Table | None:
+    """`table` with its text columns as strings: binary ones decoded as UTF-8, strictly. None (each
+    problem passed to `bad`) if a text column is of another type or holds bytes that are not
+    UTF-8: stringifying would turn b"x" into the text "b'x'" (an id, a file name, a prompt)."""
+    ok = True
+    for c in _TEXT_COLUMNS:
+        if c not in table.column_names:
+            continue
+        t = table.schema.field(c).type
+        if _is_text(t):
+            continue
+        if not _is_binary(t):
+            bad(f"{file}: column {c!r} has type {t}; it must be text (string, or binary holding "
+                f"UTF-8){' (ids name the output files)' if c == 'id' else ''}; convert it, "
+                f"e.g. df[{c!r}] = df[{c!r}].astype(str)")
+            ok = False
+            continue
+        col = table.column(c)
+        try:
+            text = col.cast(pa.string())        # Arrow validates UTF-8 and raises on the first bad value
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            found = 0
+            for i, v in enumerate(col.to_pylist()):
+                try:
+                    if v is not None:
+                        bytes(v).decode("utf-8")
+                except UnicodeDecodeError as e:
+                    bad(f"{file}:{first_row + i}: column {c!r} is binary and this value is not "
+                        f"UTF-8 text ({bytes(v)[:40]!r}: {e.reason} at byte {e.start}); write the "
+                        f"column as strings")
+                    found += 1
+            if not found:                       # a type the cast does not handle: decode here
+                text = pa.array([None if v is None else bytes(v).decode("utf-8")
+                                 for v in col.to_pylist()], pa.string())
+            else:
+                ok = False
+                continue
+        table = table.set_column(table.schema.get_field_index(c), c, text)
+    return table if ok else None
+
+
+def _unknown_columns(table: pa.Table) -> list[str]:
+    """Columns that are not an Item field. A pandas index stored in the file (`df.to_parquet` of
+    a filtered frame writes `__index_level_0__`) is the writer's, not the user's."""
+    index = set()
+    meta = table.schema.pandas_metadata or {}
+    for c in meta.get("index_columns", []):
+        if isinstance(c, str):
+            index.add(c)
+    return [c for c in table.column_names if c not in KNOWN_COLUMNS and c not in index]
+
+
+def _unknown_message(unknown: dict[str, list[str]]) -> str:
+    """One line naming each unknown column, the closest known name and where it is."""
+    def where(files):
+        return files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+
+    same = len({tuple(f) for f in unknown.values()}) == 1        # the usual case: one file
+    parts = []
+    for c, files in unknown.items():
+        hint = difflib.get_close_matches(c, KNOWN_COLUMNS, n=1)
+        parts.append(f"{c!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                     + ("" if same else f" in {where(files)}"))
+    return (f"unknown prompt column{'s' if len(parts) > 1 else ''} "
+            + (f"in {where(next(iter(unknown.values())))}: " if same else "")
+            + f"{', '.join(parts)}; known columns: {', '.join(KNOWN_COLUMNS)}")
+
+
 def _items_from_table(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
                       limits: Constraints, on_empty: str, errors: list[str] | None = None) -> list[Item]:
     """The table's valid items. Bad rows raise `PromptError`, or, given `errors`, are appended to
@@ -201,9 +288,8 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
         bad(f"{file}: no 'prompt' column (columns: {table.column_names}); "
             f"required: prompt; optional: {list(OPTIONAL_COLUMNS)}")
         return []
-    if not _is_text(table.schema.field("prompt").type):
-        bad(f"{file}: column 'prompt' has type {table.schema.field('prompt').type}; it must be "
-            f"text (string); convert it, e.g. df['prompt'] = df['prompt'].astype(str)")
+    table = _decode_text(table, file, first_row, bad)
+    if table is None:
         return []
     fast = _fast_items(table, file, first_row, gen, limits, on_empty)
     if fast is not None:
@@ -250,8 +336,9 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
         ints = {c: column(c, getattr(gen, c), pa.types.is_integer) for c in _INT_COLUMNS}
         guidance = column("guidance_scale", float(gen.guidance_scale),
                           lambda t: pa.types.is_integer(t) or pa.types.is_floating(t))
-        if pa.types.is_floating(guidance.type) and pc.any(pc.is_nan(guidance)).as_py():
-            raise _Slow
+        g = pc.cast(guidance, pa.float64())
+        if not pc.all(pc.and_(pc.is_finite(g), pc.greater_equal(g, 0))).as_py():
+            raise _Slow                                   # NaN, inf, negative: worded row by row
         if not isinstance(gen.negative_prompt, str):
             raise _Slow
         negative = column("negative_prompt", gen.negative_prompt, _is_text)
@@ -308,7 +395,7 @@ def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: Generatio
 
     def get(col, default):
         v = cols[col][i] if col in cols else None
-        return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+        return default if v is None else v       # null takes the default; NaN is an error (below)
 
     prompt = cols["prompt"][i]
     if prompt is None or not str(prompt).strip():
@@ -324,6 +411,9 @@ def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: Generatio
     values = {}
     for col in _INT_COLUMNS:
         v = get(col, getattr(gen, col))
+        if isinstance(v, float) and not math.isfinite(v):
+            raise PromptError(f"{where}: {col}={v} is not a finite number (a null cell takes "
+                              f"generation.{col})")
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         if not isinstance(v, int) or isinstance(v, bool):
@@ -333,6 +423,9 @@ def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: Generatio
         guidance = float(get("guidance_scale", gen.guidance_scale))
     except (TypeError, ValueError):
         raise PromptError(f"{where}: guidance_scale={cols['guidance_scale'][i]!r} is not a number")
+    if not math.isfinite(guidance):
+        raise PromptError(f"{where}: guidance_scale={guidance} is not a finite number (a null cell "
+                          f"takes generation.guidance_scale)")
     item = Item(id=item_id, prompt=str(prompt), negative_prompt=str(get("negative_prompt", gen.negative_prompt)),
                 seed=values["seed"], height=values["height"], width=values["width"],
                 num_frames=values["num_frames"] if limits.video else None,
@@ -344,6 +437,10 @@ def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: Generatio
 
 def _check_item(item: Item, limits: Constraints) -> None:
     where = item.source
+    g = item.guidance_scale
+    if not math.isfinite(g) or g < 0:
+        raise PromptError(f"{where}: guidance_scale={g} must be a finite number >= 0 (<= 1: no "
+                          f"classifier-free guidance)")
     for k in ("height", "width"):
         v = getattr(item, k)
         if v <= 0 or v % limits.size_factor:
@@ -377,11 +474,13 @@ def _check_defaults(gen: GenerationDefaults, limits: Constraints) -> None:
 
 
 def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Constraints,
-                  on_empty: str) -> tuple[list[str], dict[str, int], list[Item]]:
-    """Read and validate every prompt. Returns (files, raw row count per file, items)."""
+                  on_empty: str, strict: bool = False) -> tuple[list[str], dict[str, int], list[Item]]:
+    """Read and validate every prompt. Returns (files, raw row count per file, items). Unknown
+    columns: one warning line, or with `strict` an error (`prompts.strict`)."""
     _check_defaults(gen, limits)
     files = list_files(paths)
     rows, items, seen, errors = {}, [], {}, []
+    unknown: dict[str, list[str]] = {}
     for f in files:
         try:
             table = _read_table(f)
@@ -389,6 +488,8 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
             errors.append(str(e))
             continue
         rows[f] = table.num_rows
+        for c in _unknown_columns(table):
+            unknown.setdefault(c, []).append(f)
         for item in _items_from_table(table, f, 0, gen, limits, on_empty, errors):
             if item.id in seen:
                 errors.append(f"{item.source}: id {item.id!r} (after sanitizing) is also used by "
@@ -396,6 +497,11 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
                 continue
             seen[item.id] = item
             items.append(item)
+    if unknown and strict:
+        errors.insert(0, f"{_unknown_message(unknown)}; rename or drop them, or set "
+                         f"prompts.strict=false to ignore them with a warning")
+    elif unknown:
+        log.warning("%s; ignored (prompts.strict=true makes this an error)", _unknown_message(unknown))
     if len(errors) == 1:
         raise PromptError(errors[0])
     if errors:

@@ -29,6 +29,7 @@ be a URI).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import html
 import json
@@ -42,6 +43,7 @@ import urllib.parse
 import numpy as np
 
 from .outputs import atomic_path, write_json
+from .results import group_errors
 from .storage import Store, resolve
 
 log = logging.getLogger("runner")
@@ -66,6 +68,7 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         config_yaml = store.read_text("config.yaml")
     shown, hidden = sample_gallery(rows, MAX_GALLERY)
     deadline = None if thumb_budget_s is None else time.monotonic() + thumb_budget_s
+    no_thumb: list[tuple[str, str]] = []      # (output, why) of thumbnails that could not be made
     plots = [p for p in (throughput_plot(timeline, summary or {}, os.path.join(assets, "throughput.png")),
                          workers_plot(metrics, os.path.join(assets, "workers.png"))) if p]
     page = PAGE.format(
@@ -74,11 +77,15 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics), failures=_failure_list(rows),
-        gallery="\n".join(_entry(job_dir, r, deadline, store) for r in shown),
+        gallery="\n".join(_entry(job_dir, r, deadline, store, no_thumb) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
                 f"<a href='media/'>media/</a> and <code>results.parquet</code>.</p>" if hidden else ""),
         config=html.escape(config_yaml or "(no config.yaml)"))
+    if no_thumb:        # one line, not one per output (a full disk gave 93 of them)
+        log.warning("report: no thumbnail of %d output%s (%s: %s%s)", len(no_thumb),
+                    "s" if len(no_thumb) > 1 else "", *no_thumb[0],
+                    "; not tried for the rest" if no_thumb[-1][1] == _FULL else "")
     if not store.local:
         _upload(store, job_dir)
     store.write_text("report.html", page)
@@ -158,6 +165,8 @@ def throughput_plot(timeline: list, summary: dict, path: str) -> str | None:
     # A start-up much longer than the serving (short jobs, tiny models) would squeeze the curve
     # into the right edge: then the axis starts just before serving, and the title says so.
     left = serving - 0.15 * (t[-1] - serving) if serving > 0.5 * t[-1] else 0.0
+    if t[-1] <= left:       # every row arrived at one moment (a one-shard job): the whole run
+        left = 0.0
     fig, ax = _figure()
     t0 = np.r_[0.0, t]
     ax.step(t0, np.r_[0.0, ok], where="post", color="tab:blue", lw=2, label="ok items (cumulative)")
@@ -182,7 +191,8 @@ def throughput_plot(timeline: list, summary: dict, path: str) -> str | None:
                               ("all_ready_s", "all workers ready", "--")):
         if summary.get(key):
             handles.append(ax.axvline(summary[key], color="gray", ls=style, lw=1, label=label))
-    ax.set_xlim(left, t[-1] + 0.02 * (t[-1] - left))
+    right = t[-1] + 0.02 * (t[-1] - left)
+    ax.set_xlim(left, right if right > left else left + 1.0)   # never a zero-width axis
     # Below the axes: the curves rise into the upper left, where a legend inside would sit.
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     title = "Throughput over time" + (f" (axis from {_secs(left)})" if left else "")
@@ -223,7 +233,8 @@ def thumbnail(job_dir: str, row: dict, deadline: float | None = None,
     `job_dir` is the staging directory and the media file is fetched from the store."""
     media = row.get("output")
     if store is not None and not store.local:
-        return _remote_thumbnail(job_dir, media, deadline, store) if media else None
+        return _remote_thumbnail(job_dir, media, deadline, store, row.get("started_at")) \
+            if media else None
     if not media or not os.path.isfile(os.path.join(job_dir, media)):
         return None
     video = media.endswith(".mp4")
@@ -241,11 +252,15 @@ def _thumb_rel(media: str) -> str:
     return f"{ASSETS}/thumbs/{os.path.splitext(os.path.basename(media))[0]}.{_video_ext() if video else 'jpg'}"
 
 
-def _remote_thumbnail(stage: str, media: str, deadline: float | None, store: Store) -> str | None:
-    """Outputs are named by prompt id and deterministic, so a staged thumbnail stays valid."""
+def _remote_thumbnail(stage: str, media: str, deadline: float | None, store: Store,
+                      made_at=None) -> str | None:
+    """A staged thumbnail is reused while its output is the same one: `made_at` (the row's
+    `started_at`) is kept beside it, outside the uploaded assets. An output regenerated under the
+    same name (its row's inputs changed) gets a new thumbnail, never the old output's."""
     rel = _thumb_rel(media)
     dst = os.path.join(stage, rel)
-    if os.path.exists(dst):
+    stamp = os.path.join(stage, ".made", rel)
+    if os.path.exists(dst) and _read(stamp) == repr(made_at):
         return rel
     if deadline is not None and time.monotonic() > deadline:
         return None
@@ -258,6 +273,8 @@ def _remote_thumbnail(stage: str, media: str, deadline: float | None, store: Sto
         with open(src, "wb") as f:
             f.write(data)
         (_video_preview if media.endswith(".mp4") else _image_thumb)(src, dst)
+    with atomic_path(stamp) as tmp:
+        tmp.write_text(repr(made_at))
     return rel
 
 
@@ -298,7 +315,13 @@ def _video_preview(src: str, dst: str) -> None:
 
 # -------------------------------------------------------------------------------------- html
 
-def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = None) -> str:
+_FULL = "the disk is full"     # a thumbnail that failed so: the others are not tried
+
+
+def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = None,
+           no_thumb: list | None = None) -> str:
+    """One gallery entry; a thumbnail that cannot be made is added to `no_thumb` (output, why)."""
+    no_thumb = [] if no_thumb is None else no_thumb
     ok = r.get("status") == "ok"
     prompt = str(r.get("prompt") or "")
     short = prompt if len(prompt) <= 90 else prompt[:87] + "..."
@@ -307,11 +330,15 @@ def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = 
         meta.append(f"{r['num_frames']} frames")
     if ok and r.get("e2e_s"):
         meta.append(f"{r['e2e_s']:.2g} s")
-    try:
-        thumb = thumbnail(job_dir, r, deadline, store) if ok else None
-    except Exception as e:            # an unreadable file: the entry stays, without a picture
-        log.warning("report: no thumbnail of %s: %s", r.get("output"), e)
-        thumb = None
+    thumb = None
+    if ok and no_thumb and no_thumb[-1][1] == _FULL:
+        no_thumb.append((str(r.get("output")), _FULL))
+    elif ok:
+        try:
+            thumb = thumbnail(job_dir, r, deadline, store)
+        except Exception as e:        # an unreadable file: the entry stays, without a picture
+            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+            no_thumb.append((str(r.get("output")), _FULL if full else f"{type(e).__name__}: {e}"))
     if thumb:
         pic = (f"<a href='{_url(r['output'])}'><img src='{_url(thumb)}' loading='lazy' "
                f"alt='{html.escape(r['id'], True)}'></a>")
@@ -399,15 +426,12 @@ def _cell(v) -> str:
 
 
 def _failure_list(rows: list[dict]) -> str:
-    errors: dict[str, int] = {}
-    for r in rows:
-        if r.get("status") != "ok":
-            key = (r.get("error") or "?").splitlines()[0][:200]
-            errors[key] = errors.get(key, 0) + 1
-    if not errors:
+    groups = group_errors(rows)
+    if not groups:
         return ""
-    items = "".join(f"<li><b>{n} &times;</b> <code>{html.escape(e)}</code></li>"
-                    for e, n in sorted(errors.items(), key=lambda x: -x[1]))
+    items = "".join(f"<li><b>{len(ids)} &times;</b> <code>{html.escape(cause)}</code>: "
+                    f"{html.escape(', '.join(ids[:20]))}{' ...' if len(ids) > 20 else ''}</li>"
+                    for cause, ids in groups)
     return f"<h2>Failures</h2><ul class='failures'>{items}</ul>"
 
 

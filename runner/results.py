@@ -17,6 +17,12 @@ Contract:
   latest row of an id wins), written atomically.
 - Every row records what its output was made from: the row's parameters (`prompts.PARAMS`) and
   `settings`, a short hash of the job settings that shape every output (`settings_id`).
+- A row's `status`: `ok` (its output is `output`), `failed` (`error` says why), or `changed`: its
+  inputs changed since its output was made, and that output was removed before regenerating it
+  (`Results.retire`, called before the changed rows are dispatched), so that no file made from
+  old inputs stays under the row's name if the regeneration fails or never runs.
+- Failure reasons group by cause (`group_errors`): the first line of `error`, with the row's own id
+  and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
   listing of `media/`, not a stat per row), and it was made from exactly the current row's
   parameters and settings (`Results.plan`); a rerun generates the rest: new rows, rows whose
@@ -33,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -97,11 +104,62 @@ def config_changes(old: dict, new: dict) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+def changed_row(item, old: dict, removed: list[str]) -> dict:
+    """The record of an item whose inputs changed and whose old output was removed (`retire`):
+    status `changed` until its regeneration writes its own row."""
+    what = [k for k in PARAMS if old.get(k) != getattr(item, k)]
+    why = ", ".join(what) if what else "the output settings"
+    return {**failed_row(item, f"its inputs changed ({why}) since {', '.join(removed)} was made: "
+                               f"removed before regenerating"), "status": "changed"}
+
+
 def failed_row(item, error: str, worker: int | None = None) -> dict:
     """The result row of an item that produced no output (same columns as a worker's ok rows)."""
     return {**item.params(), "status": "failed", "error": error[:2000], "output": None,
             "worker": worker, "batch_size": 1 if worker is not None else None, "e2e_s": None,
             "started_at": None, "denoise_it_s": None}
+
+
+CAUSE_LEN = 160          # characters of an error's first line that name its cause
+_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}-")          # storage/outputs temp names: random part
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")          # "object at 0x7f...": differs per call
+
+
+def error_cause(row: dict) -> str:
+    """A failed row's error as a cause that rows share: its first line, with the row's own id
+    replaced by `<id>` (a message may name it, as records of older runs do: "non-finite values in
+    the output of 'm0000'", and so do file names) and what differs per call (temp file names,
+    object addresses) masked. Ids of digits only are left alone: numbers in messages (errno, sizes)
+    would be mistaken for them."""
+    text = next((line.strip() for line in (row.get("error") or "").splitlines() if line.strip()), "?")
+    text = _ADDRESS.sub("0x...", _TMP_NAME.sub(".tmp-*-", text))
+    rid = str(row.get("id") or "")
+    if rid and not rid.isdigit():
+        # the id as a whole name, not inside a longer one (a "." after it starts an extension;
+        # a temp file's name is ".tmp-*-<id>.ext")
+        text = re.sub(rf"(?:(?<=\.tmp-\*-)|(?<![A-Za-z0-9._-])){re.escape(rid)}(?![A-Za-z0-9_-])",
+                      "<id>", text)
+    return text[:CAUSE_LEN]
+
+
+def group_errors(rows) -> list[tuple[str, list[str]]]:
+    """The failed rows (status not ok) grouped by `error_cause`: [(cause, [ids])], the largest
+    group first (ties: the cause seen first), ids in row order."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            groups.setdefault(error_cause(r), []).append(str(r.get("id")))
+    first = {cause: k for k, cause in enumerate(groups)}
+    return sorted(groups.items(), key=lambda g: (-len(g[1]), first[g[0]]))
+
+
+def format_errors(groups: list[tuple[str, list[str]]], max_ids: int = 10) -> list[str]:
+    """One line per cause: `N x cause: id, id, ... (K more)` (summary.txt's failure list)."""
+    lines = []
+    for cause, ids in groups:
+        more = f", ... ({len(ids) - max_ids} more)" if len(ids) > max_ids else ""
+        lines.append(f"{len(ids)} x {cause}: {', '.join(ids[:max_ids])}{more}")
+    return lines
 
 
 @dataclass
@@ -110,6 +168,7 @@ class Plan:
     done: set = field(default_factory=set)        # ids made from exactly these parameters
     changed: list = field(default_factory=list)   # items whose recorded parameters differ
     gone: list = field(default_factory=list)      # ids with an ok output, no longer in the input
+    stale: dict = field(default_factory=dict)     # changed id -> its media files made from old inputs
 
     def changed_by_file(self) -> str:
         counts: dict[str, int] = {}
@@ -162,9 +221,36 @@ class Results:
                 plan.changed.append(it)
             elif r["status"] == "ok" and media.get(_media_name(r["output"]), 0) > 0:
                 plan.done.add(it.id)
+        if plan.changed:         # their files under their names: made from the old inputs
+            by_id: dict[str, list[str]] = {}
+            for name in media:
+                if "/" not in name:
+                    by_id.setdefault(name.rsplit(".", 1)[0], []).append(f"media/{name}")
+            plan.stale = {it.id: by_id[it.id] for it in plan.changed if it.id in by_id}
         ids = {it.id for it in items}
         plan.gone = sorted(i for i, r in self.rows.items() if i not in ids and r["status"] == "ok")
         return plan
+
+    def retire(self, plan: Plan) -> list[str]:
+        """Before the changed rows run (holding the job's lock): each one's media file made from
+        its old inputs is deleted, then one record says so: a row of status `changed` with the
+        new parameters and no output. No file made from old inputs stays under a row's name,
+        whether its regeneration succeeds, fails or never runs (interrupted); the record is
+        written after the deletions, so a crash in between leaves the old rows, which still
+        differ from the inputs and are retired again. Returns the ids retired."""
+        stale = [(it, plan.stale[it.id]) for it in plan.changed if it.id in plan.stale]
+        if not stale:
+            return []
+        names = [n for _, ns in stale for n in ns]
+        if self.store.local:
+            for n in names:
+                self.store.delete(n)
+        else:                    # a request each: in parallel (pyarrow releases the GIL)
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(self.store.delete, names))
+        self.add([changed_row(it, self.rows.get(it.id) or {}, ns) for it, ns in stale])
+        return [it.id for it, _ in stale]
 
     def add(self, rows: list[dict]) -> None:
         """Records one shard's rows: one new object, written atomically."""

@@ -17,7 +17,8 @@ Methods (`step_cache.method`, docs/compiler.md "Step reuse"):
 Contract:
 - `check(step_cache, family)` (in `prepare`): the method is offered for this model family,
   else `ConfigError` naming the families that have it. The parameters themselves are checked by
-  `config.StepCacheSection`.
+  `config.StepCacheSection`; `check_steps(step_cache, items)` (driver, once the prompts are read)
+  checks `compute_steps` against every row's step count.
 - `apply(pipe, step_cache)` (worker, after `compiler.compile_pipe`, on the pipeline's device):
   installs the method on `pipe.transformer`. Returns what it hooked (modules, or 1 for `residual`).
 - `reset(pipe, guidance)` (before every pipeline call): per-call state (step counter, cached
@@ -83,6 +84,25 @@ def check_first_blocks(sc: StepCacheSection, model) -> None:
         raise ConfigError(f"step_cache.first_blocks={sc.first_blocks} leaves no block to reuse: "
                           f"this {model.preset} denoiser ({model.source}) has {layers} blocks; "
                           f"set it to at most {layers - 1}")
+
+
+def check_steps(sc: StepCacheSection, items) -> None:
+    """Driver, after the prompts are read: `compute_steps` against every row's step count. `plan`
+    ignores an index past a row's last step, so such a schedule would silently not be the one
+    asked for: `ConfigError` naming the rows (file:row) instead."""
+    if sc.method != "residual" or sc.compute_steps is None:
+        return
+    last = max(sc.compute_steps)
+    short = [it for it in items if it.num_inference_steps <= last]
+    if short:
+        rows = ", ".join(f"{it.source} ({it.num_inference_steps} steps)" for it in short[:5])
+        raise ConfigError(
+            f"step_cache.compute_steps={list(sc.compute_steps)} names step {last}, past the last "
+            f"step of {len(short)} prompt row{'s' if len(short) > 1 else ''} ({rows}"
+            f"{', ...' if len(short) > 5 else ''}); step indices run from 0 to "
+            f"num_inference_steps - 1 (the column, or generation.num_inference_steps): drop the "
+            f"indices past the end, or use step_cache.compute_ratio (it scales with each row's "
+            f"step count)")
 
 
 def prepare(job: dict) -> None:

@@ -36,6 +36,20 @@ Contract
   {name relative to prefix: size} for files only.
   `exists(rel)` is true for a file (object), not for a "directory" prefix.
 - Object stores have no directories, append or rename; nothing here needs them.
+- A store that stops answering (a stalled server, a network partition: connections accepted or
+  dropped, no reply) is an error in bounded time, never a hang. On `s3://` and `gs://` each call
+  on one object (`exists`, `read_bytes`, `write_*`, `delete`) raises `StoreTimeout` (an
+  `OSError`) after `OP_TIMEOUT_S` seconds, plus one second per `MIN_WRITE_RATE` bytes written;
+  its first line names the store, not the object, so that the same stall reads as the same cause
+  on every row (the object is on the second line). The call itself cannot be cancelled: it goes
+  on in a daemon thread until the client's own timeouts end it (S3: `S3_*_TIMEOUT_S`, 3
+  attempts, ~30 s for a write; GCS: pyarrow exposes no per-request timeout, a stalled request
+  ends after ~2 minutes, `retry_time_limit` bounds the retries). Until then it also holds up the
+  process's exit: pyarrow's `atexit` S3 finalization waits for requests in flight (measured: 33 s
+  after a stalled write). A write that lands after its timeout is a complete object (writes are
+  atomic): a record or media file that a rerun finds, never a partial one. `list` and
+  `delete_prefix` are not bounded (they run for as long as there are keys, one request per 1000)
+  and are only called when a job starts.
 
 Design note: the job record on a store that cannot append or rename (as integrated: results.py's
 records are per finished shard, named `records/<run>-<seq>.jsonl` rather than by shard key, so a
@@ -66,9 +80,11 @@ replanned shard of a resumed run never replaces rows of an earlier record; see r
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from urllib.parse import urlsplit
 
@@ -77,6 +93,19 @@ import pyarrow.fs as pafs
 
 FORMS = "a local path, file:///path, s3://bucket[/prefix] or gs://bucket[/prefix]"
 TMP_PREFIX = ".tmp-"  # local temporary files; hidden from list()
+OP_TIMEOUT_S = 20.0          # object stores: one call on one object, at most (see the docstring)
+MIN_WRITE_RATE = 1 << 20     # bytes/s a write is given on top of OP_TIMEOUT_S (100 MB: +100 s)
+# The S3 client's own limits, per attempt (3 attempts): a connection not made in this time, a
+# request that moves no byte for this long (curl's low-speed limit: it applies on Linux too,
+# whatever pyarrow's docstring says). 3 s is the AWS SDK's request default; its connect default,
+# 1 s, fails an attempt on a single lost SYN. Against a stalled server (moto under SIGSTOP) a
+# read then fails after ~11 s and a small write after ~30 s (5 s each: 17 s and 34 s).
+S3_CONNECT_TIMEOUT_S = 3.0
+S3_REQUEST_TIMEOUT_S = 3.0
+
+
+class StoreTimeout(TimeoutError):       # TimeoutError is an OSError: handled as a store failure
+    pass
 
 
 class Store:
@@ -105,17 +134,47 @@ class Store:
     def uri(self, rel: str = "") -> str:
         return self.path(rel) if self.local else f"{self.scheme}://{self.path(rel)}"
 
+    def _bounded(self, what: str, rel: str, fn, *args, nbytes: int = 0):
+        """`fn(*args)`, or `StoreTimeout` once it has run past its limit (object stores only;
+        see the module docstring)."""
+        if self.local:
+            return fn(*args)
+        limit = OP_TIMEOUT_S + nbytes / MIN_WRITE_RATE
+        out: dict = {}
+        done = threading.Event()
+
+        def call():
+            try:
+                out["value"] = fn(*args)
+            except BaseException as e:      # handed to the caller's thread
+                out["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name=f"store-{what}", daemon=True).start()
+        if not done.wait(limit):
+            raise StoreTimeout(
+                f"the store {self.uri()} did not answer a {what} in time ({OP_TIMEOUT_S:.0f} s, plus "
+                f"1 s per MiB written): it is stalled or unreachable\n"
+                f"{what} of {self.uri(rel)}: no answer after {limit:.0f} s")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
     def join(self, *parts: str) -> "Store":
         """The Store rooted at base/parts (e.g. the job's directory under output.dir)."""
         return Store(self.fs, self.path("/".join(p.strip("/") for p in parts if p)), self.scheme)
 
     # -- reads -------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return self.fs.get_file_info(self.path(rel)).type == pafs.FileType.File
+        info = self._bounded("stat", rel, self.fs.get_file_info, self.path(rel))
+        return info.type == pafs.FileType.File
 
     def read_bytes(self, rel: str) -> bytes:
-        with self.fs.open_input_stream(self.path(rel)) as f:
-            return f.read()
+        def read():
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        return self._bounded("read", rel, read)
 
     def read_text(self, rel: str) -> str | None:
         """The file's text, or None if it does not exist."""
@@ -145,12 +204,15 @@ class Store:
                 with open(tmp, "wb") as f:
                     f.write(data)
             return
-        # The payload is complete before the stream opens: one write, one close (see the docstring).
-        stream = self.fs.open_output_stream(path)
-        try:
-            stream.write(data)
-        finally:
-            stream.close()
+        def put():
+            # The payload is complete before the stream opens: one write, one close (docstring).
+            stream = self.fs.open_output_stream(path)
+            try:
+                stream.write(data)
+            finally:
+                stream.close()
+        size = data.size if isinstance(data, pa.Buffer) else memoryview(data).nbytes
+        self._bounded("write", rel, put, nbytes=size)
 
     def write_file_atomic(self, rel: str, local_path: str | os.PathLike) -> None:
         """Copies a finished local file to rel atomically (local stores: copy + rename)."""
@@ -184,7 +246,7 @@ class Store:
     def delete(self, rel: str) -> None:
         """Deletes a file; a missing one is not an error (cleanup is idempotent)."""
         try:
-            self.fs.delete_file(self.path(rel))
+            self._bounded("delete", rel, self.fs.delete_file, self.path(rel))
         except FileNotFoundError:
             pass
 
@@ -265,12 +327,16 @@ def _s3(bucket: str) -> pafs.S3FileSystem:
     elif not endpoint:
         kw["region"] = pafs.resolve_s3_region(bucket)  # AWS itself: the bucket's region (one request)
     # allow_delayed_open: a small object is one PutObject instead of a three-request multipart upload
-    return pafs.S3FileSystem(allow_delayed_open=True, **kw)
+    return pafs.S3FileSystem(allow_delayed_open=True, connect_timeout=S3_CONNECT_TIMEOUT_S,
+                             request_timeout=S3_REQUEST_TIMEOUT_S, **kw)
 
 
 def _gcs() -> pafs.GcsFileSystem:
+    # Retries of a failed request stop after OP_TIMEOUT_S: with the default, a call to a stalled
+    # server (SIGSTOP of the emulator) had not ended after 150 s; with it, ~120 s (one attempt).
+    kw = dict(retry_time_limit=datetime.timedelta(seconds=OP_TIMEOUT_S))
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")  # the variable Google's clients honour
     if emulator:
         u = urlsplit(emulator if "://" in emulator else f"http://{emulator}")
-        return pafs.GcsFileSystem(anonymous=True, endpoint_override=u.netloc, scheme=u.scheme)
-    return pafs.GcsFileSystem()
+        return pafs.GcsFileSystem(anonymous=True, endpoint_override=u.netloc, scheme=u.scheme, **kw)
+    return pafs.GcsFileSystem(**kw)

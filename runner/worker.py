@@ -453,8 +453,9 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         rows, write_s = [], 0.0
         for item, media, finite in zip(g.items, g.media.numpy(), g.finite.tolist()):
             if not finite:
-                rows.append(failed_row(item, f"FloatingPointError: non-finite values in the output "
-                                             f"of {item.id!r}", worker=self.rank))
+                # no id in the message: rows are grouped by it (the row has its id)
+                rows.append(failed_row(item, "FloatingPointError: non-finite values (NaN or inf) in "
+                                             "the output", worker=self.rank))
                 continue
             t = time.perf_counter()
             rel = f"media/{item.id}.{self.ext}"

@@ -111,3 +111,18 @@ def test_every_shipped_job_loads():
 def test_resolved_config_is_struct():
     cfg = load_config(["job=demo_image"])
     assert OmegaConf.is_struct(cfg)
+
+
+@pytest.mark.parametrize("arg,needle", [
+    ("generation.guidance_scale=.nan", "generation.guidance_scale=nan is not a finite number"),
+    ("generation.guidance_scale=.inf", "generation.guidance_scale=inf is not a finite number"),
+    ("generation.guidance_scale=-1", "generation.guidance_scale=-1 must be a finite number >= 0"),
+    ("ray.worker_start_timeout_s=.nan", "ray.worker_start_timeout_s=nan is not a finite number"),
+    ("output.results_every_s=-.inf", "output.results_every_s=-inf is not a finite number"),
+    ("step_cache.timestep_range=[.nan,800]", r"step_cache.timestep_range=\[nan, 800\] holds nan"),
+])
+def test_non_finite_and_out_of_range_numbers_name_the_key(arg, needle):
+    """NaN passes every range check (NaN < 0 is False), and NaN != NaN made a resumed run refuse
+    its own directory: every number of the config must be finite."""
+    with pytest.raises(ConfigError, match=needle):
+        split(load_config(["job=demo_image", arg]))

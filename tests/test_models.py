@@ -84,3 +84,127 @@ def test_auto_device_and_dtype():
     assert ModelSpec("sd21", device="cuda").resolved().dtype == "fp16"
     with pytest.raises(ValueError, match="model.device 'tpu'"):
         ModelSpec("sd21", device="tpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the hub (issue 37, the first hour): one line in a few seconds, naming `hf download`,
+# instead of 24 s of the hub client's retries. The hub is made unreachable the two ways a machine
+# without network sees it, whatever this machine's own network: a name that does not resolve
+# (.invalid never does) and a server that accepts connections and never answers.
+
+class SilentServer:
+    """A server on 127.0.0.1 that accepts connections and never answers; counts them."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held, self.accepted_at = [], []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import time
+        while True:
+            try:
+                self.held.append(self.sock.accept()[0])
+                self.accepted_at.append(time.monotonic())
+            except OSError:                 # closed
+                return
+
+    def close(self):
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+@pytest.fixture
+def silent_server():
+    server = SilentServer()
+    yield server
+    server.close()
+
+
+def test_hub_probe_says_why_within_its_bound(silent_server):
+    import http.server
+    import threading
+    import time
+    from runner.models import hub_unreachable
+    t = time.monotonic()
+    why = hub_unreachable("http://hub.invalid", timeout_s=1.0)
+    assert why and why.startswith("http://hub.invalid: ") and time.monotonic() - t < 1.5
+    t = time.monotonic()
+    url = silent_server.url
+    assert hub_unreachable(url, timeout_s=1.0) == f"no answer from {url} in 1 s"
+    assert time.monotonic() - t < 1.5
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:                                               # any HTTP status is an answer
+        assert hub_unreachable(f"http://127.0.0.1:{server.server_port}", timeout_s=5.0) is None
+    finally:
+        server.shutdown()
+
+
+def _dry_run(tmp_path, endpoint, *args):
+    import os
+    import subprocess
+    import sys
+    import time
+    from conftest import GUARD_S
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_HUB_CACHE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"))      # an empty hub cache
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "runner", "job=pixart_batch", "run.dry_run=true",
+                        f"output.dir={tmp_path}/out", *args], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=GUARD_S)
+    return r, t, time.monotonic()
+
+
+@pytest.mark.parametrize("where", ["unresolvable", "silent"])
+def test_a_pretrained_dry_run_without_the_hub_is_one_line_naming_hf_download(tmp_path, where,
+                                                                             silent_server):
+    """Unresolvable: what a machine without network sees; the whole run within 5 s. Silent:
+    the hub's wait is the probe's bound (from the probe's connection to the exit: the Python
+    start-up before it is the machine's, seconds on CI's 2 loaded cores)."""
+    from runner.models import HUB_PROBE_S
+    endpoint = "http://hub.invalid" if where == "unresolvable" else silent_server.url
+    r, started, ended = _dry_run(tmp_path, endpoint)
+    assert r.returncode == 2, r.stderr[-2000:]
+    if where == "unresolvable":
+        assert ended - started < 5.0, ended - started
+    else:
+        assert len(silent_server.accepted_at) == 1                 # one probe, no client retries
+        assert ended - silent_server.accepted_at[0] < HUB_PROBE_S + 1.5
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr[-2000:]                       # no retries, no warnings
+    assert lines[0].startswith("error: cannot reach the Hugging Face hub")
+    assert "hf download PixArt-alpha/PixArt-XL-2-1024-MS --local-dir DIR" in lines[0]
+    assert "huggingface-cli" not in lines[0]
+
+
+def test_a_cached_model_without_the_hub_points_to_local_files_only(tmp_path, silent_server):
+    """In the local hub cache: the error says how to use it; with model.local_files_only=true the
+    dry run goes ahead without touching the network (the hub's own client is never asked)."""
+    repo = tmp_path / "hf" / "hub" / "models--PixArt-alpha--PixArt-XL-2-1024-MS"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "model_index.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    r, _, _ = _dry_run(tmp_path, silent_server.url)
+    assert r.returncode == 2 and "is in the local hub cache: run with model.local_files_only=true" \
+        in r.stderr, r.stderr[-2000:]
+    assert len(silent_server.held) == 1                           # the probe, nothing else
+    r, _, _ = _dry_run(tmp_path, silent_server.url, "model.local_files_only=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dry run of" in r.stdout and len(silent_server.held) == 1     # no connection at all

@@ -183,3 +183,116 @@ def test_item_is_the_one_definition_of_a_row(write_prompts):
     assert item.made_from() == ("a", "ugly", 7, 64, 64, None, 2, 2.0)
     row = item.params()
     assert tuple(row[k] for k in params) == item.made_from()
+
+
+@pytest.mark.parametrize("column,values,bad_row,needle", [
+    ("seed", [1.0, float("nan"), 2.0], 1, "seed=nan is not a finite number"),
+    ("height", [64.0, float("inf")], 1, "height=inf is not a finite number"),
+    ("guidance_scale", [2.0, float("nan")], 1, "guidance_scale=nan is not a finite number"),
+    ("guidance_scale", [float("-inf"), 2.0], 0, "guidance_scale=-inf is not a finite number"),
+    ("guidance_scale", [2.0, 3.0, -0.5], 2, r"guidance_scale=-0.5 must be a finite number >= 0"),
+])
+def test_non_finite_and_negative_numbers_are_the_rows_error(write_prompts, column, values, bad_row,
+                                                            needle):
+    """NaN is not a null: a NaN seed used to run with the default seed, a NaN guidance was
+    accepted and made every rerun refuse the directory (NaN != NaN)."""
+    p = write_prompts({"prompt": [f"p{i}" for i in range(len(values))], column: values})
+    with pytest.raises(PromptError, match=rf"prompts.parquet:{bad_row}: {needle}") as e:
+        check(p)
+    assert str(e.value).count("prompts.parquet:") == 1          # only the bad row is blamed
+    nulls = [None if i == bad_row else v for i, v in enumerate(values)]
+    p = write_prompts({"prompt": [f"p{i}" for i in range(len(values))], column: nulls}, "ok.parquet")
+    assert getattr(check(p)[2][bad_row], column) == getattr(GEN, column)   # null: the default
+
+
+def test_a_non_finite_default_is_the_keys_error():
+    with pytest.raises(Exception, match=r"generation.guidance_scale=nan must be a finite number"):
+        GenerationDefaults(**{**dataclasses.asdict(GEN), "guidance_scale": float("nan")})
+
+
+def test_binary_text_columns_are_decoded_strictly(write_prompts):
+    import pyarrow as pa
+    cafe = "caf\u00e9 \u2615"
+    p = write_prompts({"prompt": pa.array([cafe.encode(), b"b"], pa.binary()),
+                       "id": pa.array([b"ok-id", b"x y"], pa.large_binary()),
+                       "negative_prompt": pa.array([b"blurry", None], pa.binary())})
+    items = check(p)[2]
+    assert [(i.id, i.prompt, i.negative_prompt) for i in items] == [
+        ("ok-id", cafe, "blurry"), ("x_y", "b", "ugly")]            # text, never "b'...'"
+    p = write_prompts({"prompt": ["a", "b", "c"],
+                       "id": pa.array([b"fine", b"\xff\xfebad", b"\xc3"], pa.binary())}, "bad.parquet")
+    with pytest.raises(PromptError) as e:
+        check(p)
+    msg = str(e.value)
+    assert "bad.parquet:1: column 'id' is binary and this value is not UTF-8" in msg
+    assert "bad.parquet:2: column 'id'" in msg and "bad.parquet:0" not in msg
+
+
+@pytest.mark.parametrize("column", ["id", "prompt", "negative_prompt"])
+def test_a_text_column_of_another_type_names_the_column(write_prompts, column):
+    cols = {"prompt": ["a", "b"], column: [1, 2]}
+    p = write_prompts(cols)
+    with pytest.raises(PromptError, match=rf"prompts.parquet: column '{column}' has type int64; it "
+                                          rf"must be text .*df\['{column}'\].astype\(str\)"):
+        check(p)
+
+
+def test_unknown_columns_warn_with_the_closest_name_or_fail_when_strict(write_prompts, caplog):
+    import json
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    p = write_prompts({"prompt": ["a", "b"], "seeds": [5, 6], "colour": ["r", "g"]})
+    with caplog.at_level("WARNING", logger="runner"):
+        items = check(p)[2]
+    assert [i.seed for i in items] == [GEN.seed] * 2
+    lines = [r.getMessage() for r in caplog.records if "unknown prompt column" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "'seeds' (did you mean 'seed'?)" in lines[0] and "'colour'" in lines[0]
+    assert p in lines[0] and "prompts.strict=true" in lines[0]
+    with pytest.raises(PromptError, match=r"unknown prompt columns in .*'seeds' \(did you mean "
+                                          r"'seed'\?\).*prompts.strict=false"):
+        check_prompts((p,), GEN, IMAGE, "error", strict=True)
+    # a pandas index stored in the file (df.to_parquet of a filtered frame) is not a column
+    table = pa.table({"prompt": ["a"], "__index_level_0__": [7]})
+    meta = {b"pandas": json.dumps({"index_columns": ["__index_level_0__"], "columns": []}).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), p)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        check_prompts((p,), GEN, IMAGE, "error", strict=True)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("case", ["nan_guidance", "inf_guidance", "nan_seed_row", "binary_id_row",
+                                  "compute_steps_past_the_end", "strict_unknown_column"])
+def test_hostile_inputs_exit_2_before_ray_naming_the_key_or_row(tmp_path, write_prompts, case):
+    """The hostile evaluation's cases (issue 37, D1 and D4), on the real CLI, without a dry run:
+    each is exit 2 with one error naming the key or file:row, before Ray starts."""
+    import subprocess
+    import sys
+    import pyarrow as pa
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = ["job=demo_image"]
+    if case == "nan_guidance":
+        args, needle = ["generation.guidance_scale=.nan"], "generation.guidance_scale=nan is not a finite"
+    elif case == "inf_guidance":
+        args, needle = ["generation.guidance_scale=.inf"], "generation.guidance_scale=inf is not a finite"
+    elif case == "nan_seed_row":
+        p = write_prompts({"prompt": ["a", "b"], "seed": [3.0, float("nan")]})
+        args, needle = [f"prompts.path={p}"], f"{p}:1: seed=nan is not a finite number"
+    elif case == "binary_id_row":
+        p = write_prompts({"prompt": ["a", "b"], "id": pa.array([b"ok", b"\xff\xfe\x00bad"])})
+        args, needle = [f"prompts.path={p}"], f"{p}:1: column 'id' is binary and this value is not UTF-8"
+    elif case == "compute_steps_past_the_end":       # demo_video: Latte, 4 steps
+        job = ["job=demo_video"]
+        args = ["step_cache.method=residual", "step_cache.compute_steps=[0,2,9]"]
+        needle = "step_cache.compute_steps=[0, 2, 9] names step 9, past the last step of"
+    else:
+        p = write_prompts({"prompt": ["a"], "sed": [1]})
+        args = [f"prompts.path={p}", "prompts.strict=true"]
+        needle = "unknown prompt column in"
+    r = subprocess.run([sys.executable, "-m", "runner", *job, f"output.dir={tmp_path}/out", *args],
+                       cwd=root, capture_output=True, text=True, timeout=GUARD_S)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and needle in last, r.stderr[-2000:]
+    assert "Ray" not in r.stderr and not (tmp_path / "out").exists()      # nothing started

@@ -313,3 +313,73 @@ def test_a_local_ray_slow_to_start_is_started_again_then_named():
     with pytest.raises(Exception, match="some other failure"):
         start_local_ray(ray, num_cpus=2)
     assert ray.inits == 1
+
+
+@pytest.fixture(params=["local", "s3"])
+def job_store(request, tmp_path):
+    from runner.storage import resolve
+    if request.param == "local":
+        return resolve(tmp_path / "job")
+    return resolve(f"s3://{request.getfixturevalue('s3_bucket')}/job")
+
+
+def test_a_changed_rows_old_output_is_removed_before_it_runs_and_the_record_says_so(job_store):
+    """Issue 37 D3: an edited row whose regeneration failed kept the old media/<id>.png, made
+    from the old inputs, while the record said failed."""
+    from runner.results import failed_row
+    r = Results(job_store, settings="s1")
+    old = [item("a"), item("b", row=1), item("c", row=2), item("d", row=3)]
+    for it in old:
+        job_store.write_bytes_atomic(f"media/{it.id}.png", b"old " + it.id.encode())
+    job_store.write_bytes_atomic("media/bb.png", b"another id")       # a prefix of no changed id
+    r.add([{**it.params(), "status": "ok", "output": f"media/{it.id}.png"} for it in old])
+    job_store.delete("media/d.png")                                   # d: changed, no file left
+    now = [item("a"), item("b", prompt="a dog", row=1), item("c", seed=5, row=2),
+           item("d", seed=5, row=3)]
+    r = Results(job_store, settings="s1").load()
+    plan = r.plan(now)
+    assert [i.id for i in plan.changed] == ["b", "c", "d"] and plan.stale == {
+        "b": ["media/b.png"], "c": ["media/c.png"]}
+    assert r.retire(plan) == ["b", "c"]
+    assert sorted(job_store.list("media")) == ["a.png", "bb.png"]     # a unchanged: kept
+    again = Results(job_store, settings="s1").load()                  # the record says so
+    b = again.rows["b"]
+    assert b["status"] == "changed" and b["output"] is None and b["prompt"] == "a dog"
+    assert "inputs changed (prompt) since media/b.png was made" in b["error"]
+    assert "(seed)" in again.rows["c"]["error"] and again.rows["d"]["status"] == "ok"
+    plan = again.plan(now)                 # still to run; nothing left to retire
+    assert plan.done == {"a"} and [i.id for i in plan.changed] == ["d"] and plan.stale == {}
+    # b's regeneration fails: no file under its name, the record says failed
+    again.add([failed_row(now[1], "RuntimeError: boom")])
+    assert not job_store.exists("media/b.png")
+    assert Results(job_store, settings="s1").load().rows["b"]["status"] == "failed"
+
+
+def test_failures_group_by_cause_with_their_ids():
+    """Issue 37 D2: 400 rows failing alike printed 400 lines, the id inside each message."""
+    from runner.results import format_errors, group_errors
+    rows = [{"id": f"m{i:04d}", "status": "failed",
+             "error": f"FloatingPointError: non-finite values in the output of 'm{i:04d}'"}
+            for i in range(400)]                                       # a record of an older run
+    rows += [{"id": "x1", "status": "failed", "error": "FloatingPointError: non-finite values "
+                                                       "(NaN or inf) in the output"},
+             {"id": "ok1", "status": "ok", "error": None},
+             {"id": "p-1", "status": "failed", "error": "OSError: [Errno 28] No space left on "
+                                                        "device: '/j/media/.tmp-1a2b3c4d-p-1.png'"},
+             {"id": "p-2", "status": "failed", "error": "\nOSError: [Errno 28] No space left on "
+                                                        "device: '/j/media/.tmp-99887766-p-2.png'\n"
+                                                        "Traceback ..."},
+             {"id": "28", "status": "failed", "error": "OSError: [Errno 28] disk"},   # digits: kept
+             {"id": "m", "status": "failed", "error": "ValueError: <object at 0x7f12abcd9900> m0001"}]
+    groups = group_errors(rows)
+    assert [(c, len(ids)) for c, ids in groups] == [
+        ("FloatingPointError: non-finite values in the output of '<id>'", 400),
+        ("OSError: [Errno 28] No space left on device: '/j/media/.tmp-*-<id>.png'", 2),
+        ("FloatingPointError: non-finite values (NaN or inf) in the output", 1),
+        ("OSError: [Errno 28] disk", 1),
+        ("ValueError: <object at 0x...> m0001", 1)]      # "m" is not inside "m0001"
+    assert groups[0][1][:3] == ["m0000", "m0001", "m0002"] and groups[1][1] == ["p-1", "p-2"]
+    lines = format_errors(groups, max_ids=3)
+    assert lines[0] == ("400 x FloatingPointError: non-finite values in the output of '<id>': "
+                        "m0000, m0001, m0002, ... (397 more)")
+    assert lines[1].endswith(": p-1, p-2") and len(lines) == 5

@@ -173,3 +173,46 @@ def test_a_failing_report_does_not_fail_the_job(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="runner"):
         _report("/nonexistent", [], {})
     assert "report.html not written: OSError: disk full" in caplog.text
+
+
+@pytest.mark.parametrize("timeline,startup_s", [
+    ([(3.0, 2, 0)], 3.5),                   # a one-shard job: every row arrives at one moment
+    ([(3.0, 2, 0)], None),
+    ([(2.0, 1, 0), (2.0, 2, 1)], 2.0),
+    ([(0.0, 1, 0)], None),
+])
+def test_short_jobs_draw_their_plot_without_library_warnings(tmp_path, timeline, startup_s):
+    """A one-shard job's plot made matplotlib warn on the user's terminal ("Attempting to set
+    identical low and high xlims"): the axis is never of zero width."""
+    import warnings
+    from runner.report import throughput_plot
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = throughput_plot(timeline, {"startup_s": startup_s}, str(tmp_path / "t.png"))
+    assert iio.imread(path).std() > 0
+
+
+def test_thumbnails_on_a_full_disk_are_one_warning_and_the_page_is_written(tmp_path, caplog):
+    """A disk filling at the report stage printed one "no thumbnail" line per output (93)."""
+    from runner.outputs import write_png
+    from runner.report import write_report
+    rows = fake_rows(30)
+    for r in rows:
+        write_png(tmp_path / r["output"], np.random.default_rng(0).random((300, 200, 3)))
+    thumbs = tmp_path / "report" / "thumbs"
+    thumbs.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(thumbs)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        with pytest.raises(OSError):               # fill it: no thumbnail fits
+            (thumbs / "filler").write_bytes(b"x" * 8192)
+        with caplog.at_level(logging.WARNING, logger="runner"):
+            write_report(str(tmp_path), rows)
+    finally:
+        subprocess.run(["umount", str(thumbs)], capture_output=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["report: no thumbnail of 30 outputs (media/p00000.png: the disk is full; "
+                     "not tried for the rest)"]
+    assert (tmp_path / "report.html").read_text().count("preview pending") == 30

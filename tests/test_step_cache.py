@@ -413,3 +413,16 @@ def test_compile_cache_key_covers_the_step_reuse_setting(tmp_path):
             key(method="pab")]
     assert len(set(keys)) == 4
     assert key(method="residual", block_skip_range=3) == keys[1]     # a key residual does not read
+
+
+def test_compute_steps_past_a_rows_step_count_is_an_error_naming_the_rows():
+    """plan() ignores an index past a row's last step: the schedule asked for would silently not
+    run. Checked against every row (rows may differ in their step count)."""
+    sc = StepCacheSection(method="residual", compute_steps=[0, 3, 7])
+    step_cache.check_steps(sc, [item(1, steps=8), item(2, steps=10)])       # index 7 < 8: fine
+    with pytest.raises(ConfigError, match=r"compute_steps=\[0, 3, 7\] names step 7, past the last "
+                                          r"step of 1 prompt row \(p.parquet:3 \(7 steps\)\)"):
+        step_cache.check_steps(sc, [item(1, steps=8), item(3, steps=7), item(4, steps=50)])
+    # a ratio scales with each row's count; other methods do not read compute_steps
+    step_cache.check_steps(StepCacheSection(method="residual"), [item(1, steps=2)])
+    step_cache.check_steps(StepCacheSection(method="pab", compute_steps=[0, 99]), [item(1, steps=2)])

@@ -227,3 +227,89 @@ def test_server_that_cannot_start_fails_with_its_log():
         with pytest.raises(RuntimeError, match=r"exited with .*its log:"):
             with moto_server(port=taken.getsockname()[1]):
                 pass
+
+
+# ---------------------------------------------------------------------------------------------
+# A stalled store (issue 37): a server that accepts connections and never answers (its process
+# stopped with SIGSTOP), not one that refuses them. Calls fail in bounded time, naming the store.
+
+@pytest.fixture
+def stalled_s3(monkeypatch):
+    """A moto server of this test's own (pausing the session's would stall other tests), with a
+    bucket and the environment that points runner.storage at it; `.pause()` stops the server
+    process, `.resume()` continues it (always done at the end, before it is stopped)."""
+    import signal
+    import types
+    with moto_server() as server:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+        bucket = f"stall-{uuid.uuid4().hex[:8]}"
+        server.create_bucket(bucket)
+        try:
+            yield types.SimpleNamespace(
+                bucket=bucket, pause=lambda: os.kill(server.proc.pid, signal.SIGSTOP),
+                resume=lambda: os.kill(server.proc.pid, signal.SIGCONT))
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def wait_for(check, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_calls_on_a_stalled_store_fail_in_bounded_time_naming_the_store(stalled_s3, monkeypatch):
+    from runner import storage
+    monkeypatch.setattr(storage, "OP_TIMEOUT_S", 2.0)      # the mechanism, not the production figure
+    store = resolve(f"s3://{stalled_s3.bucket}/job")
+    store.write_text("records/r1.jsonl", "{}\n")
+    stalled_s3.pause()
+    calls = {"write": lambda: store.write_text("records/r2.jsonl", "{}\n"),
+             "write of another object": lambda: store.write_text("media/x.png", "png"),
+             "read": lambda: store.read_bytes("records/r1.jsonl"),
+             "stat": lambda: store.exists("records/r1.jsonl"),
+             "delete": lambda: store.delete("records/r1.jsonl")}
+    first_lines = {}
+    for name, call in calls.items():
+        t = time.monotonic()
+        with pytest.raises(OSError) as e:
+            call()
+        took = time.monotonic() - t
+        assert 1.9 < took < 4.0, (name, took)
+        assert isinstance(e.value, storage.StoreTimeout)
+        first_lines[name] = str(e.value).splitlines()[0]
+        assert f"the store {store.uri()} did not answer" in first_lines[name]
+        assert "stalled or unreachable" in first_lines[name]
+    # one stall, one cause: the first line does not name the object (the second does)
+    assert first_lines["write"] == first_lines["write of another object"]
+    # a write is given 1 s per MiB on top: 2 MiB, 4 s
+    t = time.monotonic()
+    with pytest.raises(storage.StoreTimeout, match=r"no answer after 4 s"):
+        store.write_bytes_atomic("media/big.mp4", b"v" * (2 << 20))
+    assert 3.9 < time.monotonic() - t < 6.0
+    # once the store answers again, a write that timed out lands whole (writes are atomic)
+    stalled_s3.resume()
+    assert wait_for(lambda: store.exists("media/big.mp4"), 60)
+    assert store.read_bytes("media/big.mp4") == b"v" * (2 << 20)
+
+
+def test_the_lock_on_a_stalled_store_is_named_and_removed_once_it_answers(stalled_s3, caplog):
+    from runner.lock import LOCK, job_lock
+    store = resolve(f"s3://{stalled_s3.bucket}/job")
+    t = None
+    with caplog.at_level("WARNING", logger="runner"):
+        with job_lock(store, release_s=lambda: 2.0):   # what is left of a stop deadline
+            assert store.exists(LOCK)
+            stalled_s3.pause()
+            t = time.monotonic()
+        took = time.monotonic() - t                     # never raises, never hangs
+    assert 1.9 < took < 4.0, took
+    warned = [r.getMessage() for r in caplog.records if "could not remove the lock" in r.getMessage()]
+    assert len(warned) == 1 and store.uri(LOCK) in warned[0] and "did not answer within 2 s" in warned[0]
+    stalled_s3.resume()                                 # the release went on in the background
+    assert wait_for(lambda: not store.exists(LOCK), 60)
