@@ -127,13 +127,16 @@ def _call_dense(fn, module, *args, **kwargs):
     return fn(module, *args, **kwargs)
 
 
-def compile_blocks(module: nn.Module, compile_kwargs: dict) -> dict[str, int]:
+def compile_blocks(module: nn.Module, compile_kwargs: dict,
+                   compiled_fns: dict | None = None) -> dict[str, int]:
     """Compile every repeated block of `module`; returns {class name: instances compiled}.
 
-    Blocks nested inside a block that is itself compiled are left to the outer one.
+    Blocks nested inside a block that is itself compiled are left to the outer one. `compiled_fns`
+    ({class: compiled forward}, filled here): pass the same dict for several modules whose blocks
+    share classes (Wan 2.2's two experts), so that they share one compiled function, one graph.
     """
     wanted = set(block_classes(module))
-    compiled_fns: dict[type, callable] = {}
+    compiled_fns = {} if compiled_fns is None else compiled_fns
     counts: dict[str, int] = {}
 
     def visit(m: nn.Module):

@@ -8,7 +8,9 @@ Contract:
   the result rows and resume's "made from" comparison derive from it.
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
-  job's `generation` defaults. Unknown columns are ignored.
+  job's `generation` defaults. `image` (image-to-video models): a path, URI or the image's bytes,
+  checked and located by `runner.images` (its content hash, `image_sha256`, is what an output is
+  made from). Unknown columns are ignored.
 - A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another.
@@ -51,6 +53,7 @@ class Constraints:
     video_length: int | None = None  # video models: the only valid num_frames (Latte)
     frame_step: int | None = None    # video models: num_frames = k * frame_step + 1 (Wan)
     min_steps: int = 1
+    image: str | None = None         # image-to-video: "required" | "optional" (`Family.image`)
 
     @property
     def video(self) -> bool:
@@ -90,6 +93,13 @@ class Item:
     guidance_scale: float = _col()
     file: str                                  # where the row came from (errors, the results table)
     row: int
+    # image-to-video (`runner.images`; last, with defaults: text rows leave them out): where the
+    # row's image is read from (a column, not a parameter: a moved but unchanged image is the same
+    # input), the sha256 of its bytes (the parameter: known on the driver for bytes cells and on a
+    # rerun, else filled in by the worker that read it), and a bytes cell's bytes (not in rows)
+    image: str | None = field(default=None, metadata={"column": True})
+    image_sha256: str | None = field(default=None, metadata={"param": True})
+    image_bytes: bytes | None = field(default=None, repr=False, metadata={"row": False})
 
     @property
     def source(self) -> str:
@@ -100,8 +110,8 @@ class Item:
         return (self.height, self.width, self.num_frames, self.num_inference_steps, self.guidance_scale)
 
     def params(self) -> dict:
-        """Every field: the start of this item's result row."""
-        return asdict(self)
+        """Every field (but a bytes cell's bytes): the start of this item's result row."""
+        return {k: v for k, v in asdict(self).items() if k not in _NOT_IN_ROW}
 
     def made_from(self) -> tuple:
         """What its output is made from (compared with a recorded row's `PARAMS` on resume)."""
@@ -112,6 +122,7 @@ PARAMS = tuple(f.name for f in fields(Item) if f.metadata.get("param"))
 OPTIONAL_COLUMNS = tuple(f.name for f in fields(Item)
                          if f.metadata.get("column") and f.name != "prompt")
 _INT_COLUMNS = tuple(f.name for f in fields(Item) if f.metadata.get("int"))
+_NOT_IN_ROW = tuple(f.name for f in fields(Item) if f.metadata.get("row") is False)
 
 
 @dataclass(frozen=True)
@@ -207,7 +218,7 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
         return []
     fast = _fast_items(table, file, first_row, gen, limits, on_empty)
     if fast is not None:
-        return fast
+        return _with_images(table, file, first_row, fast, limits, bad)
     cols = {c: table.column(c).to_pylist() for c in ("prompt", *OPTIONAL_COLUMNS)
             if c in table.column_names}
     stem = Path(file).stem
@@ -220,7 +231,14 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
             continue
         if item is not None:
             items.append(item)
-    return items
+    return _with_images(table, file, first_row, items, limits, bad)
+
+
+def _with_images(table, file, first_row, items, limits: Constraints, bad) -> list[Item]:
+    if "image" not in table.column_names and limits.image != "required":
+        return items
+    from . import images
+    return images.attach(table, file, first_row, items, limits.image, bad)
 
 
 def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
@@ -294,7 +312,8 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
                "guidance_scale": pc.cast(guidance, pa.float64()).to_pylist(),
                **{k: ints[k].to_pylist() for k in _INT_COLUMNS}, "num_frames": frames,
                "file": [file] * n, "row": rows}
-    return list(map(Item, *(columns[f.name] for f in fields(Item))))   # in field order
+    # in field order; the image fields (last, with defaults) are set by _with_images
+    return list(map(Item, *(columns[f.name] for f in fields(Item) if f.name in columns)))
 
 
 class _Slow(Exception):
@@ -403,6 +422,9 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
                           f"below); fix them and rerun:\n  " + "\n  ".join(errors[:MAX_LISTED]))
     if not items:
         raise PromptError(f"no prompts to run in {files}")
+    if limits.image:
+        from . import images
+        images.check_sample(items, PromptError)
     return files, rows, items
 
 
