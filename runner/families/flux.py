@@ -93,7 +93,8 @@ def encode(pipe, prompts: list[str], max_tokens: int):
 
 FLUX1_DEV = Family(
     name="flux1", kind="image", pipeline="FluxPipeline",
-    # gpu_gib: weights counted on the meta device plus one 1024x1024 call (docs/models.md)
+    # gpu_gib (docs/models.md): the weights counted on the meta device in 16 bits (16.87 B
+    # parameters, 31.4 GiB) plus an estimate of one 1024x1024 call (activations, VAE decode)
     presets={"flux1_dev": dict(hub_id="black-forest-labs/FLUX.1-dev", size_factor=16,
                                max_tokens=512, height=1024, width=1024, gpu_gib=36.0)},
     build=build, encode=encode, denoiser_config=denoiser_config,

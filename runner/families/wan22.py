@@ -123,12 +123,15 @@ def _a14b(height: int, width: int, gpu_gib: float) -> dict:
                 height=height, width=width, size="14b", gpu_gib=gpu_gib)
 
 
-# gpu_gib (docs/models.md, "GPU memory"): weights counted on the meta device (fp16/bf16) plus
-# activations of one call at the preset's size, diffusers' VAE decode included (the jobs keep the
-# VAE uncompiled for A14B: compiler.video_vae's chunked decode peaks at 18.6 GiB at 480x832).
+# gpu_gib (docs/models.md, "GPU memory"): the weights counted on the meta device in 16 bits (A14B:
+# 34.39 B parameters, 64.0 GiB; TI2V-5B: 11.39 B, 21.2 GiB) plus estimates of what a call at the
+# preset's size adds: the step activations a CUDA-graph pool keeps (A14B 720p ~5, 480p ~2.2 GiB) and
+# diffusers' per-frame VAE decode (5.1 GiB measured at 480x832, scaled by pixels: ~11.7 at 720p).
+# The A14B presets keep the VAE uncompiled (conf/models): compiler.video_vae's chunked decode
+# peaks at 18.6 GiB at 480x832, which one 80 GB GPU does not have left beside two experts.
 WAN22_A14B = Family(
     name="wan22_a14b", kind="video", pipeline="WanPipeline",
-    presets={"wan22_t2v_a14b": _a14b(720, 1280, 78.0),
+    presets={"wan22_t2v_a14b": _a14b(720, 1280, 81.0),
              "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0)},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks")
@@ -137,7 +140,7 @@ WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
     presets={"wan22_ti2v_5b": dict(hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers", size_factor=32,
                                    max_tokens=512, height=704, width=1280, size="5b",
-                                   gpu_gib=40.0)},
+                                   gpu_gib=38.0)},
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks",
     image="optional", image_pipeline=image_pipeline)

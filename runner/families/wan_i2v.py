@@ -86,11 +86,12 @@ def _preset(res: str, height: int, width: int, gpu_gib: float) -> dict:
                 height=height, width=width, gpu_gib=gpu_gib)
 
 
-# gpu_gib: weights counted on the meta device plus one call's activations at the preset's size
-# (docs/models.md, "GPU memory")
+# gpu_gib (docs/models.md, "GPU memory"): the weights counted on the meta device in 16 bits (22.84 B
+# parameters, 42.5 GiB: the transformer is 16.4 B with its image projections) plus estimates of a
+# call's step activations and diffusers' per-frame VAE decode (5.1 GiB at 480x832, ~11.7 at 720p)
 WAN21_I2V = Family(
     name="wan21_i2v", kind="video", pipeline="WanImageToVideoPipeline",
-    presets={"wan21_i2v_14b_480p": _preset("480P", 480, 832, 60.0),
-             "wan21_i2v_14b_720p": _preset("720P", 720, 1280, 66.0)},
+    presets={"wan21_i2v_14b_480p": _preset("480P", 480, 832, 50.0),
+             "wan21_i2v_14b_720p": _preset("720P", 720, 1280, 60.0)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", image="required")
