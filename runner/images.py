@@ -102,6 +102,14 @@ def attach(table: pa.Table, file: str, first_row: int, items: list, need: str | 
             f"gs:// URI) or the image's bytes (binary)")
         return []
     cells = col.to_pylist()
+    if need is None:
+        given = sum(not _empty(c) for c in cells)
+        if given:
+            bad(f"{file}: column 'image' names {given} images, but this model is text-to-video "
+                f"only: use an image-to-video preset ({', '.join(image_presets())}; "
+                f"docs/models.md) or drop the column")
+            return []
+        return items
     out = []
     for it in items:
         cell = cells[it.row - first_row]
@@ -112,16 +120,22 @@ def attach(table: pa.Table, file: str, first_row: int, items: list, need: str | 
     return out
 
 
-def _with_image(item, cell, need: str | None):
-    empty = cell is None or (isinstance(cell, str) and not cell.strip()) or cell == b""
-    if empty:
+def _empty(cell) -> bool:
+    return cell is None or (isinstance(cell, str) and not cell.strip()) or cell == b""
+
+
+def image_presets() -> list[str]:
+    """The presets whose model takes an image (for messages)."""
+    from .families import PRESETS
+    return sorted(p for p, f in PRESETS.items() if f.image)
+
+
+def _with_image(item, cell, need: str):
+    if _empty(cell):
         if need == "required":
             raise ValueError("image is empty; this model animates an image per row (a path, an "
                              "s3:// or gs:// URI, or the image's bytes)")
         return item
-    if need is None:
-        raise ValueError("image given, but this model is text-to-video only: use an image-to-video "
-                         "preset (docs/models.md) or drop the column")
     if isinstance(cell, (bytes, bytearray)):
         sha = hashlib.sha256(cell).hexdigest()
         return dataclasses.replace(item, image=BYTES + sha, image_sha256=sha, image_bytes=bytes(cell))
