@@ -15,9 +15,11 @@ Batching: the pipeline encodes one image per call and repeats it over the batch,
 that share their image (the worker groups them: `runner.worker`), each with its own prompt and seed.
 
 Sources: the transformer config is diffusers/scripts/convert_wan_to_diffusers.py's
-"Wan-I2V-14B-480p"/"-720p" (the hub's transformer/config.json), which also loads the image encoder
-(`CLIPVisionModelWithProjection`) and its processor from laion/CLIP-ViT-H-14-laion2B-s32B-b79K
-(whose vision config and OpenAI-CLIP preprocessing are written below); the settings are the
+"Wan-I2V-14B-480p"/"-720p" (the hub's transformer/config.json), which also takes the image encoder
+and its processor from laion/CLIP-ViT-H-14-laion2B-s32B-b79K (its vision config and OpenAI-CLIP
+preprocessing are written below). The script loads it as `CLIPVisionModelWithProjection`; the hub
+checkpoints' model_index.json name `CLIPVisionModel` (the pipeline's annotation too, and it reads
+hidden states, never the projection), which is what is built here; the settings are the
 diffusers Wan docs' I2V example (guidance 5.0, 81 frames, fps 16) and the model cards (50 steps).
 """
 
@@ -47,7 +49,7 @@ def denoiser_config(preset: dict, tiny: bool) -> dict:
 
 
 def _image_encoder(tiny: bool):
-    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModelWithProjection
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
     cfg = dict(CLIP_VISION_H14)
     proc = dict(PROCESSOR)
     if tiny:
@@ -56,7 +58,7 @@ def _image_encoder(tiny: bool):
         proc.update(size={"shortest_edge": TINY_IMAGE},
                     crop_size={"height": TINY_IMAGE, "width": TINY_IMAGE})
     # the PIL processor: transformers 5's CLIPImageProcessor wants torchvision, which we do not ship
-    return CLIPVisionModelWithProjection(CLIPVisionConfig(**cfg)), CLIPImageProcessorPil(**proc)
+    return CLIPVisionModel(CLIPVisionConfig(**cfg)), CLIPImageProcessorPil(**proc)
 
 
 def encode(pipe, prompts: list[str], max_tokens: int):
