@@ -86,6 +86,8 @@ def generate(pipe, family: Family, items: list[Item], device: str, clock=None,
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
+    if image is None and family.image == "required":
+        raise ValueError(f"{family.name} animates an image per row (the `image` column): none given")
     call = pipe
     if image is not None:
         call = family.image_pipeline(pipe) if family.image_pipeline else pipe
