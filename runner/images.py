@@ -240,11 +240,15 @@ def fit(data: bytes, width: int, height: int, name: str = "image"):
     return img.crop((left, top, left + width, top + height))
 
 
+def label(item) -> str:
+    """How messages name the item's image."""
+    return f"image {item.image}" if item.image_bytes is None else "image (bytes)"
+
+
 def load(item, stores: dict | None = None) -> tuple[object, str]:
     """(fitted PIL image at the item's size, sha256 of its bytes); ImageError if unusable."""
     data, sha = read(item, stores)
-    name = f"image {item.image}" if item.image_bytes is None else "image (bytes)"
-    return fit(data, item.width, item.height, name), sha
+    return fit(data, item.width, item.height, label(item)), sha
 
 
 def placeholder(width: int, height: int):

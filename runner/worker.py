@@ -374,12 +374,14 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         return self.text.key(item) + ((item.image,) if item.image is not None else ())
 
     def _load_image(self, item: Item) -> tuple:
-        """read thread: (fitted image, sha256, None) or (None, None, the reason it is unusable)."""
+        """read thread: (fitted image, sha256, None), or (None, sha256 of the bytes if they could be
+        read, the reason the image is unusable)."""
+        sha = None
         try:
-            img, sha = images.load(item, self._stores)
+            data, sha = images.read(item, self._stores)
+            return images.fit(data, item.width, item.height, images.label(item)), sha, None
         except images.ImageError as e:
-            return None, None, f"ImageError: {e}"
-        return img, sha, None
+            return None, sha, f"ImageError: {e}"
 
     def _encode(self, items: list[Item]) -> tuple[dict[str, Embeds] | None, Marks]:
         """gpu thread: the shard's prompts in one text-encoder call. An error here is left to the
@@ -442,10 +444,10 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         picture = None
         if image is not None:
             picture, sha, error = image.result()
+            # what the output (or the failed attempt) is made from: the bytes this worker read
+            batch = [dataclasses.replace(it, image_sha256=sha) for it in batch]
             if error is not None:
                 return [Generated(batch, time.perf_counter(), time.time(), error=error)]
-            # what the output is made from: the bytes this worker read
-            batch = [dataclasses.replace(it, image_sha256=sha) for it in batch]
         try:
             return [self._call(batch, embeds, picture)]
         except Exception as e:
