@@ -20,8 +20,8 @@ checkpoint); the VAE is SD3's AutoencoderKL config with scaling_factor 0.3611 an
 (the same script), no quant convs (the hub's vae/config.json); the scheduler_config.json
 (FlowMatchEulerDiscreteScheduler: shift 3.0, use_dynamic_shifting, base/max_image_seq_len 256/4096,
 base/max_shift 0.5/1.15); CLIP-L is openai/clip-vit-large-patch14's text config; the T5 is
-google/t5-v1_1-xxl's (`parts.PUBLISHED["t5_xxl"]`); 28 steps and guidance 3.5 are the model card's
-example and FluxPipeline's default guidance.
+google/t5-v1_1-xxl's (`parts.PUBLISHED["t5_xxl"]`); 28 steps and guidance 3.5 are FluxPipeline's
+defaults (diffusers' FLUX docs run FLUX.1-dev at 3.5 with 50 steps in their example).
 """
 
 from __future__ import annotations
