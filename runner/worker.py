@@ -343,13 +343,16 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                       num_inference_steps=step_cache.warmup_steps(   # a reused step too, if any
                           self.cfg.step_cache, max(self.cfg.warmup_steps, self.cfg.limits.min_steps)),
                       file="warmup", row=k) for k in range(self.cfg.batch_size)]
-        # a model that needs an image warms up on a grey one (one that takes it optionally: on its
-        # text path, which runs the same denoiser shapes)
-        image = images.placeholder(g.width, g.height) if self.family.image == "required" else None
-        with torch.inference_mode():   # the serving path, conversion and copy included
-            x = generate(self.pipe, self.family, items, self.spec.device,
-                         mask_feature=self.spec.mask_feature, output_type="pt", image=image)
-            to_host_uint8(x, pin=self.cuda)
+        # a model that needs an image warms up on a grey one; one that takes it optionally on both
+        # paths (its image rows' pipeline calls the denoiser with one more argument: step graphs of
+        # their own, captured here rather than on the first image row)
+        grey = images.placeholder(g.width, g.height)
+        paths = {"required": [grey], "optional": [None, grey]}.get(self.family.image, [None])
+        for image in paths:
+            with torch.inference_mode():   # the serving path, conversion and copy included
+                x = generate(self.pipe, self.family, items, self.spec.device,
+                             mask_feature=self.spec.mask_feature, output_type="pt", image=image)
+                to_host_uint8(x, pin=self.cuda)
 
     # -- serving -------------------------------------------------------------------------------
 
