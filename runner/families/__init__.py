@@ -1,7 +1,8 @@
 """Model families, one module each (`latte`, `pixart`, `sd21`, `wan`, `wan22`, `wan_i2v`,
-`flux`), one `Family` record per family (`record.py`) in the plain dict `FAMILIES`; `PRESETS` maps a
-preset name (conf/models/) to its family. Adding a family: write its module, add it to the tuple below, add conf/models/<preset>.yaml
-(and a job in jobs/). README "Adding a model family".
+`flux`), one `Family` record per family (`record.py`) in the plain dict `FAMILIES`; `PRESETS` maps
+a preset name (conf/models/) to its family. Adding a family: write its module, add it to the tuple
+below, add conf/models/<preset>.yaml (and a job in jobs/). README "Adding a model family";
+docs/models.md lists them all.
 """
 
 from __future__ import annotations
