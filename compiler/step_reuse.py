@@ -45,8 +45,9 @@ from .cudagraph import StepGraph
 class _Stack:
     """What the lists of one installed stack share: `first` (over the whole stack), the block
     inputs its outputs are, this call's mode (None, or (kind, branch)), the inputs at
-    blocks[first] on a computed step, and the residual buffers (kept in the first list's
-    __dict__ as `_step_residual`, {(branch or (branch, output), shape, dtype, device): tensor})."""
+    blocks[first] on a computed step; the residual buffers are kept by the first list (`owner`,
+    in its __dict__ as `_step_residual`: {(branch or (branch, output), shape, dtype, device):
+    tensor})."""
 
     def __init__(self, lists: list[nn.ModuleList], first: int, outputs: tuple[str, ...]):
         self.lists, self.first, self.outputs = lists, first, outputs
@@ -55,7 +56,7 @@ class _Stack:
         self.position = {n: names.index(n) for n in outputs if n in names}
         self.mode = None
         self.entry = None
-        self.store = lists[0].__dict__.setdefault("_step_residual", {})
+        self.owner = lists[0]          # keeps the residual buffers (`residual`)
 
     def values(self, args, kwargs) -> list[torch.Tensor]:
         """The block inputs that its outputs replace, in output order."""
@@ -117,7 +118,7 @@ class _Leave:
         out, entry = st.values(args, kwargs), st.entry
         st.entry = None
         for i, (h, h_in) in enumerate(zip(out, entry)):
-            torch.sub(h, h_in, out=residual(st.store, st.key(self.branch, i), h, create=True))
+            torch.sub(h, h_in, out=residual(st.owner, st.key(self.branch, i), h, create=True))
         return st.result(out)
 
 
@@ -129,14 +130,15 @@ class _Reuse:
 
     def __call__(self, *args, **kwargs):
         st = self.stack
-        return st.result([h + residual(st.store, st.key(self.branch, i), h, create=False)
+        return st.result([h + residual(st.owner, st.key(self.branch, i), h, create=False)
                           for i, h in enumerate(st.values(args, kwargs))])
 
 
-def residual(store: dict, branch, like: torch.Tensor, create: bool) -> torch.Tensor:
+def residual(owner: nn.Module, branch, like: torch.Tensor, create: bool) -> torch.Tensor:
     """The kept residual of `branch` for `like`'s shape: one fixed buffer per (branch, shape,
-    dtype, device) in `store` (its address is what a captured graph writes and reads).
+    dtype, device) in `owner`'s __dict__ (its address is what a captured graph writes and reads).
     `create=False`: it must exist (a call's first step is computed)."""
+    store = owner.__dict__.setdefault("_step_residual", {})
     key = (branch, tuple(like.shape), like.dtype, like.device)
     buf = store.get(key)
     if buf is None:
