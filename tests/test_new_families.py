@@ -189,3 +189,32 @@ def test_flux_gets_pooled_clip_embeddings_and_no_negative_branch():
     assert len(calls) == 2 and float(calls[0][0]) == 3.5         # one call a step, guidance embedded
     alone = generate(pipe, fam, items[1:], "cpu")
     np.testing.assert_allclose(pair[1], alone[0], atol=1e-4)
+
+
+def test_ti2v_vae_stays_on_diffusers_decode_under_compile():
+    """compiler.video_vae chunks Wan 2.1's decoder only: Wan 2.2's residual 48-channel VAE keeps
+    diffusers' decode when the pipeline is compiled (A14B's Wan 2.1 VAE gets the chunked one)."""
+    import compiler
+    from compiler import video_vae
+    ti2v = build_pipeline(ModelSpec("wan22_ti2v_5b", source="tiny"))
+    a14b = build_pipeline(ModelSpec("wan22_t2v_a14b", source="tiny"))
+    assert not video_vae.supported(ti2v.vae) and video_vae.supported(a14b.vae)
+    compiler.compile_pipe(ti2v, {"mode": "O2", "compile_text_encoder": False})  # compiles lazily
+    assert ti2v._compile_report["vae_blocks"] == {}
+    assert ti2v.vae._decode.__func__ is type(ti2v.vae)._decode
+
+
+def test_a_worker_checks_gpu_memory_before_it_loads_anything(tmp_path, monkeypatch):
+    """The worker's first act: a GPU with less free memory than the preset needs stops it with the
+    named error, before any weights are built."""
+    import runner.worker as worker
+    from runner.config import GenerationDefaults
+    from runner.prompts import Constraints
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (59.5 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "the test GPU")
+    monkeypatch.setattr(worker, "build_pipeline", lambda spec: pytest.fail("loaded a model"))
+    cfg = worker.WorkerConfig(model=ModelSpec("wan21_i2v_14b_720p", source="random", device="cuda"),
+                              generation=GenerationDefaults(), limits=Constraints(size_factor=16),
+                              on_empty="error", job_dir=str(tmp_path))
+    with pytest.raises(ModelLoadError, match=r"needs about 60 GiB .* the test GPU has 59.5 GiB free"):
+        worker.Worker(0, cfg)
