@@ -105,8 +105,8 @@ def attach(table: pa.Table, file: str, first_row: int, items: list, need: str | 
     if need is None:
         given = sum(not _empty(c) for c in cells)
         if given:
-            bad(f"{file}: column 'image' names {given} images, but this model is text-to-video "
-                f"only: use an image-to-video preset ({', '.join(image_presets())}; "
+            bad(f"{file}: column 'image' names {given} images, but this model takes text only "
+                f"(no image): use an image-to-video preset ({', '.join(image_presets())}; "
                 f"docs/models.md) or drop the column")
             return []
         return items

@@ -65,7 +65,7 @@ def test_paths_are_located_relative_to_their_parquet_file_and_bytes_are_hashed(t
      "p.parquet:1: image 'https://example.com/b.png': scheme 'https' is not read here"),
     ({"image": ["a.png", None]}, REQUIRED, "p.parquet:1: image is empty"),
     ({}, REQUIRED, "no 'image' column"),
-    ({"image": ["a.png", None]}, TEXT, "names 1 images, but this model is text-to-video only"),
+    ({"image": ["a.png", None]}, TEXT, "names 1 images, but this model takes text only (no image)"),
 ])
 def test_bad_image_cells_are_exit_2_naming_file_and_row(tmp_path, column, limits, needle):
     png(tmp_path / "a.png")
