@@ -385,6 +385,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             return images.fit(data, item.width, item.height, images.label(item)), sha, None
         except images.ImageError as e:
             return None, sha, f"ImageError: {e}"
+        except Exception as e:   # anything else about this image (PIL's decompression-bomb guard)
+            return None, sha, f"ImageError: {images.label(item)}: {type(e).__name__}: {e}"
 
     def _encode(self, items: list[Item]) -> tuple[dict[str, Embeds] | None, Marks]:
         """gpu thread: the shard's prompts in one text-encoder call. An error here is left to the
