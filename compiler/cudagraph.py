@@ -30,6 +30,7 @@ class StepGraph:
         self.graphs: dict = {}
         self.pool = None
         self.stream = None  # one side stream for every warm-up and capture (see module docstring)
+        self.share = None   # another StepGraph whose pool and stream this one uses (`wrap_step`)
 
     @staticmethod
     def _signature(leaves, spec):
@@ -62,8 +63,11 @@ class StepGraph:
         inputs = [s if s is not None else x for s, x in zip(static_in, leaves)]
         args, kwargs = tree_unflatten(inputs, spec)
         if self.stream is None:
-            self.stream = torch.cuda.Stream()
-            self.pool = torch.cuda.graph_pool_handle()
+            owner = self.share
+            if owner is not None and owner.stream is None:
+                owner.stream, owner.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+            self.stream = owner.stream if owner is not None else torch.cuda.Stream()
+            self.pool = owner.pool if owner is not None else torch.cuda.graph_pool_handle()
         # Warm up on the side stream (CUDA graph rules); compiles happen here.
         side = self.stream
         side.wait_stream(torch.cuda.current_stream())
@@ -79,8 +83,12 @@ class StepGraph:
         return static_in, graph, out_leaves, out_spec
 
 
-def wrap_step(module: torch.nn.Module) -> StepGraph:
-    """Replace `module.forward` with a `StepGraph` of it (outermost wrapper)."""
+def wrap_step(module: torch.nn.Module, share: StepGraph | None = None) -> StepGraph:
+    """Replace `module.forward` with a `StepGraph` of it (outermost wrapper). `share`: another
+    module's StepGraph whose memory pool and side stream this one uses too (two denoisers that
+    never run at once, Wan 2.2's experts: one pool of step activations, not two)."""
     step = StepGraph(module.forward)
+    if share is not None:
+        step.share = share
     module.forward = step
     return step

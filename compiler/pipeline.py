@@ -26,6 +26,20 @@ def denoiser_of(pipe) -> torch.nn.Module:
     return den
 
 
+def denoisers_of(pipe) -> list[torch.nn.Module]:
+    """The denoiser, and a second expert where the pipeline has one (diffusers' `transformer_2`:
+    Wan 2.2 A14B's low-noise expert, switched to at the pipeline's `boundary_ratio`)."""
+    second = getattr(pipe, "transformer_2", None)
+    return [denoiser_of(pipe)] + ([second] if second is not None else [])
+
+
+# The text encoders, compiled when `compile_text_encoder` is on: text_encoder_2 is the T5 of
+# two-encoder pipelines (FLUX's CLIP + T5). An image-to-video pipeline's image encoder stays eager:
+# Wan 2.1 I2V reads its hidden states, which transformers 5 collects through forward hooks on a
+# ContextVar that Dynamo cannot trace, and it is one 224x224 image per call (~0.2 TFLOP).
+ENCODERS = ("text_encoder", "text_encoder_2")
+
+
 def prewarm() -> threading.Thread:
     """Start importing what a compiled call needs (Dynamo, Inductor with its lowerings and kernel
     templates, the Triton runtime) and the torch source hash Inductor's caches are keyed on, in a
@@ -100,6 +114,32 @@ def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[s
     return {} if opts.dynamic else transforms.compile_blocks(vae.decoder, aux_kw)
 
 
+def _gpu_transforms(den, opts: CompileOptions, fused: bool, report: dict) -> None:
+    """The CUDA-only transforms of one denoiser (FP8, fused GELU, short attention kernels);
+    counts are added to `report`'s."""
+    def add(key, n):
+        report[key] = report.get(key, 0) + n
+    blocks = transforms.block_classes(den)
+    if opts.has("low_precision") and transforms.fp8_supported(den):
+        add("fp8_linears", transforms.to_fp8(den, blocks))
+        add("fp8_feedforwards", quant.fp8_feedforward(den))
+    if opts.fuse_gelu:
+        add("fused_gelu", transforms.fuse_gelu(den))
+    if opts.short_attention and fused:
+        add("short_attention", use_short_attention(den))
+    if opts.short_cross_attention and fused:
+        add("short_cross_attention", use_short_cross_attention(den))
+
+
+def _add_counts(counts) -> dict[str, int]:
+    """{class name: instances} summed over several `compile_blocks` reports."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     opts = parse_options(options)
     done = getattr(pipe, "_compile_options", None)
@@ -108,7 +148,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             return pipe
         raise ValueError(f"pipeline already compiled with mode {done.mode!r}; build a fresh pipeline "
                          f"to compile it with {opts.mode!r}")
-    den = denoiser_of(pipe)
+    dens = denoisers_of(pipe)
+    den = dens[0]
     device = _device_type(den)
     report: dict = {"options": opts.to_dict(), "device": device}
 
@@ -116,19 +157,11 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
 
     fused = fuse_qkv_projections and opts.fuse_qkv
     if fused:
-        report["fused_attention"] = transforms.fuse_qkv(den)
+        report["fused_attention"] = sum(transforms.fuse_qkv(d) for d in dens)
 
     if opts.compile and device == "cuda":
-        blocks = transforms.block_classes(den)
-        if opts.has("low_precision") and transforms.fp8_supported(den):
-            report["fp8_linears"] = transforms.to_fp8(den, blocks)
-            report["fp8_feedforwards"] = quant.fp8_feedforward(den)
-        if opts.fuse_gelu:
-            report["fused_gelu"] = transforms.fuse_gelu(den)
-        if opts.short_attention and fused:
-            report["short_attention"] = use_short_attention(den)
-        if opts.short_cross_attention and fused:
-            report["short_cross_attention"] = use_short_cross_attention(den)
+        for d in dens:   # every expert the same transforms: counts add up over them
+            _gpu_transforms(d, opts, fused, report)
 
     if opts.memory_format == "channels_last":   # 2-D convolutions only (Wan's VAE is 3-D)
         for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):
@@ -140,11 +173,18 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
         kw = compile_kwargs(opts)
         if block_pairs.has_block_pairs(den):  # spatial+temporal pairs, the layout changes between them
             report["compiled_blocks"] = block_pairs.compile_pairs(den, kw)
-        else:
-            report["compiled_blocks"] = transforms.compile_blocks(den, kw)
+        else:   # experts share the compiled function of their block class: one graph for both
+            shared: dict = {}
+            report["compiled_blocks"] = _add_counts(
+                transforms.compile_blocks(d, kw, shared) for d in dens)
         aux_kw = compile_kwargs(opts, denoiser=False)
-        if opts.compile_text_encoder is not False and getattr(pipe, "text_encoder", None) is not None:
-            report["text_encoder_blocks"] = transforms.compile_blocks(pipe.text_encoder, aux_kw)
+        if opts.compile_text_encoder is not False:
+            encoders = [getattr(pipe, n, None) for n in ENCODERS]
+            encoders = [e for e in encoders if isinstance(e, torch.nn.Module)]
+            if encoders:
+                shared = {}
+                report["text_encoder_blocks"] = _add_counts(
+                    transforms.compile_blocks(e, aux_kw, shared) for e in encoders)
         vae = getattr(pipe, "vae", None)
         if opts.compile_vae is not False and vae is not None:
             report["vae_blocks"] = _compile_vae(vae, opts, aux_kw, device)
@@ -153,13 +193,16 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
                                    for k in ("compiled_blocks", "text_encoder_blocks", "vae_blocks")))
 
     if device == "cuda" and opts.sdpa_priority:
-        transforms.with_sdpa_priority(den)
+        for d in dens:
+            transforms.with_sdpa_priority(d)
         report["sdpa_priority"] = list(transforms.SDPA_PRIORITY)
 
     if opts.has("cudagraphs"):
         if device == "cuda":
-            wrap_step(den)
-            report["cudagraphs"] = "denoiser step"
+            first = wrap_step(den)
+            for d in dens[1:]:       # the experts never run at once: one pool of step memory
+                wrap_step(d, share=first)
+            report["cudagraphs"] = "denoiser step" + (f" ({len(dens)} experts)" if len(dens) > 1 else "")
         else:
             log.info("cudagraphs ignored on %s", device)
 

@@ -2,33 +2,39 @@
 again, without running them, on a reused step (lossy; TeaCache's and LeMiCa's reuse, cache-dit's
 DBCache "F<n>B0").
 
-Contract: `install(denoiser, blocks, first=0)` makes `denoiser(...)` take two more keyword
-arguments and returns how many blocks a reused step skips:
+Contract: `install(denoiser, blocks, first=0, outputs=("hidden_states",))` makes `denoiser(...)`
+take two more keyword arguments and returns how many blocks a reused step skips:
 - `step_reuse`: None (the model's own forward, untouched), `"compute"` or `"reuse"`;
 - `branch`: which kept residual a call reads and writes (any hashable; one per classifier-free
   guidance branch for pipelines that run the conditional and unconditional passes as two calls).
-`denoiser.<blocks>` is the block stack: an `nn.ModuleList` that the model's forward walks as
-`hidden = block(hidden, ...)`, each block mapping hidden states (B, N, C) to the same shape
-(diffusers' DiTs: `blocks` in Wan, `transformer_blocks` in PixArt). On a call with `step_reuse`:
-- `"compute"`: every block runs; the residual of blocks[first:] (their output minus their input,
-  (B, N, C)) is kept in one fixed buffer per (branch, shape, dtype, device);
+`blocks` names the block stack: one attribute of `denoiser` holding an `nn.ModuleList` (Wan's
+`blocks`, PixArt's `transformer_blocks`), or several walked one after the other by the model's
+forward, the stack being their concatenation (FLUX's 19 `transformer_blocks` then 38
+`single_transformer_blocks`). `outputs` names what a block returns, as the block inputs they
+replace: `("hidden_states",)` for a block mapping hidden states (B, N, C) to the same shape,
+`("encoder_hidden_states", "hidden_states")` for FLUX's blocks, which return the pair
+((B, T, C) text, (B, N, C) image) in that order. The blocks of a stack share their forward's
+parameter order (how a positional input is found by name). On a call with `step_reuse`:
+- `"compute"`: every block runs; the residual of blocks[first:] (their outputs minus their inputs,
+  one tensor per output) is kept in one fixed buffer per (branch, output, shape, dtype, device);
 - `"reuse"`: blocks[:first] run (their output is this step's own: cache-dit's "first block(s)
-  computed", F1B0 for first=1), the rest are skipped and the kept residual is added instead.
-The embeddings before the stack and the final layer after it run on every step, with the step's
-own timestep.
+  computed", F1B0 for first=1), the rest are skipped and the kept residuals are added instead.
+`first` counts over the whole stack (FLUX: 19 is the first single block). The embeddings before
+the stack and the final layer after it run on every step, with the step's own timestep.
 
 Why this shape: the decision is a Python argument, never read from a tensor, so there is no host
 sync per step and a whole-step CUDA graph (`compiler.cudagraph.StepGraph`, which keys its graphs
 on non-tensor arguments) captures each (step_reuse, branch) once, reading and writing the same
-buffer on every replay. The block list keeps its modules (parameters, state_dict, per-block
-compilation and FP8 transforms are untouched): only its iteration during such a call changes,
-through a subclass swapped in as its `__class__`. Installed after `compile_pipe`, the argument
+buffer on every replay. The block lists keep their modules (parameters, state_dict, per-block
+compilation and FP8 transforms are untouched): only their iteration during such a call changes,
+through a subclass swapped in as their `__class__`. Installed after `compile_pipe`, the argument
 handling goes beneath the step graph (`StepGraph.fn`), so the graph sees the arguments.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -36,60 +42,96 @@ from torch import nn
 from .cudagraph import StepGraph
 
 
+class _Stack:
+    """What the lists of one installed stack share: `first` (over the whole stack), the block
+    inputs its outputs are, this call's mode (None, or (kind, branch)), the inputs at
+    blocks[first] on a computed step; the residual buffers are kept by the first list (`owner`,
+    in its __dict__ as `_step_residual`: {(branch or (branch, output), shape, dtype, device):
+    tensor})."""
+
+    def __init__(self, lists: list[nn.ModuleList], first: int, outputs: tuple[str, ...]):
+        self.lists, self.first, self.outputs = lists, first, outputs
+        self.total = sum(len(l) for l in lists)
+        names = list(inspect.signature(type(lists[0][0]).forward).parameters)[1:]   # without self
+        self.position = {n: names.index(n) for n in outputs if n in names}
+        self.mode = None
+        self.entry = None
+        self.owner = lists[0]          # keeps the residual buffers (`residual`)
+
+    def values(self, args, kwargs) -> list[torch.Tensor]:
+        """The block inputs that its outputs replace, in output order."""
+        return [kwargs[n] if n in kwargs else args[self.position[n]] for n in self.outputs]
+
+    def result(self, values: list[torch.Tensor]):
+        """What a block returns: the tensor, or the tuple for several outputs."""
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def key(self, branch, i: int):
+        return branch if len(self.outputs) == 1 else (branch, i)
+
+    def walk(self, blocks: ReusableBlocks) -> list:
+        """The iteration of one of the stack's lists during a call with `step_reuse`."""
+        kind, branch = self.mode
+        out = []
+        for k, block in enumerate(blocks._modules.values(), blocks.__dict__["_reuse_offset"]):
+            if k == self.first:
+                out.append(_Enter(self) if kind == "compute" else _Reuse(self, branch))
+            if kind == "reuse" and k >= self.first:
+                break                  # this list's (and every later list's) rest is skipped
+            out.append(block)
+        if kind == "compute" and blocks is self.lists[-1]:
+            out.append(_Leave(self, branch))
+        return out
+
+
 class ReusableBlocks(nn.ModuleList):
-    """A block list whose iteration, during a call with `step_reuse`, runs the stack as the module
-    docstring says. `_reuse_first` and `_reuse_mode` live in the instance's __dict__."""
+    """A block list whose iteration, during a call with `step_reuse`, runs its part of the stack
+    as the module docstring says. `_reuse` (the `_Stack`) and `_reuse_offset` (the global index of
+    its first block) live in the instance's __dict__."""
 
     def __iter__(self):
-        mode = self.__dict__.get("_reuse_mode")
-        if mode is None:
+        stack = self.__dict__.get("_reuse")
+        if stack is None or stack.mode is None:
             return super().__iter__()
-        kind, branch = mode
-        blocks = list(self._modules.values())
-        first = self.__dict__["_reuse_first"]
-        if kind == "compute":
-            return iter([*blocks[:first], _Enter(self), *blocks[first:], _Leave(self, branch)])
-        return iter([*blocks[:first], _Reuse(self, branch)])
-
-
-def _hidden(args, kwargs) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+        return iter(stack.walk(self))
 
 
 class _Enter:
-    """Stands in the stack before blocks[first]: notes their input, returns it unchanged."""
+    """Stands in the stack before blocks[first]: notes their inputs, returns them unchanged."""
 
-    def __init__(self, stack):
+    def __init__(self, stack: _Stack):
         self.stack = stack
 
     def __call__(self, *args, **kwargs):
-        h = _hidden(args, kwargs)
-        self.stack.__dict__["_reuse_input"] = h
-        return h
+        self.stack.entry = self.stack.values(args, kwargs)
+        return self.stack.result(self.stack.entry)
 
 
 class _Leave:
-    """Stands after the last block: keeps output - input of blocks[first:] in the branch's buffer."""
+    """Stands after the last block: keeps output - input of blocks[first:] in the branch's buffers."""
 
-    def __init__(self, stack, branch):
+    def __init__(self, stack: _Stack, branch):
         self.stack, self.branch = stack, branch
 
     def __call__(self, *args, **kwargs):
-        h = _hidden(args, kwargs)
-        h_in = self.stack.__dict__.pop("_reuse_input")
-        torch.sub(h, h_in, out=residual(self.stack, self.branch, h, create=True))
-        return h
+        st = self.stack
+        out, entry = st.values(args, kwargs), st.entry
+        st.entry = None
+        for i, (h, h_in) in enumerate(zip(out, entry)):
+            torch.sub(h, h_in, out=residual(st.owner, st.key(self.branch, i), h, create=True))
+        return st.result(out)
 
 
 class _Reuse:
-    """Stands for blocks[first:] on a reused step: their kept residual added to the input."""
+    """Stands for blocks[first:] on a reused step: their kept residuals added to their inputs."""
 
-    def __init__(self, stack, branch):
+    def __init__(self, stack: _Stack, branch):
         self.stack, self.branch = stack, branch
 
     def __call__(self, *args, **kwargs):
-        h = _hidden(args, kwargs)
-        return h + residual(self.stack, self.branch, h, create=False)
+        st = self.stack
+        return st.result([h + residual(st.owner, st.key(self.branch, i), h, create=False)
+                          for i, h in enumerate(st.values(args, kwargs))])
 
 
 def residual(owner: nn.Module, branch, like: torch.Tensor, create: bool) -> torch.Tensor:
@@ -110,37 +152,49 @@ def residual(owner: nn.Module, branch, like: torch.Tensor, create: bool) -> torc
     return buf
 
 
-def _forward(stack: ReusableBlocks, inner, *args, step_reuse: str | None = None, branch=None,
-             **kwargs):
+def _forward(stack: _Stack, inner, *args, step_reuse: str | None = None, branch=None, **kwargs):
     """The denoiser's forward with the two arguments of `install` (the stack's mode is set for
     this call only)."""
     if step_reuse not in (None, "compute", "reuse"):
         raise ValueError(f"step_reuse={step_reuse!r}: expected None, 'compute' or 'reuse'")
     if step_reuse is None:
         return inner(*args, **kwargs)
-    stack.__dict__["_reuse_mode"] = (step_reuse, branch)
+    stack.mode = (step_reuse, branch)
     try:
         return inner(*args, **kwargs)
     finally:
-        stack.__dict__["_reuse_mode"] = None
-        stack.__dict__.pop("_reuse_input", None)
+        stack.mode = stack.entry = None
 
 
-def install(denoiser: nn.Module, blocks: str, first: int = 0) -> int:
+def _lists(denoiser: nn.Module, blocks: str | tuple[str, ...]) -> list[nn.ModuleList]:
+    names = (blocks,) if isinstance(blocks, str) else tuple(blocks)
+    lists = [getattr(denoiser, n, None) for n in names]
+    for n, l in zip(names, lists):
+        if not isinstance(l, nn.ModuleList) or not len(l):
+            raise ValueError(f"{type(denoiser).__name__}.{n} is not a non-empty ModuleList of blocks")
+    return lists
+
+
+def install(denoiser: nn.Module, blocks: str | tuple[str, ...], first: int = 0,
+            outputs: tuple[str, ...] = ("hidden_states",)) -> int:
     """Make `denoiser`'s calls take `step_reuse=` and `branch=` (module docstring); returns the
     number of blocks a reused step skips. Idempotent for the same `blocks` and `first`."""
-    stack = getattr(denoiser, blocks, None)
-    if not isinstance(stack, nn.ModuleList) or not len(stack):
-        raise ValueError(f"{type(denoiser).__name__}.{blocks} is not a non-empty ModuleList of blocks")
-    if not 0 <= first < len(stack):
-        raise ValueError(f"step reuse: first={first} must be in [0, {len(stack) - 1}] "
-                         f"({type(denoiser).__name__} has {len(stack)} blocks)")
-    if isinstance(stack, ReusableBlocks):
-        if stack.__dict__["_reuse_first"] != first:
-            raise ValueError(f"step reuse already installed with first={stack.__dict__['_reuse_first']}")
-        return len(stack) - first
-    stack.__class__ = ReusableBlocks
-    stack.__dict__.update(_reuse_first=first, _reuse_mode=None)
+    lists = _lists(denoiser, blocks)
+    total = sum(len(l) for l in lists)
+    if not 0 <= first < total:
+        raise ValueError(f"step reuse: first={first} must be in [0, {total - 1}] "
+                         f"({type(denoiser).__name__} has {total} blocks)")
+    if isinstance(lists[0], ReusableBlocks):
+        done = lists[0].__dict__["_reuse"]
+        if done.first != first:
+            raise ValueError(f"step reuse already installed with first={done.first}")
+        return total - first
+    stack = _Stack(lists, first, tuple(outputs))
+    offset = 0
+    for l in lists:
+        l.__class__ = ReusableBlocks
+        l.__dict__.update(_reuse=stack, _reuse_offset=offset)
+        offset += len(l)
     # Beneath a whole-step CUDA graph, so that its signature includes the two arguments.
     owner = denoiser.forward if isinstance(denoiser.forward, StepGraph) else None
     inner = owner.fn if owner is not None else denoiser.forward
@@ -149,7 +203,7 @@ def install(denoiser: nn.Module, blocks: str, first: int = 0) -> int:
         owner.fn = fwd
     else:
         denoiser.forward = fwd
-    return len(stack) - first
+    return total - first
 
 
 def installed(denoiser: nn.Module) -> bool:

@@ -91,15 +91,22 @@ def fuse_qkv(module: nn.Module) -> int:
 
 
 def _fuse_own(attn: nn.Module) -> bool:
-    """An attention whose own processor switches on `fused_projections` (diffusers' WanAttention:
-    `to_qkv` for self-, `to_kv` for cross-attention). Its `fuse_projections()` would copy the
-    weights; here they become views. Image-conditioned ones (added K/V) are left alone."""
-    if not hasattr(attn, "fuse_projections") or getattr(attn, "added_kv_proj_dim", None) is not None:
+    """An attention whose own processor switches on `fused_projections` (diffusers' WanAttention,
+    FluxAttention: `to_qkv` for self-, `to_kv` for cross-attention; FLUX's double-stream joint
+    attention also `to_added_qkv` for its text stream's own q/k/v). Its `fuse_projections()` would
+    copy the weights; here they become views. Wan's image-conditioned ones (added K/V without an
+    added query) are left alone."""
+    if not hasattr(attn, "fuse_projections"):
         return False
-    if not attn.is_cross_attention:
+    joint = getattr(attn, "add_q_proj", None) is not None
+    if getattr(attn, "added_kv_proj_dim", None) is not None and not joint:
+        return False
+    if not getattr(attn, "is_cross_attention", False):   # FluxAttention has no such attribute
         attn.to_qkv = _fuse_linears([attn.to_q, attn.to_k, attn.to_v])
     else:
         attn.to_kv = _fuse_linears([attn.to_k, attn.to_v])
+    if joint:
+        attn.to_added_qkv = _fuse_linears([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])
     attn.fused_projections = True
     return True
 
@@ -127,13 +134,16 @@ def _call_dense(fn, module, *args, **kwargs):
     return fn(module, *args, **kwargs)
 
 
-def compile_blocks(module: nn.Module, compile_kwargs: dict) -> dict[str, int]:
+def compile_blocks(module: nn.Module, compile_kwargs: dict,
+                   compiled_fns: dict | None = None) -> dict[str, int]:
     """Compile every repeated block of `module`; returns {class name: instances compiled}.
 
-    Blocks nested inside a block that is itself compiled are left to the outer one.
+    Blocks nested inside a block that is itself compiled are left to the outer one. `compiled_fns`
+    ({class: compiled forward}, filled here): pass the same dict for several modules whose blocks
+    share classes (Wan 2.2's two experts), so that they share one compiled function, one graph.
     """
     wanted = set(block_classes(module))
-    compiled_fns: dict[type, callable] = {}
+    compiled_fns = {} if compiled_fns is None else compiled_fns
     counts: dict[str, int] = {}
 
     def visit(m: nn.Module):

@@ -41,6 +41,7 @@ from .dispatch import DispatchError, PersistentFault, dispatch
 from .lock import LockedError, job_lock, holder as lock_holder
 from .outputs import format_table
 from .progress import PhasePrinter, Progress
+from .images import fill_hashes
 from .prompts import Constraints, PromptError, check_prompts, plan_shards
 from . import step_cache
 from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fingerprint,
@@ -183,6 +184,7 @@ def _run_locked(cfg, job, limits, compile_flags, files, items, skipped: int = 0)
     model, out, opts = job["model"], job["output"], job["run"]
     # Find what is already done (made from exactly these parameters), plan shards of the rest.
     results = _open_results(cfg, out)
+    items = fill_hashes(items, results.rows)     # image rows: their images' current content
     plan = results.plan(items)
     done = plan.done
     shards = plan_shards(items, opts.shard_size, done)
@@ -390,6 +392,7 @@ def _dry_run(cfg, job, items) -> dict:
     if not cfg.output.overwrite:
         _check_same_config(cfg, out)
         results.load()
+    items = fill_hashes(items, results.rows)
     plan = results.plan(items)
     shards = plan_shards(items, opts.shard_size, plan.done)
     workers = r.num_workers or f"one per GPU ({r.cpu_workers} without GPUs)"
@@ -538,7 +541,7 @@ def constraints(model) -> Constraints:
         raise JobError(str(e)) from e
     fam = model.family
     return Constraints(size_factor=model.info["size_factor"], video_length=video_length(model),
-                       frame_step=fam.frame_step, min_steps=fam.min_steps)
+                       frame_step=fam.frame_step, min_steps=fam.min_steps, image=fam.image)
 
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:

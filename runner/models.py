@@ -9,6 +9,10 @@ of three weight sources:
 - `tiny`:       small random configs that run a 2-step call on a CPU in about a second (tests, demo).
 
 `spec.family` is the preset's `Family` record, `spec.info` its published facts.
+
+`check_gpu_memory(spec)` (worker, before loading): a preset that states the GPU memory a worker
+needs (`gpu_gib`, docs/models.md) is refused with a `ModelLoadError` naming the need and the free
+memory when the GPU has less, instead of running out of memory minutes into loading.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from pathlib import Path
 
 from .config import ModelSpec
 
-__all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_pretrained", "hub_unreachable",
+__all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_gpu_memory", "check_pretrained",
+           "hub_unreachable",
            "video_length"]
 
 
@@ -134,6 +139,28 @@ def _pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> st
         return hf_hub_download(path, name)
     except Exception:
         return None
+
+
+def check_gpu_memory(spec: ModelSpec, free_bytes: int | None = None, gpu: str = "this GPU") -> None:
+    """Refuse a preset whose stated need (`gpu_gib`, for 16-bit weights; fp32 doubles it) exceeds
+    the GPU's free memory (`free_bytes`, default: what CUDA reports now)."""
+    need = spec.info.get("gpu_gib")
+    spec = spec.resolved()
+    if need is None or not spec.device.startswith("cuda"):
+        return
+    if spec.dtype == "fp32":
+        need *= 2
+    if free_bytes is None:
+        import torch
+        free_bytes, _ = torch.cuda.mem_get_info()
+        gpu = torch.cuda.get_device_name()
+    free = free_bytes / 2**30
+    if free < need:
+        raise ModelLoadError(
+            f"model.preset={spec.preset} ({spec.dtype}) needs about {need:.0f} GiB of GPU memory "
+            f"(its weights and one call at the published size: docs/models.md, GPU memory); "
+            f"{gpu} has {free:.1f} GiB free. Fix: run it on GPUs with more memory (an H200 has "
+            f"141 GB), free the GPU of other processes, or pick a smaller preset (docs/models.md)")
 
 
 @contextlib.contextmanager

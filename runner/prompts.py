@@ -8,7 +8,9 @@ Contract:
   the result rows and resume's "made from" comparison derive from it.
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
-  job's `generation` defaults. Unknown columns are named in one warning line, with the closest
+  job's `generation` defaults. `image` (image-to-video models): a path, URI or the image's bytes,
+  checked and located by `runner.images` (its content hash, `image_sha256`, is what an output is
+  made from). Unknown columns are named in one warning line, with the closest
   known name (a misspelt `seeds` would otherwise silently run every row with the default seed);
   with `strict` they are an error. A pandas index written into the file is not a column.
 - Text columns (`id`, `prompt`, `negative_prompt`) must be of a string type, or binary holding
@@ -59,6 +61,7 @@ class Constraints:
     video_length: int | None = None  # video models: the only valid num_frames (Latte)
     frame_step: int | None = None    # video models: num_frames = k * frame_step + 1 (Wan)
     min_steps: int = 1
+    image: str | None = None         # image-to-video: "required" | "optional" (`Family.image`)
 
     @property
     def video(self) -> bool:
@@ -99,6 +102,13 @@ class Item:
     guidance_scale: float = _col()
     file: str                                  # where the row came from (errors, the results table)
     row: int
+    # image-to-video (`runner.images`; last, with defaults: text rows leave them out): where the
+    # row's image is read from (a column, not a parameter: a moved but unchanged image is the same
+    # input), the sha256 of its bytes (the parameter: known on the driver for bytes cells and on a
+    # rerun, else filled in by the worker that read it), and a bytes cell's bytes (not in rows)
+    image: str | None = field(default=None, metadata={"column": True})
+    image_sha256: str | None = field(default=None, metadata={"param": True})
+    image_bytes: bytes | None = field(default=None, repr=False, metadata={"row": False})
 
     @property
     def source(self) -> str:
@@ -109,8 +119,8 @@ class Item:
         return (self.height, self.width, self.num_frames, self.num_inference_steps, self.guidance_scale)
 
     def params(self) -> dict:
-        """Every field: the start of this item's result row."""
-        return asdict(self)
+        """Every field (but a bytes cell's bytes): the start of this item's result row."""
+        return {k: v for k, v in asdict(self).items() if k not in _NOT_IN_ROW}
 
     def made_from(self) -> tuple:
         """What its output is made from (compared with a recorded row's `PARAMS` on resume)."""
@@ -123,6 +133,7 @@ OPTIONAL_COLUMNS = tuple(f.name for f in fields(Item)
 _INT_COLUMNS = tuple(f.name for f in fields(Item) if f.metadata.get("int"))
 _TEXT_COLUMNS = tuple(f.name for f in fields(Item) if f.metadata.get("text"))
 KNOWN_COLUMNS = ("prompt", *OPTIONAL_COLUMNS)
+_NOT_IN_ROW = tuple(f.name for f in fields(Item) if f.metadata.get("row") is False)
 
 
 @dataclass(frozen=True)
@@ -293,7 +304,7 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
         return []
     fast = _fast_items(table, file, first_row, gen, limits, on_empty)
     if fast is not None:
-        return fast
+        return _with_images(table, file, first_row, fast, limits, bad)
     cols = {c: table.column(c).to_pylist() for c in ("prompt", *OPTIONAL_COLUMNS)
             if c in table.column_names}
     stem = Path(file).stem
@@ -306,7 +317,14 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
             continue
         if item is not None:
             items.append(item)
-    return items
+    return _with_images(table, file, first_row, items, limits, bad)
+
+
+def _with_images(table, file, first_row, items, limits: Constraints, bad) -> list[Item]:
+    if "image" not in table.column_names and limits.image != "required":
+        return items
+    from . import images
+    return images.attach(table, file, first_row, items, limits.image, bad)
 
 
 def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
@@ -381,7 +399,8 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
                "guidance_scale": pc.cast(guidance, pa.float64()).to_pylist(),
                **{k: ints[k].to_pylist() for k in _INT_COLUMNS}, "num_frames": frames,
                "file": [file] * n, "row": rows}
-    return list(map(Item, *(columns[f.name] for f in fields(Item))))   # in field order
+    # in field order; the image fields (last, with defaults) are set by _with_images
+    return list(map(Item, *(columns[f.name] for f in fields(Item) if f.name in columns)))
 
 
 class _Slow(Exception):
@@ -509,6 +528,9 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
                           f"below); fix them and rerun:\n  " + "\n  ".join(errors[:MAX_LISTED]))
     if not items:
         raise PromptError(f"no prompts to run in {files}")
+    if limits.image:
+        from . import images
+        images.check_sample(items, PromptError)
     return files, rows, items
 
 

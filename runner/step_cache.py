@@ -2,8 +2,11 @@
 
 Methods (`step_cache.method`, docs/compiler.md "Step reuse"):
 - `residual`: the denoiser's block stack skipped on a fixed schedule, for every family whose
-  record names its stack (`step_blocks`: Wan, PixArt-α/Σ) or whose compiled forward has it built
-  in (Latte's block pairs). A computed step keeps what the blocks after the first `first_blocks`
+  record names its stack (`step_blocks`: Wan, PixArt-α/Σ, FLUX's two lists) or whose compiled
+  forward has it built in (Latte's block pairs). A pipeline with a second expert (Wan 2.2 A14B's
+  `transformer_2`) gets it on both, each with its own kept residuals and `Scheduled` wrapper; the
+  step index is the pipeline's, so the plan is one over the whole call, and each expert's first
+  call (the second's comes mid-schedule, at the boundary) is computed. A computed step keeps what the blocks after the first `first_blocks`
   added to their input (the residual); a reused step runs the embeddings, those first blocks and
   the final layer and adds the kept residual (TeaCache's and LeMiCa's reuse with first_blocks=0,
   cache-dit's F1B0 with 1). Which steps compute depends only on the step index, the step count
@@ -20,7 +23,8 @@ Contract:
   `config.StepCacheSection`; `check_steps(step_cache, items)` (driver, once the prompts are read)
   checks `compute_steps` against every row's step count.
 - `apply(pipe, step_cache)` (worker, after `compiler.compile_pipe`, on the pipeline's device):
-  installs the method on `pipe.transformer`. Returns what it hooked (modules, or 1 for `residual`).
+  installs the method on `pipe.transformer` (`residual`: and `pipe.transformer_2`). Returns what it
+  hooked (modules, or the number of denoisers for `residual`).
 - `reset(pipe, guidance)` (before every pipeline call): per-call state (step counter, cached
   outputs) starts fresh, also after a call that raised, so an output depends on its seed and
   settings only, never on what ran before it. `guidance=False` (a row with guidance_scale <= 1,
@@ -79,7 +83,7 @@ def check_first_blocks(sc: StepCacheSection, model) -> None:
     if sc.method != "residual" or not sc.first_blocks or model.source == "pretrained" \
             or fam.denoiser_config is None:
         return
-    layers = fam.denoiser_config(model.info, model.source == "tiny").get("num_layers")
+    layers = fam.stack_depth(fam.denoiser_config(model.info, model.source == "tiny"))
     if layers is not None and sc.first_blocks >= layers:
         raise ConfigError(f"step_cache.first_blocks={sc.first_blocks} leaves no block to reuse: "
                           f"this {model.preset} denoiser ({model.source}) has {layers} blocks; "
@@ -271,18 +275,25 @@ class Scheduled:
                           **kwargs)
 
 
+def denoisers(pipe) -> list:
+    """The pipeline's denoiser and its second expert, if it has one (`transformer_2`)."""
+    return [d for d in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None))
+            if d is not None]
+
+
 def _apply_residual(pipe, sc: StepCacheSection, family) -> int:
-    den = pipe.transformer
-    if family.residual_forward is not None:   # its forward has the reuse built in (Latte's pairs)
-        family.residual_forward(den, sc.first_blocks)
-        reused = len(den.transformer_blocks) - sc.first_blocks
-    else:
-        from compiler.step_reuse import install   # beneath compile_pipe's step graph, if any
-        reused = install(den, family.step_blocks, sc.first_blocks)
-    den.forward = Scheduled(den.forward, sc, pipe, den)
-    log.info("step cache residual: %d blocks reused on a reused step; %s of %d steps computed at "
-             "%d steps", reused, sum(plan(50, sc)), 50, 50)
-    return 1
+    dens = denoisers(pipe)
+    for den in dens:
+        if family.residual_forward is not None:   # its forward has the reuse built in (Latte's pairs)
+            family.residual_forward(den, sc.first_blocks)
+            reused = len(den.transformer_blocks) - sc.first_blocks
+        else:
+            from compiler.step_reuse import install   # beneath compile_pipe's step graph, if any
+            reused = install(den, family.step_blocks, sc.first_blocks, family.step_outputs)
+        den.forward = Scheduled(den.forward, sc, pipe, den)
+    log.info("step cache residual: %d blocks reused on a reused step (%d denoisers); %s of %d "
+             "steps computed at %d steps", reused, len(dens), sum(plan(50, sc)), 50, 50)
+    return len(dens)
 
 
 def reset(pipe, guidance: bool = True) -> None:
@@ -292,7 +303,8 @@ def reset(pipe, guidance: bool = True) -> None:
     denoiser hook would otherwise split a batch that has no unconditional half)."""
     den = getattr(pipe, "transformer", None)
     if isinstance(getattr(den, "forward", None), Scheduled):
-        den.forward.reset()
+        for d in denoisers(pipe):
+            d.forward.reset()
         return
     if not getattr(den, "is_cache_enabled", False):
         return
@@ -308,6 +320,6 @@ def skipped(pipe) -> int:
     calls (steps) that reused (tests, benchmark, worker metrics)."""
     den = getattr(pipe, "transformer", None)
     if isinstance(getattr(den, "forward", None), Scheduled):
-        return den.forward.reused
+        return sum(d.forward.reused for d in denoisers(pipe))
     return sum(getattr(m, "_step_cache_calls", 0) - getattr(m, "_step_cache_computed", 0)
                for m in den.modules()) if den is not None else 0

@@ -13,7 +13,10 @@ Contract:
   tokenizer's attention mask, so a prompt's embedding does not depend on the prompts encoded with
   it. Returns, per item id, its embedding and what its batch-mates must share (`Embeds.key`).
 - `call_kwargs(items, embeds) -> dict`: the pipeline arguments (`prompt_embeds=`, masks, negative
-  embeddings) for a batch of items whose `Embeds.key` agree; the pipeline then encodes nothing.
+  embeddings, and `pooled_prompt_embeds=` where the family's encoder gives a pooled embedding:
+  FLUX's CLIP) for a batch of items whose `Embeds.key` agree; the pipeline then encodes nothing.
+  A family without a negative branch (`Family.negative_prompt=False`, guidance-distilled FLUX)
+  gets no negative embeddings, and its rows' negative prompts are never encoded.
 
 Families with `trim_text` (Latte, `mask_feature=True`, diffusers' default): LattePipeline trims a single prompt's embedding to
 its token count and the negative prompt's to the same count, but for a batch of several it keeps
@@ -45,6 +48,7 @@ class Embeds:
     mask: torch.Tensor | None            # (T,) PixArt's attention mask, else None
     negative: str
     key: tuple = ()                      # what batch-mates must share (trim_text: the token count)
+    pooled: torch.Tensor | None = None   # (P,) FLUX's CLIP pooled embedding, else None
 
 
 class _NoTruncationEcho(logging.Filter):
@@ -70,6 +74,8 @@ class TextCache:
         self.batch, self.mask_feature = 1, mask_feature
         self.negatives: OrderedDict[str, tuple] = OrderedDict()
         self.lock = threading.Lock()   # a fast tokenizer refuses concurrent calls ("Already borrowed")
+        # the tokenizer padding to max_tokens (FLUX: the T5's, `tokenizer_2`)
+        self.tokenizer = getattr(pipe, family.tokenizer)
 
     @classmethod
     def of(cls, pipe, family, mask_feature: bool = True) -> "TextCache":
@@ -79,7 +85,7 @@ class TextCache:
         return tc
 
     def _tokens(self, prompts: list[str]):
-        return self.pipe.tokenizer(prompts, padding="max_length", max_length=self.max_tokens,
+        return self.tokenizer(prompts, padding="max_length", max_length=self.max_tokens,
                                    truncation=True, return_attention_mask=True,
                                    add_special_tokens=True, return_tensors="pt")
 
@@ -94,28 +100,34 @@ class TextCache:
 
     # -- the family's encoder call: prompts (padded to `max_tokens`) -> (N, T, D), mask (N, T) ----
 
-    def _run(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def _run(self, prompts: list[str]) -> tuple:
+        """(N, T, D), mask (N, T) | None, lengths, pooled (N, P) | None."""
         with self.lock:
-            emb, mask = self.family.encode(self.pipe, prompts, self.max_tokens)
+            emb, mask, *more = self.family.encode(self.pipe, prompts, self.max_tokens)
+            pooled = more[0] if more else None
             if self.trim and self.mask_feature:   # token counts from the host's tokenizer mask
-                return emb, mask, self._tokens(prompts).attention_mask.sum(1).tolist()
-            return emb, mask, [emb.shape[1]] * len(prompts)
+                return emb, mask, self._tokens(prompts).attention_mask.sum(1).tolist(), pooled
+            return emb, mask, [emb.shape[1]] * len(prompts), pooled
 
     def _chunks(self, prompts: list[str]):
-        """(N, T, D), masks, lengths for `prompts`, in chunks of exactly `batch` rows."""
-        embs, masks, lengths = [], [], []
+        """(N, T, D), masks, lengths, pooled for `prompts`, in chunks of exactly `batch` rows."""
+        embs, masks, lengths, pools = [], [], [], []
         for i in range(0, len(prompts), self.batch):
             chunk = prompts[i:i + self.batch]
-            emb, mask, n = self._run(chunk + [""] * (self.batch - len(chunk)))
+            emb, mask, n, pooled = self._run(chunk + [""] * (self.batch - len(chunk)))
             embs.append(emb[:len(chunk)])
             masks.append(mask[:len(chunk)] if mask is not None else None)
+            pools.append(pooled[:len(chunk)] if pooled is not None else None)
             lengths += n[:len(chunk)]
         mask = torch.cat(masks) if masks[0] is not None else None
-        return torch.cat(embs), mask, lengths
+        pooled = torch.cat(pools) if pools[0] is not None else None
+        return torch.cat(embs), mask, lengths, pooled
 
     def negative(self, text: str) -> tuple:
+        """(1, T, D), (1, T) | None, (1, P) | None: a negative prompt's embeddings."""
         if text not in self.negatives:
-            self.negatives[text] = self._run([text])[:2]     # (1, T, D), (1, T) | None
+            emb, mask, _, pooled = self._run([text])
+            self.negatives[text] = (emb, mask, pooled)
             if len(self.negatives) > NEGATIVES:
                 self.negatives.popitem(last=False)
         self.negatives.move_to_end(text)
@@ -123,7 +135,7 @@ class TextCache:
 
     def _warn_long(self, items) -> None:
         with self.lock:
-            counts = [len(ids) for ids in self.pipe.tokenizer([it.prompt for it in items]).input_ids]
+            counts = [len(ids) for ids in self.tokenizer([it.prompt for it in items]).input_ids]
         for it, n in zip(items, counts):
             if n > self.max_tokens:
                 log.warning("prompt %r: %d tokens; the model reads the first %d, the rest is ignored",
@@ -132,14 +144,16 @@ class TextCache:
     def encode(self, items) -> dict[str, Embeds]:
         _quiet_truncation()
         self._warn_long(items)
-        emb, mask, lengths = self._chunks([it.prompt for it in items])
+        emb, mask, lengths, pooled = self._chunks([it.prompt for it in items])
         for it in items:
-            self.negative(it.negative_prompt)
+            if self.family.negative_prompt:
+                self.negative(it.negative_prompt)
         out = {}
         for k, it in enumerate(items):
             n = lengths[k]
             out[it.id] = Embeds(emb[k, :n], mask[k] if mask is not None else None, it.negative_prompt,
-                                key=(it.negative_prompt, n) if self.trim else ())
+                                key=(it.negative_prompt, n) if self.trim else (),
+                                pooled=pooled[k] if pooled is not None else None)
         return out
 
     def call_kwargs(self, items, embeds: dict[str, Embeds]) -> dict:
@@ -150,10 +164,16 @@ class TextCache:
             n, neg = es[0].key[1], self.negative(es[0].negative)[0]
             return dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
                         negative_prompt_embeds=neg[:, :n].expand(len(es), -1, -1))
+        kw = dict(prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]))
+        if es[0].pooled is not None:   # FLUX: CLIP's pooled embedding beside T5's
+            kw["pooled_prompt_embeds"] = torch.stack([e.pooled for e in es])
+        if not self.family.negative_prompt:
+            return kw
         negs = [self.negative(e.negative) for e in es]
-        kw = dict(prompt=None, negative_prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]),
-                  negative_prompt_embeds=torch.cat([n[0] for n in negs]))
+        kw.update(negative_prompt=None, negative_prompt_embeds=torch.cat([n[0] for n in negs]))
         if es[0].mask is not None:   # PixArt: the encoder's attention masks go with the embeddings
             kw.update(prompt_attention_mask=torch.stack([e.mask for e in es]),
                       negative_prompt_attention_mask=torch.cat([n[1] for n in negs]))
+        if es[0].pooled is not None:
+            kw["negative_pooled_prompt_embeds"] = torch.cat([n[2] for n in negs])
         return kw

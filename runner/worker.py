@@ -11,7 +11,10 @@ in-process. What the driver calls on the actor (`warmup`, `start_shard`, `finish
 
 Three stages, so the GPU never waits for the host:
     prepare   the driver sends each shard's validated items with it (no Parquet reads here); items
-              are grouped into batches of equal shape;
+              are grouped into batches of equal shape (image-to-video: rows sharing their image,
+              as the pipelines take one image per call); each batch's image is read, decoded and
+              fitted to its size on `READ_THREADS` threads (`runner.images`) while the GPU works,
+              and a missing or undecodable one fails that batch's rows, naming why;
     generate  one thread, `gpu`, runs every model call in submission order: first the text
               encoding of the whole shard (one text-encoder call for its prompts, each negative
               prompt once per worker: `runner.text`), then per batch denoising, VAE decode, uint8
@@ -33,6 +36,7 @@ rewrites the same files. Where each second goes: `runner.timing`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import socket
@@ -45,10 +49,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import step_cache
+from . import images, step_cache
 from .actor import WorkerConfig
 from .families import Family
-from .models import ModelSpec, build_pipeline
+from .models import ModelSpec, build_pipeline, check_gpu_memory
 from .outputs import write_mp4, write_png
 from .prompts import Constraints, Item
 from .results import failed_row
@@ -57,18 +61,21 @@ from .text import Embeds, TextCache
 from .timing import Marks, UtilSampler, instrument
 
 HOST_THREADS = 2   # encode/write threads: one batch's files while the next batch's arrive
+READ_THREADS = 4   # image-to-video: input images read (object stores: a request each) ahead
 STAGES = ("text_encode", "denoise", "decode", "to_host", "write", "wait")
 
 
 def generate(pipe, family: Family, items: list[Item], device: str, clock=None,
              mask_feature: bool = True, output_type: str = "np",
-             embeds: dict[str, Embeds] | None = None):
+             embeds: dict[str, Embeds] | None = None, image=None):
     """One pipeline call for items of equal shape (and equal `TextCache.key`). `output_type="np"`:
     (B, H, W, 3) or (B, F, H, W, 3) float32 on the host; `"pt"`: (B, 3, H, W) or (B, F, 3, H, W)
     on the device, in the model dtype; both in [0, 1]. `clock.step()` is called at the end of each
     denoising step. `embeds`: the items' text embeddings (`TextCache.encode`, the worker encodes a
-    shard at once); None: encoded here. One generator per item, and text encoded with the same
-    padding alone or together: an item's output depends on its seed, not on its batch-mates."""
+    shard at once); None: encoded here. `image`: the items' shared input image (a PIL image at
+    their size, `images.load`), for an image-to-video family (run by its `image_pipeline`). One
+    generator per item, and text encoded with the same padding alone or together: an item's output
+    depends on its seed (and image), not on its batch-mates."""
     first = items[0]
     # a step cache's state starts fresh: outputs do not depend on call order
     step_cache.reset(pipe, guidance=first.guidance_scale > 1)
@@ -79,11 +86,17 @@ def generate(pipe, family: Family, items: list[Item], device: str, clock=None,
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
-    if clock and "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+    if image is None and family.image == "required":
+        raise ValueError(f"{family.name} animates an image per row (the `image` column): none given")
+    call = pipe
+    if image is not None:
+        call = family.image_pipeline(pipe) if family.image_pipeline else pipe
+        kw["image"] = image
+    if clock and "callback_on_step_end" in inspect.signature(call.__call__).parameters:
         kw["callback_on_step_end"] = lambda p, i, t, d: (clock.step(), d)[1]
     elif clock:   # PixArt: the older callback API
         kw.update(callback=lambda *a: clock.step(), callback_steps=1)
-    out = pipe(**kw)
+    out = call(**kw)
     return _out(out.frames if family.kind == "video" else out.images)
 
 
@@ -199,6 +212,9 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         # order: Inductor's per-thread state and the CUDA graphs stay with one thread.
         self._gpu = ThreadPoolExecutor(1, thread_name_prefix="gpu")
         self._host = ThreadPoolExecutor(HOST_THREADS, thread_name_prefix="write")
+        self._read = (ThreadPoolExecutor(READ_THREADS, thread_name_prefix="read")
+                      if self.family.image else None)
+        self._stores: dict = {}               # images on object stores: a filesystem per bucket
         self._marks: Marks | None = None      # the batch the gpu thread is running, for `instrument`
         self._lock = threading.Lock()         # metrics, written by the host threads
         self._turn = threading.Condition()    # start_shard's ordering
@@ -207,11 +223,14 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             import compiler
             compiler.prewarm()
         t0 = time.perf_counter()
+        check_gpu_memory(self.spec)   # a model that cannot fit: named now, not an OOM minutes in
         self.pipe = build_pipeline(self.spec)
         self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)
         self.text.batch = cfg.encode_batch
         self._sync()
         instrument(self.pipe, lambda: self._marks)   # brackets text encoding and decoding
+        if self.family.image_pipeline is not None:   # its own encode_prompt; the shared VAE's
+            instrument(self.family.image_pipeline(self.pipe), lambda: self._marks)  # marks nest
         self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(), node_id=_node_id(),
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
@@ -324,10 +343,16 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                       num_inference_steps=step_cache.warmup_steps(   # a reused step too, if any
                           self.cfg.step_cache, max(self.cfg.warmup_steps, self.cfg.limits.min_steps)),
                       file="warmup", row=k) for k in range(self.cfg.batch_size)]
-        with torch.inference_mode():   # the serving path, conversion and copy included
-            x = generate(self.pipe, self.family, items, self.spec.device,
-                         mask_feature=self.spec.mask_feature, output_type="pt")
-            to_host_uint8(x, pin=self.cuda)
+        # a model that needs an image warms up on a grey one; one that takes it optionally on both
+        # paths (its image rows' pipeline calls the denoiser with one more argument: step graphs of
+        # their own, captured here rather than on the first image row)
+        grey = images.placeholder(g.width, g.height)
+        paths = {"required": [grey], "optional": [None, grey]}.get(self.family.image, [None])
+        for image in paths:
+            with torch.inference_mode():   # the serving path, conversion and copy included
+                x = generate(self.pipe, self.family, items, self.spec.device,
+                             mask_feature=self.spec.mask_feature, output_type="pt", image=image)
+                to_host_uint8(x, pin=self.cuda)
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -338,11 +363,30 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         enc = self._gpu.submit(self._encode, items)
         run.gpu.append(enc)
         run.rows.append(self._host.submit(self._account_encode, enc))
-        for batch in batches(items, self.cfg.batch_size, self.text.key):
-            gen = self._gpu.submit(self._generate, batch, enc)
+        for batch in batches(items, self.cfg.batch_size, self._batch_key):
+            image = self._read.submit(self._load_image, batch[0]) \
+                if batch[0].image is not None else None
+            gen = self._gpu.submit(self._generate, batch, enc, image)
             run.gpu.append(gen)
             run.rows.append(self._host.submit(self._finish, gen))
         return run
+
+    def _batch_key(self, item: Item) -> tuple:
+        """What batch-mates share besides their shape: the text key, and their image (a pipeline
+        call takes one image, repeated over the batch)."""
+        return self.text.key(item) + ((item.image,) if item.image is not None else ())
+
+    def _load_image(self, item: Item) -> tuple:
+        """read thread: (fitted image, sha256, None), or (None, sha256 of the bytes if they could be
+        read, the reason the image is unusable)."""
+        sha = None
+        try:
+            data, sha = images.read(item, self._stores)
+            return images.fit(data, item.width, item.height, images.label(item)), sha, None
+        except images.ImageError as e:
+            return None, sha, f"ImageError: {e}"
+        except Exception as e:   # anything else about this image (PIL's decompression-bomb guard)
+            return None, sha, f"ImageError: {images.label(item)}: {type(e).__name__}: {e}"
 
     def _encode(self, items: list[Item]) -> tuple[dict[str, Embeds] | None, Marks]:
         """gpu thread: the shard's prompts in one text-encoder call. An error here is left to the
@@ -396,22 +440,32 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             with self._turn:
                 del self._runs[seq]
 
-    def _generate(self, batch: list[Item], enc: Future | None = None) -> list[Generated]:
+    def _generate(self, batch: list[Item], enc: Future | None = None,
+                  image: Future | None = None) -> list[Generated]:
         """gpu thread. One bad item (out of memory at one size, ...) must not fail its batch-mates:
-        a failing batch is retried item by item, and an item that fails alone is recorded failed."""
+        a failing batch is retried item by item, and an item that fails alone is recorded failed.
+        `image`: the batch's input image being read (an unusable one fails the batch's rows)."""
         embeds = enc.result()[0] if enc is not None else None   # done: this thread ran it first
+        picture = None
+        if image is not None:
+            picture, sha, error = image.result()
+            # what the output (or the failed attempt) is made from: the bytes this worker read
+            batch = [dataclasses.replace(it, image_sha256=sha) for it in batch]
+            if error is not None:
+                return [Generated(batch, time.perf_counter(), time.time(), error=error)]
         try:
-            return [self._call(batch, embeds)]
+            return [self._call(batch, embeds, picture)]
         except Exception as e:
             if _fatal(e):
                 raise
             if self.cuda:
                 torch.cuda.empty_cache()
             if len(batch) > 1:
-                return [g for item in batch for g in self._generate([item], enc)]
+                return [g for item in batch for g in self._generate([item], enc, image)]
             return [Generated(batch, time.perf_counter(), time.time(), error=f"{type(e).__name__}: {e}")]
 
-    def _call(self, batch: list[Item], embeds: dict[str, Embeds] | None = None) -> Generated:
+    def _call(self, batch: list[Item], embeds: dict[str, Embeds] | None = None,
+              image=None) -> Generated:
         """gpu thread: one pipeline call, conversion and copy queued; returns without waiting."""
         t0, started_at = time.perf_counter(), time.time()
         with self._lock:
@@ -425,7 +479,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         try:
             with torch.inference_mode():
                 x = generate(self.pipe, self.family, batch, self.spec.device, marks,
-                             mask_feature=self.spec.mask_feature, output_type="pt", embeds=embeds)
+                             mask_feature=self.spec.mask_feature, output_type="pt", embeds=embeds,
+                             image=image)
                 marks.mark("to_host_start")
                 media, finite = to_host_uint8(x, pin=self.cuda)
                 marks.mark("to_host_end")

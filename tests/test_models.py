@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from runner.families import PRESETS
+from runner.images import placeholder
 from runner.models import ModelLoadError, ModelSpec, build_pipeline, video_length
 from runner.prompts import Item
 from runner.worker import generate
@@ -24,7 +25,9 @@ def test_every_preset_builds_tiny_and_runs_two_steps(preset):
     spec = ModelSpec(preset, source="tiny")
     pipe = build_pipeline(spec)
     frames = frames_of(spec)
-    out = generate(pipe, spec.family, [item(0, 1, frames), item(1, 2, frames)], "cpu")
+    # a model that animates an image gets one (rows share it: one image per pipeline call)
+    image = placeholder(64, 64) if spec.family.image == "required" else None
+    out = generate(pipe, spec.family, [item(0, 1, frames), item(1, 2, frames)], "cpu", image=image)
     want = (2, frames, 64, 64, 3) if frames else (2, 64, 64, 3)
     assert out.shape == want
     assert np.isfinite(out).all() and 0 <= out.min() and out.max() <= 1
@@ -48,7 +51,8 @@ def test_tiny_weights_identical_across_builds():
         assert torch.equal(p, q), n
 
 
-@pytest.mark.parametrize("preset", ["latte1", "pixart_sigma_1024", "sd21", "wan21_t2v_1_3b"])
+@pytest.mark.parametrize("preset", ["latte1", "pixart_sigma_1024", "sd21", "wan21_t2v_1_3b",
+                                    "wan22_t2v_a14b", "flux1_dev"])
 def test_pretrained_roundtrip_from_local_directory(tmp_path, preset):
     spec = ModelSpec(preset, source="tiny")
     pipe = build_pipeline(spec)

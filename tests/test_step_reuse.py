@@ -277,3 +277,138 @@ def test_full_size_step_reuse_under_compiled_modes(preset, kw):
         assert err <= tol * scale, mode
         del pipe
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# A stack over several block lists whose blocks return a pair (FLUX), and a second expert (Wan 2.2)
+
+def _flux_inputs():
+    g = torch.Generator().manual_seed(0)
+    # tiny FLUX: 4x4 latent patches of 16 channels, 8 text tokens of 32, pooled 16
+    return dict(hidden_states=torch.randn(1, 16, 16, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+                pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
+                guidance=torch.tensor([3.5]), img_ids=torch.rand(16, 3), txt_ids=torch.zeros(8, 3),
+                return_dict=False)
+
+
+@pytest.mark.parametrize("first, runs_on_reuse", [(3, ["d0", "d1", "s0"]), (1, ["d0"]), (0, [])])
+def test_a_stack_over_two_lists_reuses_both_streams_of_pair_blocks(first, runs_on_reuse):
+    fam = FAMILIES["flux1"]
+    den = build_pipeline(ModelSpec("flux1_dev", source="tiny")).transformer
+    x = _flux_inputs()
+    ran = []
+    for tag, blocks in (("d", den.transformer_blocks), ("s", den.single_transformer_blocks)):
+        for i, b in enumerate(blocks):
+            b.register_forward_pre_hook(lambda m, a, tag=f"{tag}{i}": ran.append(tag))
+    with torch.inference_mode():
+        plain = den(**x)[0]
+        ran.clear()
+        assert step_reuse.install(den, fam.step_blocks, first, fam.step_outputs) == 4 - first
+        assert torch.equal(den(**x, step_reuse="compute", branch="cond")[0], plain)
+        assert ran == ["d0", "d1", "s0", "s1"]
+        ran.clear()
+        # same inputs: the kept residuals of both streams give the computed output back
+        torch.testing.assert_close(den(**x, step_reuse="reuse", branch="cond")[0], plain,
+                                   atol=1e-5, rtol=1e-5)
+        assert ran == runs_on_reuse
+        store = den.transformer_blocks.__dict__["_step_residual"]
+        assert {(k[0], k[1][:2]) for k in store} == {(("cond", 0), (1, 8)), (("cond", 1), (1, 16))}
+        assert list(den.single_transformer_blocks) == list(den.single_transformer_blocks._modules.values())
+    with pytest.raises(ValueError, match=r"first=4 must be in \[0, 3\]"):
+        step_reuse.install(build_pipeline(ModelSpec("flux1_dev", source="tiny")).transformer,
+                           fam.step_blocks, 4, fam.step_outputs)
+
+
+def test_first_blocks_is_checked_against_the_whole_stack():
+    """FLUX's stack is both lists: first_blocks=2 is the first single block of the tiny model,
+    not past its 2 double blocks; 4 is past all 4."""
+    def job(n):
+        return split(load_config(["job=flux_batch", "model.source=tiny", "step_cache.method=residual",
+                                  f"step_cache.first_blocks={n}"]))
+    step_cache.prepare(job(2))
+    with pytest.raises(ConfigError, match="has 4 blocks"):
+        step_cache.prepare(job(4))
+
+
+def _a14b_item(seed, steps=8):
+    return Item(id=f"s{seed}", prompt="a cat walking in the city", negative_prompt="", seed=seed,
+                guidance_scale=4.0, num_inference_steps=steps, file="p.parquet", row=seed,
+                num_frames=5, height=64, width=48)
+
+
+def test_both_experts_reuse_each_from_its_own_first_call():
+    """Wan 2.2 A14B: 8 steps, transformer on steps 0-2 (t >= 875), transformer_2 on 3-7; the plan
+    computes {0, 1, 6, 7}: the first expert reuses step 2, the second computes its first step 3
+    (nothing of its own to reuse yet) and reuses 4 and 5."""
+    fam = FAMILIES["wan22_a14b"]
+    pipe = build_pipeline(ModelSpec("wan22_t2v_a14b", source="tiny"))
+    sc = StepCacheSection(method="residual", compute_ratio=0.5)
+    assert step_cache.apply(pipe, sc, fam) == 2
+    kinds = {}
+    for name in ("transformer", "transformer_2"):
+        sched = getattr(pipe, name).forward
+        inner = sched.inner
+        sched.inner = lambda *a, _i=inner, _n=name, **k: (
+            kinds.setdefault(_n, []).append(k["step_reuse"]), _i(*a, **k))[1]
+    with torch.inference_mode():
+        a = generate(pipe, fam, [_a14b_item(1)], "cpu", output_type="pt")
+    # cond and uncond per step: (computed or reused) twice
+    assert kinds["transformer"] == ["compute"] * 4 + ["reuse"] * 2
+    assert kinds["transformer_2"] == ["compute"] * 2 + ["reuse"] * 4 + ["compute"] * 4
+    assert step_cache.skipped(pipe) == 6
+    for name in ("transformer", "transformer_2"):
+        assert {k[0] for k in getattr(pipe, name).blocks.__dict__["_step_residual"]} == {"cond", "uncond"}
+    with torch.inference_mode():
+        generate(pipe, fam, [_a14b_item(2)], "cpu", output_type="pt")
+        assert torch.equal(generate(pipe, fam, [_a14b_item(1)], "cpu", output_type="pt"), a)
+
+
+@pytest.mark.parametrize("preset, blocks", [
+    ("wan22_t2v_a14b", {"WanTransformerBlock": 4}),              # 2 per expert, one graph
+    ("flux1_dev", {"FluxTransformerBlock": 2, "FluxSingleTransformerBlock": 2}),
+    ("wan21_i2v_14b_480p", {"WanTransformerBlock": 2}),
+])
+def test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles(preset, blocks):
+    """O2 on CPU (per-block compile; the step graph is CUDA-only): the new families' blocks (two
+    experts sharing a compiled function; FLUX's two block classes returning pairs, its QKV fused,
+    its two text encoders compiled; Wan I2V's image cross-attention) with `residual` reuse give the
+    eager reuse's output (unfused, uncompiled) and recompile nothing on later calls."""
+    import compiler
+    torch._dynamo.reset()
+    spec = ModelSpec(preset, source="tiny")
+    fam = spec.family
+    sc = StepCacheSection(method="residual", compute_ratio=0.5)
+    image = _image_of(fam)
+    frames = 5 if fam.kind == "video" else None
+
+    def it(seed):
+        return Item(id=f"s{seed}", prompt="a cat walking in the city", negative_prompt="", seed=seed,
+                    guidance_scale=4.0, num_inference_steps=6, file="p.parquet", row=seed,
+                    num_frames=frames, height=64, width=64, image="x" if image else None)
+
+    def run(pipe, seed):
+        with torch.inference_mode():
+            return generate(pipe, fam, [it(seed)], "cpu", output_type="pt", image=image)
+
+    ref = build_pipeline(spec)
+    step_cache.apply(ref, sc, fam)
+    want = run(ref, 1)
+    pipe = build_pipeline(spec)
+    two_encoders = fam.tokenizer == "tokenizer_2"       # FLUX: CLIP and T5, both compiled
+    compiler.compile_pipe(pipe, {"mode": "O2", "compile_vae": False,
+                                 "compile_text_encoder": two_encoders})
+    assert pipe._compile_report["compiled_blocks"] == blocks
+    if two_encoders:
+        assert pipe._compile_report["text_encoder_blocks"] == {"CLIPEncoderLayer": 2, "T5Block": 2}
+    step_cache.apply(pipe, sc, fam)
+    torch.testing.assert_close(run(pipe, 1), want, atol=1e-4, rtol=1e-4)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(run(pipe, 1), want, atol=1e-4, rtol=1e-4)
+        run(pipe, 2)
+    assert step_cache.skipped(pipe) > 0
+
+
+def _image_of(fam):
+    from runner.images import placeholder
+    return placeholder(64, 64) if fam.image == "required" else None

@@ -63,14 +63,28 @@ def _args(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
-def _write_prompts(out: str, n: int) -> str:
+def _write_prompts(out: str, n: int, images: bool = False) -> str:
+    """`n` prompts; for an image-to-video model each with its own drawn 640x480 still (a colour
+    gradient per prompt) under out/images, in the `image` column (relative to the Parquet file)."""
     words = "cat dog robot castle river forest city ocean mountain flower".split()
     path = os.path.join(out, "prompts.parquet")
-    pq.write_table(pa.table({"id": [f"v{i:05d}" for i in range(n)],
-                             "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
-                                        for i in range(n)],
-                             "seed": list(range(n))}), path)
+    cols = {"id": [f"v{i:05d}" for i in range(n)],
+            "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}" for i in range(n)],
+            "seed": list(range(n))}
+    if images:
+        cols["image"] = [_draw(out, i) for i in range(n)]
+    pq.write_table(pa.table(cols), path)
     return path
+
+
+def _draw(out: str, i: int) -> str:
+    import numpy as np
+    from PIL import Image
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    y, x = np.mgrid[0:480, 0:640]
+    rgb = np.stack([(x * (i + 1)) % 256, (y * 2 + 40 * i) % 256, (x + y + 17 * i) % 256], -1)
+    Image.fromarray(rgb.astype(np.uint8)).save(os.path.join(out, "images", f"v{i:05d}.png"))
+    return f"images/v{i:05d}.png"
 
 
 def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
@@ -85,17 +99,26 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     pipe = build_pipeline(spec)
     mask = _cachedit(pipe, job["step_cache"], g.num_inference_steps) if arm == "cachedit" else None
     if arm in ("loop_compile", "cachedit"):
-        name = "unet" if hasattr(pipe, "unet") else "transformer"
-        setattr(pipe, name, torch.compile(getattr(pipe, name)))
+        names = ["unet"] if hasattr(pipe, "unet") else ["transformer", "transformer_2"]
+        for name in names:          # a second expert (Wan 2.2 A14B) compiled as the first
+            if getattr(pipe, name, None) is not None:
+                setattr(pipe, name, torch.compile(getattr(pipe, name)))
     video = spec.family.kind == "video"
     extra = spec.family.call_args(pipe, g.num_frames if video else None)   # as the job calls it
+    runner = pipe
+    if spec.family.image:   # image-to-video: the row's image, fitted as the job fits it
+        from .. import images
+        runner = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
     os.makedirs(out, exist_ok=True)
     util = UtilSampler.start(spec.device.startswith("cuda"))
     ends = []
     for p in prompts:
-        result = pipe(p["prompt"], height=g.height, width=g.width,
-                      num_inference_steps=g.num_inference_steps, guidance_scale=g.guidance_scale,
-                      generator=torch.Generator(spec.device).manual_seed(p["seed"]), **extra)
+        if spec.family.image:
+            with open(os.path.join(os.path.dirname(out), p["image"]), "rb") as f:
+                extra["image"] = images.fit(f.read(), g.width, g.height)
+        result = runner(prompt=p["prompt"], height=g.height, width=g.width,
+                        num_inference_steps=g.num_inference_steps, guidance_scale=g.guidance_scale,
+                        generator=torch.Generator(spec.device).manual_seed(p["seed"]), **extra)
         if video:
             export_to_video(result.frames[0], os.path.join(out, f"{p['id']}.mp4"), fps=8)
         else:
@@ -207,7 +230,7 @@ def main(argv: list[str]) -> list[dict]:
     # The job's config decides the loop's model and sizes; its prompts are the generated ones.
     cfg = load_config([f"job={opts['job']}", *rest, "prompts.path=generated"])
     job = split(cfg)
-    path = _write_prompts(opts["out"], int(opts["prompts"]))
+    path = _write_prompts(opts["out"], int(opts["prompts"]), images=bool(job["model"].family.image))
     prompts = pq.read_table(path).to_pylist()
     arms = opts["arms"].split(",")
     rows = []

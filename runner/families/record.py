@@ -25,14 +25,19 @@ class Family:
     kind: str                       # "image" (png, (B, H, W, 3)) | "video" (mp4, (B, F, H, W, 3))
     pipeline: str                   # the diffusers pipeline class `from_pretrained` loads
     # preset -> published facts: hub_id, size_factor (height/width multiple), max_tokens (text
-    # length the pipeline pads to), height/width (the preset's size), and what `build` reads
+    # length the pipeline pads to), height/width (the preset's size), and what `build` reads;
+    # optionally gpu_gib: the GPU memory a worker needs at the preset's published setting (its
+    # weights, counted on the meta device, plus a call's activations), checked against the free
+    # memory before the model is loaded (`runner.models.check_gpu_memory`)
     presets: dict[str, dict]
     # (preset facts, tiny) -> the pipeline with random weights: the published architecture at full
     # size (tiny=False; built under the caller's device and dtype) or a small config for CPU tests
     build: Callable[[dict, bool], Any]
-    # (pipe, prompts, max_tokens) -> embeddings (N, T, D) and attention mask (N, T) or None: one
-    # text-encoder call; padded to max_tokens, so a prompt's embedding ignores its batch-mates
-    encode: Callable[[Any, list[str], int], tuple[torch.Tensor, torch.Tensor | None]]
+    # (pipe, prompts, max_tokens) -> embeddings (N, T, D) and attention mask (N, T) or None, and
+    # for pipelines that also take a pooled embedding a third element, (N, P) (FLUX's CLIP pooled
+    # output): one call of the text encoder(s); padded to max_tokens, so a prompt's embedding
+    # ignores its batch-mates
+    encode: Callable[[Any, list[str], int], tuple]
     # (pipe, num_frames) -> the family's own `pipe(...)` arguments besides prompts/embeddings,
     # size, steps, guidance, generator, output type (e.g. Latte's `video_length=`)
     call_args: Callable[[Any, int | None], dict] = no_args
@@ -50,9 +55,30 @@ class Family:
     # `residual` step reuse: the denoiser's block stack, the attribute holding its ModuleList of
     # blocks (hidden states in and out, walked in order by the model's forward: Wan's `blocks`,
     # PixArt's `transformer_blocks`); `compiler.step_reuse` reuses what it adds on a reused step
-    step_blocks: str | None = None
+    # FLUX: several lists walked one after the other, a tuple of their attributes
+    step_blocks: str | tuple[str, ...] | None = None
+    # what its blocks return, as the block inputs they replace (`compiler.step_reuse.install`):
+    # hidden states alone, or FLUX's (encoder_hidden_states, hidden_states) pair
+    step_outputs: tuple[str, ...] = ("hidden_states",)
+    # the depth of that stack from the denoiser's config (`step_cache.first_blocks` is checked
+    # against it before any model is built)
+    stack_depth: Callable[[dict], int | None] = lambda cfg: cfg.get("num_layers")
     # or, for a denoiser whose compiled forward has the reuse built in (Latte's block pairs,
     # `compiler.block_pairs`): (denoiser, first_blocks) -> None, making its forward take
     # `step_reuse=` and `branch=` (unless compile_pipe already installed that forward)
     residual_forward: Callable[[Any, int], None] | None = None
     load_kwargs: dict = field(default_factory=dict)   # extra `from_pretrained` arguments
+    # the pipeline runs a negative-prompt branch (classifier-free guidance); False for a
+    # guidance-distilled model (FLUX.1-dev: guidance_scale is an embedding, no second pass), whose
+    # rows' negative_prompt is not encoded
+    negative_prompt: bool = True
+    # the pipeline attribute of the tokenizer whose length is `max_tokens` (FLUX: `tokenizer_2`,
+    # the T5's; its `tokenizer` is CLIP's 77)
+    tokenizer: str = "tokenizer"
+    # image-to-video: None (text only), "required" (every row animates its `image`: Wan 2.1 I2V) or
+    # "optional" (rows with an image are animated from it, rows without are text-to-video: Wan 2.2
+    # TI2V-5B); `runner.images` reads and fits the image, `runner.worker` passes it as `image=`
+    image: str | None = None
+    # (pipe) -> the pipeline a row with an image is run by, sharing `pipe`'s modules (TI2V-5B:
+    # WanImageToVideoPipeline beside the text-to-video WanPipeline); None: `pipe` itself
+    image_pipeline: Callable[[Any], Any] | None = None

@@ -1,0 +1,159 @@
+"""Image-to-video rows (`runner.images`, the `image` column of `runner.prompts`): the driver's
+checks (exit 2 naming file:row), where an image is read from, the fit to the row's size, and the
+content hash that decides what a rerun regenerates. Fast: no model, no Ray (an S3 test talks to the
+session's moto server)."""
+import hashlib
+import io
+import logging
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from runner import images
+from runner.config import GenerationDefaults
+from runner.prompts import Constraints, PromptError, check_prompts
+from runner.results import Results
+from runner.storage import resolve
+
+GEN = GenerationDefaults(seed=3, height=64, width=64, num_frames=5, num_inference_steps=2,
+                         guidance_scale=5.0)
+REQUIRED = Constraints(size_factor=16, frame_step=4, image="required")
+OPTIONAL = Constraints(size_factor=16, frame_step=4, image="optional")
+TEXT = Constraints(size_factor=16, frame_step=4)
+
+
+def png(path, color=(200, 30, 30), size=(96, 48)) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", size, color).save(path)
+    return str(path)
+
+
+def write(tmp_path, columns: dict, name="p.parquet") -> str:
+    path = tmp_path / name
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def check(path, limits=REQUIRED):
+    return check_prompts((path,), GEN, limits, "error")
+
+
+def test_paths_are_located_relative_to_their_parquet_file_and_bytes_are_hashed(tmp_path):
+    png(tmp_path / "imgs" / "a.png")
+    absolute = png(tmp_path / "elsewhere" / "b.png")
+    data = (tmp_path / "imgs" / "a.png").read_bytes()
+    p = write(tmp_path, {"prompt": ["x", "y", "z", "w"],
+                         "image": ["imgs/a.png", absolute, "s3://bucket/k/c.png", None]})
+    items = check(p, OPTIONAL)[2]
+    assert [it.image for it in items] == [str(tmp_path / "imgs" / "a.png"), absolute,
+                                          "s3://bucket/k/c.png", None]
+    assert all(it.image_sha256 is None for it in items)      # known once a worker reads them
+    b = write(tmp_path, {"prompt": ["x"], "image": pa.array([data], pa.binary())}, "bytes.parquet")
+    it = check(b)[2][0]
+    sha = hashlib.sha256(data).hexdigest()
+    assert (it.image, it.image_sha256, it.image_bytes) == (f"bytes:{sha}", sha, data)
+    assert "image_bytes" not in it.params()                 # a row never carries the bytes
+
+
+@pytest.mark.parametrize("column, limits, needle", [
+    ({"image": [1, 2]}, REQUIRED, "column 'image' has type int64"),
+    ({"image": ["a.png", "https://example.com/b.png"]}, REQUIRED,
+     "p.parquet:1: image 'https://example.com/b.png': scheme 'https' is not read here"),
+    ({"image": ["a.png", None]}, REQUIRED, "p.parquet:1: image is empty"),
+    ({}, REQUIRED, "no 'image' column"),
+    ({"image": ["a.png", None]}, TEXT, "names 1 images, but this model takes text only (no image)"),
+])
+def test_bad_image_cells_are_exit_2_naming_file_and_row(tmp_path, column, limits, needle):
+    png(tmp_path / "a.png")
+    p = write(tmp_path, {"prompt": ["x", "y"], **column})
+    with pytest.raises(PromptError) as e:
+        check(p, limits)
+    assert needle in str(e.value)
+
+
+def test_an_all_null_image_column_is_fine_for_a_text_model(tmp_path):
+    p = write(tmp_path, {"prompt": ["x"], "image": pa.array([None], pa.string())})
+    assert check(p, TEXT)[2][0].image is None
+
+
+def test_a_sample_of_images_is_looked_up_before_the_job(tmp_path, caplog):
+    png(tmp_path / "there.png")
+    p = write(tmp_path, {"prompt": ["x", "y"], "image": ["there.png", "gone.png"]})
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        items = check(p)[2]                      # one missing among found ones: that row fails later
+    assert len(items) == 2 and "p.parquet:1: image" in caplog.text and "gone.png" in caplog.text
+    wrong = write(tmp_path, {"prompt": ["x", "y"], "image": ["img/there.png", "img/gone.png"]}, "q.parquet")
+    with pytest.raises(PromptError, match=r"none of the 2 images looked up exists(.|\n)*q.parquet:0"):
+        check(wrong)                             # none found: a wrong base path, exit 2
+
+
+def test_fit_covers_the_rows_size_and_crops_the_center(tmp_path):
+    # 96x48 image: left third blue, middle third green, right third red; fitted into 32x32 the
+    # cover scale is 32/48 (height): 64x32, cropped to its middle 32 columns, green at 5..27
+    img = np.zeros((48, 96, 3), np.uint8)
+    img[:, :32, 2], img[:, 32:64, 1], img[:, 64:, 0] = 255, 255, 255
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    out = np.asarray(images.fit(buf.getvalue(), 32, 32))
+    assert out.shape == (32, 32, 3)
+    assert out[:, 8:24, 1].min() > 200 and out[:, 8:24][..., [0, 2]].max() < 60
+    tall = np.asarray(images.fit(buf.getvalue(), 48, 96))     # portrait row from a landscape image
+    assert tall.shape == (96, 48, 3)
+
+
+def test_unusable_images_raise_naming_the_image_and_why(tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a png")
+    item = check(write(tmp_path, {"prompt": ["x", "y"], "image": ["bad.png", "nope.png"]}))[2]
+    with pytest.raises(images.ImageError, match=r"bad.png: not a decodable image"):
+        images.load(item[0])
+    with pytest.raises(images.ImageError, match=r"nope.png: not found"):
+        images.load(item[1])
+
+
+def test_rerun_plan_regenerates_an_edited_image_only(tmp_path):
+    """What resume compares (`Results.plan`): the recorded hash of the bytes a worker read against
+    the image's current content, hashed on the driver for rows with a record."""
+    for name in "abc":
+        png(tmp_path / f"{name}.png", color=(10 * ord(name) % 255, 0, 0))
+    p = write(tmp_path, {"id": list("abc"), "prompt": ["x", "y", "z"],
+                         "image": ["a.png", "b.png", "c.png"]})
+    items = check(p)[2]
+    res = Results(str(tmp_path / "job"), settings="s")
+    rows = []
+    for it in items:                           # as a worker records them: the hash it read
+        data, sha = images.read(it)
+        (tmp_path / "job" / "media").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "job" / "media" / f"{it.id}.mp4").write_bytes(b"x")
+        rows.append({**it.params(), "image_sha256": sha, "status": "ok", "output": f"media/{it.id}.mp4"})
+    res.add(rows)
+    res = Results(str(tmp_path / "job"), settings="s").load()
+    again = images.fill_hashes(check(p)[2], res.rows)
+    assert res.plan(again).done == {"a", "b", "c"}
+    png(tmp_path / "b.png", color=(0, 255, 0))                  # edited in place: same path
+    os.rename(tmp_path / "c.png", tmp_path / "c2.png")          # moved, same content
+    p2 = write(tmp_path, {"id": list("abc"), "prompt": ["x", "y", "z"],
+                          "image": ["a.png", "b.png", "c2.png"]})
+    plan = res.plan(images.fill_hashes(check(p2)[2], res.rows))
+    assert plan.done == {"a", "c"} and [it.id for it in plan.changed] == ["b"]
+    os.remove(tmp_path / "a.png")                               # gone: redone, and fails there
+    plan = res.plan(images.fill_hashes(check(p2)[2], res.rows))
+    assert sorted(it.id for it in plan.changed) == ["a", "b"]
+
+
+def test_images_on_s3_are_located_checked_and_read(s3_bucket, tmp_path):
+    store = resolve(f"s3://{s3_bucket}/in")
+    store.write_file_atomic("imgs/a.png", png(tmp_path / "a.png"))
+    store.write_file_atomic("p.parquet", write(tmp_path, {"prompt": ["x", "y"],
+                                                          "image": ["imgs/a.png", "imgs/gone.png"]}))
+    items = check_prompts((f"s3://{s3_bucket}/in/p.parquet",), GEN, REQUIRED, "error")[2]
+    assert items[0].image == f"s3://{s3_bucket}/in/imgs/a.png"   # relative to the Parquet object
+    data, sha = images.read(items[0])
+    assert sha == hashlib.sha256((tmp_path / "a.png").read_bytes()).hexdigest()
+    assert images.load(items[0])[0].size == (64, 64)
+    with pytest.raises(images.ImageError, match="gone.png: not found"):
+        images.read(items[1])
