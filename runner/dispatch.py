@@ -2,7 +2,7 @@
 
 Contract of `dispatch(...)`:
 - Each worker slot holds at most `inflight` shards; when one finishes, the slot takes the next from
-  the queue (dynamic, not a static split). A shard travels with its validated items as two calls
+  the queue (dynamic, not a static split). A shard travels with its validated items (`Shard.items`) as two calls
   on the (threaded) actor: `start_shard(seq, items)`, done when its GPU work is, and
   `finish_shard(seq)`, its rows once written; `seq` numbers the slot's shards so the worker runs
   them in order while it writes one shard and generates the next. Rows go to `on_rows` as each
@@ -28,9 +28,10 @@ Contract of `dispatch(...)`:
 
 These rules live in `Dispatcher`, which reaches its workers only through a `Pool` (start a worker
 and its warm-up, submit a shard, wait for futures, read a result as a value, `TaskError` or
-`WorkerLost`, kill a worker): `RayPool` is the Ray one (the only place Ray is called), and
-tests/test_dispatch.py drives the same rules with an in-memory pool. A worker is anything with the
-methods of `runner.worker.WorkerContract`; `dispatch(...)` is `Dispatcher(RayPool(...), ...).run()`.
+`WorkerLost`, kill a worker; and for the rest of the driver: phases, metrics, stop and wait until
+dead): `runner.raypool.RayPool` is the Ray one (the driver's only Ray code), tests drive the same
+rules with in-memory pools, and `runner.bench.simulate` with a simulated cluster. A worker is
+anything with the methods of `runner.worker.WorkerContract`. This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ FAULT_ROWS = 4   # distinct failing shards (or rows) with one cause and no succe
 
 class TaskError(Exception):
     """An exception raised by our code inside a worker, which lives on. `str()` is its cause,
-    `Type: message` of the worker-side exception (see `_cause`)."""
+    `Type: message` of the worker-side exception (see `cause`)."""
 
 
 class WorkerLost(Exception):
@@ -70,8 +71,11 @@ class WorkerLost(Exception):
 
 
 class Pool(Protocol):
-    """The dispatcher's only way to its workers. Handles and futures are opaque; futures are
-    hashable, and a worker runs its calls in the order they were made."""
+    """Every call the driver makes on its workers (the dispatcher, the start-up display, the
+    summary's metrics, the stop). Handles and futures are opaque; futures are hashable, and a
+    worker runs its calls in the order they were made. `size`: the workers the job runs."""
+
+    size: int
 
     def start(self, rank: int) -> tuple[Any, Any]:
         """Create the worker of slot `rank` and begin its warm-up: (handle, future of the
@@ -81,8 +85,16 @@ class Pool(Protocol):
         """Shard number `seq` of this worker (`start_shard`, `finish_shard`): (future done when
         its GPU work is, future of its rows once written)."""
 
+    def phases(self, worker: Any, since: int) -> Any:
+        """Future of the worker's start-up phases from the `since`-th on (answered while it warms
+        up)."""
+
+    def metrics(self, worker: Any) -> Any:
+        """Future of the worker's metrics (`Worker.metrics`)."""
+
     def wait(self, futures: list, timeout: float) -> list:
-        """Some of `futures` that are done, or [] once `timeout` seconds passed with none done."""
+        """The futures of `futures` that are done (at least one), or [] once `timeout` seconds
+        passed with none done."""
 
     def result(self, future: Any) -> Any:
         """The value of a done future; raises `TaskError` or `WorkerLost`."""
@@ -90,8 +102,12 @@ class Pool(Protocol):
     def kill(self, worker: Any) -> None:
         """Stop the worker for good (no restart behind the dispatcher's back). Never raises."""
 
+    def stop(self, workers: list, timeout_s: float) -> int:
+        """Kill `workers` and return once each is gone (no file of theirs can land after), or
+        after `timeout_s`: the number still running then."""
 
-def _cause(e: BaseException) -> str:
+
+def cause(e: BaseException) -> str:
     """`Type: message` of the exception raised in the worker (Ray's wrapper holds it as `cause`),
     first line, for logs and the summary; Ray's own error text for what has no cause (a lost
     actor or node)."""
@@ -99,42 +115,6 @@ def _cause(e: BaseException) -> str:
     c = c if isinstance(c, BaseException) else e
     text = f"{type(c).__name__}: {c}".strip()
     return (text.splitlines() or [type(c).__name__])[0][:500]
-
-
-class RayPool:
-    """`Pool` over Ray actors made by `make_actor(rank)` (a `WorkerContract` under `ray.remote`).
-    The only code here that touches Ray."""
-
-    def __init__(self, make_actor: Callable[[int], Any]):
-        import ray                     # here only: the dispatcher and its tests run without Ray
-        self.ray, self.make_actor = ray, make_actor
-
-    def start(self, rank: int) -> tuple[Any, Any]:
-        actor = self.make_actor(rank)
-        return actor, actor.warmup.remote()
-
-    def submit(self, actor, seq: int, items: list[Item]) -> tuple[Any, Any]:
-        return actor.start_shard.remote(seq, items), actor.finish_shard.remote(seq)
-
-    def wait(self, futures: list, timeout: float) -> list:
-        return self.ray.wait(futures, num_returns=1, timeout=timeout)[0]
-
-    def result(self, ref) -> Any:
-        errors = self.ray.exceptions
-        try:
-            return self.ray.get(ref)
-        except errors.RayError as e:
-            # a RayTaskError wraps our code's exception; a dead actor is no such thing even in the
-            # Ray versions where RayActorError subclasses RayTaskError
-            if isinstance(e, errors.RayTaskError) and not isinstance(e, errors.RayActorError):
-                raise TaskError(_cause(e)) from e
-            raise WorkerLost(_cause(e)) from e
-
-    def kill(self, actor) -> None:
-        try:
-            self.ray.kill(actor, no_restart=True)
-        except Exception:              # already gone: nothing left to stop
-            pass
 
 
 @dataclass
@@ -152,17 +132,16 @@ class Slot:
 
 
 class Dispatcher:
-    """The rules of the module docstring over a `Pool`. Takes `dispatch`'s arguments, and `clock`
-    (seconds: start-up timeouts, `Slot.started`) so that tests can run on a fake one. `run()`
-    once."""
+    """The rules of the module docstring over a `Pool`, for `n_workers` slots; `clock` (seconds:
+    start-up timeouts, `Slot.started`) may be a fake one in tests. `run()` once."""
 
     def __init__(self, pool: Pool, n_workers: int, shards: list[Shard],
-                 items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
+                 on_rows: Callable[[list[dict]], None],
                  inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
                  start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
                  slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.pool, self.n_workers, self.items_of, self.on_rows = pool, n_workers, items_of, on_rows
+        self.pool, self.n_workers, self.on_rows = pool, n_workers, on_rows
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
@@ -230,7 +209,7 @@ class Dispatcher:
                     self.futures[f][1].index in self.suspects for f in slot.running)):
                 break
             shard = self.queue.popleft()
-            started, finished = self.pool.submit(slot.actor, slot.next_seq, self.items_of(shard))
+            started, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
             slot.running.append(finished)
             self.futures[finished] = (slot, shard, started)
@@ -292,12 +271,11 @@ class Dispatcher:
         """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which
         a single row over `max_retries` is recorded failed. A shard of several rows is split."""
         n = self.attempts.get(shard.index, 0) + int(count)
-        items = self.items_of(shard)
+        items = shard.items
         if len(items) > 1:
             log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
                         shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
-            singles = [Shard(self.next_index + k, shard.file, it.row, it.row + 1)
-                       for k, it in enumerate(items)]
+            singles = [Shard(self.next_index + k, (it,)) for k, it in enumerate(items)]
             self.next_index += len(singles)
             for s in singles:
                 self.attempts[s.index] = n
@@ -349,13 +327,3 @@ class Dispatcher:
         except (TaskError, WorkerLost):
             return None
 
-
-def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
-             items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
-             inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
-             slots: list[Slot] | None = None,
-             on_tick: Callable[[], None] | None = None) -> list[Slot]:
-    """The module docstring's contract on Ray actors made by `make_actor(rank)`."""
-    return Dispatcher(RayPool(make_actor), n_workers, shards, items_of, on_rows, inflight,
-                      max_retries, max_restarts, start_timeout_s, on_ready, slots, on_tick).run()

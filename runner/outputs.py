@@ -1,6 +1,11 @@
-"""Everything the job writes, each file atomically: a temporary name in the same directory, then
-`os.replace`. A reader (or a resumed job) therefore sees a complete file or none; a crash leaves at
-most a `.tmp-*` file, never a half-written output under its final name.
+"""The media encoders and the small files and tables the job writes.
+
+`write_png` and `write_mp4` write straight to the path they are given: the worker hands them a
+temporary name (`storage.Store.atomic_local`), so an output appears under its final name only once
+complete. `write_text`/`write_json` are atomic themselves, through `storage.atomic_path` (the one
+local atomic write: a `.tmp-*` name in the same directory, then `os.replace`), re-exported here for
+the report and the benches. A reader (or a resumed job) sees a complete file or none; a crash leaves
+at most a `.tmp-*` file, never a half-written output under its final name.
 
 Layout under `<output.dir>/<job name>/`:
     media/<id>.mp4 | media/<id>.png   one per prompt (H.264 mp4 through imageio-ffmpeg)
@@ -13,28 +18,11 @@ Layout under `<output.dir>/<job name>/`:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import uuid
-from pathlib import Path
 
 import numpy as np
 
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """Yields a temporary path next to `path` (same suffix, so writers pick the right format);
-    renamed onto `path` only if the block finishes."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+from .storage import atomic_path   # noqa: F401  (re-exported: the one atomic write)
 
 
 def write_text(path, text: str) -> None:
@@ -54,27 +42,26 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
 
 
 def write_png(path, image: np.ndarray) -> None:
-    """image: (H, W, 3) uint8, or floats in [0, 1]."""
+    """image: (H, W, 3) uint8, or floats in [0, 1]. Written straight to `path` (see above)."""
     import imageio.v3 as iio
-    with atomic_path(path) as tmp:
-        iio.imwrite(tmp, to_uint8(image), extension=".png")
+    iio.imwrite(path, to_uint8(image), extension=".png")
 
 
 def write_mp4(path, frames: np.ndarray, fps: int) -> None:
-    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4."""
+    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4, written straight to
+    `path` (see above)."""
     import imageio_ffmpeg
     frames = to_uint8(frames)
     _, h, w, _ = frames.shape
-    with atomic_path(path) as tmp:
-        # macro_block_size=1: sizes are already multiples of the model's factor; never rescale.
-        writer = imageio_ffmpeg.write_frames(str(tmp), (w, h), fps=fps, codec="libx264",
-                                             pix_fmt_out="yuv420p", macro_block_size=1,
-                                             quality=None, bitrate=None,
-                                             output_params=["-crf", "18"], ffmpeg_log_level="error")
-        writer.send(None)
-        for f in frames:
-            writer.send(np.ascontiguousarray(f))
-        writer.close()
+    # macro_block_size=1: sizes are already multiples of the model's factor; never rescale.
+    writer = imageio_ffmpeg.write_frames(str(path), (w, h), fps=fps, codec="libx264",
+                                         pix_fmt_out="yuv420p", macro_block_size=1,
+                                         quality=None, bitrate=None,
+                                         output_params=["-crf", "18"], ffmpeg_log_level="error")
+    writer.send(None)
+    for f in frames:
+        writer.send(np.ascontiguousarray(f))
+    writer.close()
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:

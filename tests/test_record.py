@@ -302,12 +302,12 @@ class SlowRay:
 
 
 def test_a_local_ray_slow_to_start_is_started_again_then_named():
-    from runner.job import start_local_ray
+    from runner.raypool import RayStartError, start_local_ray
     ray = SlowRay(fails=2)
     start_local_ray(ray, num_cpus=2)
     assert ray.inits == 3 and ray.shutdowns == 2
     ray = SlowRay(fails=3)
-    with pytest.raises(JobError, match=r"did not start, 3 times .*timed out during startup.*ray\.address"):
+    with pytest.raises(RayStartError, match=r"did not start, 3 times .*timed out during startup.*ray\.address"):
         start_local_ray(ray, num_cpus=2)
     ray = SlowRay(fails=1, error="some other failure")        # not retried: raised as it is
     with pytest.raises(Exception, match="some other failure"):

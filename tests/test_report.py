@@ -141,6 +141,7 @@ def test_thumbnails_made_once_and_within_the_budget(tmp_path):
     from runner.outputs import write_png
     from runner.report import write_report
     rows = fake_rows(3)
+    (tmp_path / "media").mkdir()
     for r in rows:
         write_png(tmp_path / r["output"], np.random.default_rng(0).random((300, 200, 3)))
     write_report(str(tmp_path), rows, thumb_budget_s=-1)     # out of time: none made yet

@@ -9,9 +9,11 @@ import torch
 from runner.config import GenerationDefaults
 from runner.job import JobError, run
 from runner.models import ModelSpec
-from runner.outputs import atomic_path, write_mp4, write_png
+from runner.outputs import write_mp4, write_png
+from runner.storage import atomic_path
 from runner.prompts import Constraints, Item, PromptError
-from runner.worker import Worker, WorkerConfig, batches, generate
+from runner.config import WorkerConfig
+from runner.worker import Worker, batches, generate
 
 
 def make_worker(tmp_path, batch_size=2, preset="pixart_alpha_1024", size=64, video_length=None):
@@ -245,7 +247,7 @@ def test_cli_exit_code_and_message_for_bad_input(tmp_path):
 
 
 def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready():
-    from runner.job import work_after
+    from runner.summary import work_after
     ok = lambda start, e2e: {"status": "ok", "batch_size": 1, "started_at": start, "e2e_s": e2e}
     # pipelined batches overlap (each one's writing with the next one's generation):
     # [4,7] [6,9] [8,11]; from t=7: 0 + 2/3 + 1

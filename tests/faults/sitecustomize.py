@@ -80,15 +80,15 @@ def _resolve_noting_the_job_dir(resolve):
     return wrapped
 
 
-def _write_with_faults(write, atomic_path):
+def _write_with_faults(write):
     def wrapped(path, media, *args):
         stem = os.path.basename(str(path)).rsplit(".", 1)[0]
         if stem.startswith(".tmp-"):        # the worker encodes to a temp name (Store.atomic_local)
             stem = stem.split("-", 2)[-1]
         if ("crash_write", stem) in FAULTS:
-            with atomic_path(path) as tmp:
-                open(tmp, "wb").write(b"\x89PNG half a file")
-                os._exit(71)
+            with open(path, "wb") as f:     # half a file under the temporary name, then death
+                f.write(b"\x89PNG half a file")
+            os._exit(71)
         return write(path, media, *args)
     return wrapped
 
@@ -98,9 +98,8 @@ def _patch(worker):
     # patched method would run the driver's copy.
     worker.generate = _generate_with_faults(worker.generate)
     worker.resolve = _resolve_noting_the_job_dir(worker.resolve)
-    from runner.outputs import atomic_path
-    worker.write_png = _write_with_faults(worker.write_png, atomic_path)
-    worker.write_mp4 = _write_with_faults(worker.write_mp4, atomic_path)
+    worker.write_png = _write_with_faults(worker.write_png)
+    worker.write_mp4 = _write_with_faults(worker.write_mp4)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -1,0 +1,325 @@
+"""Can one driver feed a large cluster? The real job over a simulated pool of workers.
+
+    python -m runner.bench.simulate workers=1000 prompts=10000000 item_s=0.7 duration_s=120 \
+        [shard_size=8] [out=DIR] [sweep=workers:100,300,1000;prompts:100000,1000000]
+
+The job is the real one (`runner.job.main`: config, prompt checks, the lock, the record's resume
+plan, `JobRun`, `Dispatcher`, `Results`, the background snapshots of results.parquet and
+report.html, the summary) on a real temp-dir store; only the workers are simulated: `SimPool`, a
+`dispatch.Pool` whose workers start in `startup_s` seconds (uniform), take `item_s` seconds per
+item (+-`jitter`, uniform) on their GPU, deliver a shard's rows `write_s` after its GPU work, and
+die now and then (`deaths_per_min` in all, at a random point of a random shard; the dispatcher
+starts replacements). Each run is its own process (so its peak RSS is its own); the parent writes
+the prompt files first and, after each run, the media files the workers would have written, so
+that the next run's resume planning lists them as a real one does.
+
+For a point (N workers, M prompts): run 1 plans all M prompts and runs until `duration_s` after
+every worker was first ready, then stops the job the way Ctrl-C does (SIGINT: summary written);
+run 2 resumes it (record load, one media listing, plan) and is stopped `resume_s` later. Figures
+(JSON lines and a table; `simulate.json` and `simulate.png` under `out`):
+- `items_per_s`: rows the driver received per second over the steady window (from `settle_s`
+  after all were ready to the stop); `demand_items_per_s` = N / item_s;
+- `idle_fraction`: of the workers' ready time in that window, the part their GPU had no shard;
+- `cpu_ms_per_shard`, `cpu_ms_per_item`: the driver process's CPU seconds in the window (every
+  thread: dispatch loop, snapshots) less the simulator's own (measured per call), per shard / row;
+  `max_items_per_s` = 1 / cpu_s_per_item: the rate at which that CPU would fill one core;
+- `plan_s`: from the job's start to its pool's start (config, prompt checks, record load, media
+  listing, plan, shards); `peak_rss_mb`: the run's peak RSS (VmHWM);
+- `record_mb`, `record_bytes_per_row`: `records/` after run 1; `snapshot_s`, `report_s`: one
+  rewrite of results.parquet and of report.html at run 1's end state (what the background
+  snapshot does every `output.results_every_s`).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..dispatch import TaskError, WorkerLost
+from ..prompts import Item
+
+log = logging.getLogger("runner")
+ROW_FIELDS = ("id", "prompt", "negative_prompt", "seed", "height", "width", "num_frames",
+              "num_inference_steps", "guidance_scale", "file", "row")      # Item.params()'s keys
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_png() -> bytes:
+    """The media file of every simulated item: an 8x8 grey PNG (the report can thumbnail it)."""
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 128, 128)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class RealClock:
+    """Epoch seconds and real sleeps (the bench)."""
+
+    def time(self) -> float:
+        return time.time()
+
+    def sleep(self, s: float) -> None:
+        time.sleep(s)
+
+
+class VirtualClock:
+    """A clock that moves only when slept on: a simulated run takes no real time (tests)."""
+
+    def __init__(self, start: float = 1.8e9):
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += max(0.0, s)
+
+
+@dataclass(eq=False)                       # hashed by identity, as a Pool's futures are
+class SimFuture:
+    worker: "SimWorker"
+    t: float                               # when it completes
+    action: Callable[["SimFuture"], None] | None = None   # run at `t`, sets state and value
+    state: str = "pending"                 # pending | ok | error | lost
+    value: Any = None
+    rows: bool = False                     # a shard's finish: its value is the shard's rows
+
+
+@dataclass(eq=False)
+class SimWorker:
+    rank: int
+    started: float
+    ready_at: float
+    warm_error: str | None = None          # its warm-up raises this
+    dead_at: float | None = None
+    busy_until: float = 0.0                # its GPU's work queued until then
+    pending: list = field(default_factory=list)   # futures not completed yet
+    items: int = 0
+    failed: int = 0
+    busy_s: float = 0.0                    # GPU seconds of the shards it ran
+    idle_s: float = 0.0                    # closed periods of waiting for work while ready
+    ready: bool = False
+
+
+class SimPool:
+    """A `dispatch.Pool` of `size` simulated workers (module docstring). `fate(item)` decides each
+    item: "ok", "fail:<error>" (a failed row, the worker lives: a NaN output), "raise:<error>" (the
+    shard raises in the worker: `TaskError`), "die" (the worker dies generating it).
+    `warm_fate(rank, attempt)` is None or the error its warm-up raises. `media`: a Store to write
+    each ok row's media file into when its shard is delivered (tests; the bench writes none).
+    Everything runs on the caller's thread, inside `wait`; `sim_cpu_s` is the CPU it took."""
+
+    def __init__(self, size: int, item_s: float, clock=RealClock(), jitter: float = 0.2,
+                 startup_s: tuple[float, float] = (10.0, 40.0), write_s: float = 0.05,
+                 deaths_per_min: float = 0.0, shard_size: int = 8,
+                 fate: Callable[[Item], str] | None = None,
+                 warm_fate: Callable[[int, int], str | None] | None = None,
+                 media=None, seed: int = 0):
+        self.size, self.item_s, self.clock, self.jitter = size, item_s, clock, jitter
+        self.startup_s, self.write_s, self.media = startup_s, write_s, media
+        self.fate, self.warm_fate = fate, warm_fate
+        self.rng = random.Random(seed)
+        # a death per shard with this chance: `deaths_per_min` in all at full speed
+        self.death_p = deaths_per_min / 60 * shard_size * item_s / size if size else 0.0
+        self.heap: list = []                       # (t, n, future)
+        self.n = itertools.count()
+        self.undelivered: dict[SimFuture, None] = {}   # done, not yet returned by a wait (ordered)
+        self.workers: list[SimWorker] = []
+        self.attempts: dict[int, int] = {}
+        self.sim_cpu_s = 0.0
+        self.rows_delivered = self.shards_delivered = 0
+        self.dead_ready_s = self.dead_idle_s = 0.0     # ready / idle seconds of dead workers
+
+    # -- the Pool interface ------------------------------------------------------------------
+
+    def start(self, rank: int) -> tuple[SimWorker, SimFuture]:
+        t0 = time.thread_time()
+        now = self.clock.time()
+        attempt = self.attempts[rank] = self.attempts.get(rank, 0) + 1
+        w = SimWorker(rank, now, now + self.rng.uniform(*self.startup_s))
+        w.warm_error = self.warm_fate(rank, attempt) if self.warm_fate else None
+        self.workers.append(w)
+        f = self._future(w, w.ready_at, self._warmed)
+        self.sim_cpu_s += time.thread_time() - t0
+        return w, f
+
+    def submit(self, w: SimWorker, seq: int, items) -> tuple[SimFuture, SimFuture]:
+        t0 = time.thread_time()
+        now = self.clock.time()
+        if w.dead_at is not None:                   # not noticed yet: its calls fail
+            lost = lambda f: self._set(f, "lost", "killed")    # noqa: E731
+            started, finished = self._future(w, now, lost), self._future(w, now, lost)
+        else:
+            started, finished = self._run_shard(w, items, now)
+        self.sim_cpu_s += time.thread_time() - t0
+        return started, finished
+
+    def phases(self, w: SimWorker, since: int) -> SimFuture:
+        events = [("warming up", w.ready_at - w.started)][since:]
+        return self._future(w, self.clock.time(), lambda f: self._set(f, "ok", events))
+
+    def metrics(self, w: SimWorker) -> SimFuture:
+        return self._future(w, self.clock.time(), lambda f: self._set(f, "ok", self._metrics(w)))
+
+    def wait(self, futures: list, timeout: float) -> list:
+        t0 = time.thread_time()
+        self._deliver()
+        done = self._done(futures)
+        if not done and timeout > 0:
+            now = self.clock.time()
+            pause = min(timeout, max(0.0, self.heap[0][0] - now)) if self.heap else timeout
+            self.sim_cpu_s += time.thread_time() - t0
+            self.clock.sleep(pause)
+            t0 = time.thread_time()
+            self._deliver()
+            done = self._done(futures)
+        self.sim_cpu_s += time.thread_time() - t0
+        return done
+
+    def result(self, f: SimFuture) -> Any:
+        assert f.state != "pending", "a Pool's caller reads only done futures"
+        if f.state == "error":
+            raise TaskError(f.value)
+        if f.state == "lost":
+            raise WorkerLost(f.value)
+        return f.value
+
+    def kill(self, w: SimWorker) -> None:
+        self._die(w, self.clock.time(), "killed")
+
+    def stop(self, workers: list, timeout_s: float) -> int:
+        for w in workers:
+            self.kill(w)
+        return 0
+
+    # -- the workers -------------------------------------------------------------------------
+
+    def _future(self, w: SimWorker, t: float, action) -> SimFuture:
+        f = SimFuture(w, t, action)
+        w.pending.append(f)
+        heapq.heappush(self.heap, (t, next(self.n), f))
+        return f
+
+    def _set(self, f: SimFuture, state: str, value) -> None:
+        f.state, f.value = state, value
+        f.worker.pending.remove(f)
+        self.undelivered[f] = None
+
+    def _warmed(self, f: SimFuture) -> None:
+        w = f.worker
+        if w.warm_error is not None:
+            self._set(f, "error", w.warm_error)
+            return
+        w.ready, w.busy_until = True, w.ready_at
+        self._set(f, "ok", {"rank": w.rank, "host": "sim", "model_load_s": 0.0,
+                            "warmup_s": w.ready_at - w.started})
+
+    def _run_shard(self, w: SimWorker, items, now: float) -> tuple[SimFuture, SimFuture]:
+        """The shard's GPU work after what is queued on `w`; its rows `write_s` after that."""
+        start = max(now, w.busy_until, w.ready_at)
+        if w.ready and now > w.busy_until:           # the GPU waited for this shard
+            w.idle_s += now - w.busy_until
+        rows, t, death, error = [], start, None, None
+        die_at = self.rng.randrange(len(items)) if self.rng.random() < self.death_p else None
+        for k, it in enumerate(items):
+            fate = self.fate(it) if self.fate else "ok"
+            dt = self.item_s * (1 + self.jitter * (2 * self.rng.random() - 1))
+            if fate == "die" or k == die_at:
+                death = t + dt / 2
+                break
+            if fate.startswith("raise:"):
+                error = error or fate[6:]
+            row = {k_: getattr(it, k_) for k_ in ROW_FIELDS}
+            if fate.startswith("fail:"):
+                row.update(status="failed", error=fate[5:], output=None, e2e_s=None, started_at=None)
+            else:
+                row.update(status="ok", error=None, output=f"media/{it.id}.png",
+                           e2e_s=dt + self.write_s, started_at=t)
+            row.update(worker=w.rank, node_id=None, batch_size=1, denoise_it_s=None)
+            rows.append(row)
+            t += dt
+        if death is not None:                        # every call on it is lost at `death`
+            w.busy_until = death
+            w.busy_s += death - start
+            self._future(w, death, lambda f: self._die(f.worker, f.t, "actor died (simulated)"))
+            return self._future(w, math.inf, None), self._future(w, math.inf, None)
+        w.busy_until, w.busy_s = t, w.busy_s + (t - start)
+        started = self._future(w, t, lambda f: self._set(f, "ok", len(items)))
+        finish = (lambda f: self._set(f, "error", error)) if error else \
+            (lambda f: self._finish(f, rows))
+        finished = self._future(w, t + self.write_s, finish)
+        finished.rows = True
+        return started, finished
+
+    def _finish(self, f: SimFuture, rows: list[dict]) -> None:
+        w = f.worker
+        ok = [r for r in rows if r["status"] == "ok"]
+        w.items += len(ok)
+        w.failed += len(rows) - len(ok)
+        if self.media is not None:
+            for r in ok:
+                self.media.write_bytes_atomic(r["output"], tiny_png())
+        self._set(f, "ok", rows)
+
+    def _die(self, w: SimWorker, t: float, why: str) -> None:
+        if w.dead_at is not None:
+            return
+        w.dead_at = t
+        if w.ready:
+            self.dead_ready_s += t - w.ready_at
+            self.dead_idle_s += w.idle_s + max(0.0, t - w.busy_until)
+        for f in list(w.pending):
+            if f.state == "pending":
+                self._set(f, "lost", why)
+
+    def _deliver(self) -> None:
+        """Run every event due by now, in time order."""
+        now = self.clock.time()
+        while self.heap and self.heap[0][0] <= now:
+            _, _, f = heapq.heappop(self.heap)
+            if f.state == "pending" and f.action is not None:
+                f.action(f)
+
+    def _done(self, futures: list) -> list:
+        if len(futures) <= 8:
+            done = [f for f in futures if f.state != "pending"]
+        else:
+            wanted = set(futures)
+            done = [f for f in self.undelivered if f in wanted]
+        for f in done:
+            if self.undelivered.pop(f, 1) is None and f.rows and f.state == "ok":
+                self.rows_delivered += len(f.value)        # first delivery of a shard's rows
+                self.shards_delivered += 1
+        return done
+
+    def _metrics(self, w: SimWorker) -> dict:
+        now = self.clock.time()
+        serving = max(0.0, (w.dead_at or now) - w.ready_at)
+        return {"rank": w.rank, "host": "sim", "node_id": None, "gpu_name": None,
+                "items": w.items, "failed": w.failed, "steps": 0, "model_load_s": 0.0,
+                "warmup_s": w.ready_at - w.started, "steady_it_s": None, "e2e_mean_s": None,
+                "e2e_p95_s": None, "peak_mem_gb": None, "gpu_util": None, "serving_s": serving,
+                "busy_fraction": min(1.0, w.busy_s / serving) if serving else None,
+                "gpu_ms_per_item": None, "time_s": {"denoise": w.busy_s, "wait": self._idle(w, now)}}
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def _idle(self, w: SimWorker, now: float) -> float:
+        return w.idle_s + max(0.0, now - w.busy_until) if w.ready else 0.0
+
+    def worker_seconds(self) -> tuple[float, float]:
+        """(ready, idle) worker-seconds so far, dead workers included: the idle fraction of a
+        window is the ratio of their differences."""
+        now = self.clock.time()
+        live = [w for w in self.workers if w.ready and w.dead_at is None]
+        return (self.dead_ready_s + sum(now - w.ready_at for w in live),
+                self.dead_idle_s + sum(self._idle(w, now) for w in live))
