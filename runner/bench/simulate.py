@@ -37,6 +37,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,18 @@ def tiny_png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (8, 8), (128, 128, 128)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _row(it: Item, rank: int, fate: str, started_at: float, e2e_s: float) -> dict:
+    """A worker's result row for `it` (the same columns as `runner.worker`'s)."""
+    row = {k: getattr(it, k) for k in ROW_FIELDS}
+    if fate.startswith("fail:"):
+        row.update(status="failed", error=fate[5:], output=None, e2e_s=None, started_at=None)
+    else:
+        row.update(status="ok", error=None, output=f"media/{it.id}.png", e2e_s=e2e_s,
+                   started_at=started_at)
+    row.update(worker=rank, node_id=None, batch_size=1, denoise_it_s=None)
+    return row
 
 
 class RealClock:
@@ -113,7 +126,8 @@ class SimWorker:
 class SimPool:
     """A `dispatch.Pool` of `size` simulated workers (module docstring). `fate(item)` decides each
     item: "ok", "fail:<error>" (a failed row, the worker lives: a NaN output), "raise:<error>" (the
-    shard raises in the worker: `TaskError`), "die" (the worker dies generating it).
+    shard raises in the worker: `TaskError`), "die" (the worker dies generating it), "die_writing"
+    (it dies writing the shard's files, after its GPU work: half a file under a temporary name).
     `warm_fate(rank, attempt)` is None or the error its warm-up raises. `media`: a Store to write
     each ok row's media file into when its shard is delivered (tests; the bench writes none).
     Everything runs on the caller's thread, inside `wait`; `sim_cpu_s` is the CPU it took."""
@@ -209,6 +223,10 @@ class SimPool:
         heapq.heappush(self.heap, (t, next(self.n), f))
         return f
 
+    def _event(self, w: SimWorker, t: float, action) -> None:
+        """Something that happens to `w` at `t` (no caller waits for it)."""
+        heapq.heappush(self.heap, (t, next(self.n), SimFuture(w, t, action)))
+
     def _set(self, f: SimFuture, state: str, value) -> None:
         f.state, f.value = state, value
         f.worker.pending.remove(f)
@@ -228,7 +246,7 @@ class SimPool:
         start = max(now, w.busy_until, w.ready_at)
         if w.ready and now > w.busy_until:           # the GPU waited for this shard
             w.idle_s += now - w.busy_until
-        rows, t, death, error = [], start, None, None
+        rows, t, death, error, writing = [], start, None, None, None
         die_at = self.rng.randrange(len(items)) if self.rng.random() < self.death_p else None
         for k, it in enumerate(items):
             fate = self.fate(it) if self.fate else "ok"
@@ -236,29 +254,34 @@ class SimPool:
             if fate == "die" or k == die_at:
                 death = t + dt / 2
                 break
-            if fate.startswith("raise:"):
+            if fate == "die_writing":
+                writing = writing or it
+            elif fate.startswith("raise:"):
                 error = error or fate[6:]
-            row = {k_: getattr(it, k_) for k_ in ROW_FIELDS}
-            if fate.startswith("fail:"):
-                row.update(status="failed", error=fate[5:], output=None, e2e_s=None, started_at=None)
-            else:
-                row.update(status="ok", error=None, output=f"media/{it.id}.png",
-                           e2e_s=dt + self.write_s, started_at=t)
-            row.update(worker=w.rank, node_id=None, batch_size=1, denoise_it_s=None)
-            rows.append(row)
+            rows.append(_row(it, w.rank, fate, t, dt + self.write_s))
             t += dt
-        if death is not None:                        # every call on it is lost at `death`
-            w.busy_until = death
-            w.busy_s += death - start
-            self._future(w, death, lambda f: self._die(f.worker, f.t, "actor died (simulated)"))
-            return self._future(w, math.inf, None), self._future(w, math.inf, None)
-        w.busy_until, w.busy_s = t, w.busy_s + (t - start)
-        started = self._future(w, t, lambda f: self._set(f, "ok", len(items)))
+        if death is None and writing is not None:    # its GPU work done, dead while writing
+            death = t + self.write_s / 2
+        w.busy_until = death if death is not None else t
+        w.busy_s += w.busy_until - start
+        started = self._future(w, t, lambda f: self._set(f, "ok", len(items))) \
+            if death is None or writing is not None else self._future(w, math.inf, None)
+        if death is not None:                        # every call still on it is lost then
+            self._event(w, death, lambda f: self._die(f.worker, f.t, "actor died (simulated)",
+                                                      half=writing))
+            return started, self._future(w, math.inf, None)
         finish = (lambda f: self._set(f, "error", error)) if error else \
             (lambda f: self._finish(f, rows))
         finished = self._future(w, t + self.write_s, finish)
         finished.rows = True
         return started, finished
+
+    def _write_half(self, item: Item) -> None:
+        """What a worker killed mid-write leaves: half a file under a temporary name."""
+        if self.media is not None and self.media.local:
+            os.makedirs(self.media.path("media"), exist_ok=True)
+            with open(f"{self.media.path('media')}/.tmp-sim0000-{item.id}.png", "wb") as f:
+                f.write(tiny_png()[:20])
 
     def _finish(self, f: SimFuture, rows: list[dict]) -> None:
         w = f.worker
@@ -270,9 +293,11 @@ class SimPool:
                 self.media.write_bytes_atomic(r["output"], tiny_png())
         self._set(f, "ok", rows)
 
-    def _die(self, w: SimWorker, t: float, why: str) -> None:
+    def _die(self, w: SimWorker, t: float, why: str, half: Item | None = None) -> None:
         if w.dead_at is not None:
             return
+        if half is not None:
+            self._write_half(half)
         w.dead_at = t
         if w.ready:
             self.dead_ready_s += t - w.ready_at
