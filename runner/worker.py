@@ -162,7 +162,7 @@ class ShardRun:
 
 
 class WorkerContract(Protocol):
-    """What the driver calls on a worker actor (`runner.dispatch.RayPool`, `runner.job`). `Worker`
+    """What the driver calls on a worker actor (`runner.raypool.RayPool`, `runner.job`). `Worker`
     implements it, and `runner.actor.WorkerActor` forwards it; tests/test_dispatch.py checks that
     the names and parameters of both match."""
 

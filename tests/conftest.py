@@ -183,6 +183,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """`runner.job.main` run in-process installs SIGTERM/SIGINT handlers that only record a stop
+    for its dispatch loop: put back after each test, so that the test process stops on them."""
+    import signal
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
 @pytest.fixture
 def write_prompts(tmp_path):
     """write_prompts({"prompt": [...], ...}, name="p.parquet") -> path of a Parquet file."""

@@ -22,12 +22,8 @@ IDS = [f"p{i:02d}" for i in range(12)]
 
 @pytest.fixture(autouse=True)
 def stop_signals(monkeypatch):
-    """`main` installs SIGTERM/SIGINT handlers that record into `job.STOPS`: both restored after."""
+    """The stop signals `main` records (`job.STOPS`): none at the start of a test, none after."""
     monkeypatch.setattr(job, "STOPS", [])
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
 
 
 class Cluster:
@@ -53,6 +49,8 @@ class Cluster:
         return self.fate(item) if self.fate else "ok"
 
     def main(self, args) -> int:
+        """`python -m runner args` in this process (the signal handlers it installs are put back
+        after the test: conftest.py)."""
         return job.main(args, start_pool=self, clock=self.clock.time)
 
 

@@ -248,40 +248,43 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
 
 
 # ---------------------------------------------------------------------------------------------
-# The real CLI: the demo video job with a step cache, one CPU worker.
+# The demo video job with a step cache: its worker (in-process, built from the job's command line
+# as the driver builds it), and the job directory's refusal of another step-cache setting.
 
-def _cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "runner", "job=demo_video", f"output.dir={tmp_path}",
-                           "ray.cpu_workers=1", f"prompts.path={tmp_path / 'p.parquet'}",
-                           # the shapes and session cache of the in-process compiles above: their
-                           # C++ kernels are reused (the cold build is tested in test_compile_job.py)
-                           f"generation.num_inference_steps={STEPS}", "run.batch_size=1",
-                           f"compile.cache_dir={compile_cache()}", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
-
-
-@pytest.mark.e2e
-# One case through the CLI: every method (eager and under per-block compile) is checked in-process
-# above through the same step_cache.apply the worker calls, and the mode each method runs as (pab's
-# O2 as cache-all) by test_cudagraphs_is_dropped_... . (Each CLI job costs ~25 CPU-s on CI's 2 cores.)
 @pytest.mark.parametrize("method, mode, runs_as", [("residual", "O2", "O2")])
-def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts):
-    """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block compile,
-    its step graph dropped because of the step cache)."""
-    write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
-    # The text encoder and VAE stay eager: their compile is tested in test_compiler_compile.py and
-    # costs most of this test's CPU compile time.
-    r = _cli(tmp_path, f"step_cache.method={method}", f"compile.mode={mode}", "compile.compile_text_encoder=false", "compile.compile_vae=false")
-    assert r.returncode == 0, r.stderr[-4000:]
-    job = tmp_path / "demo_video"
-    assert len(os.listdir(job / "media")) == 3
-    m = json.load(open(job / "metrics" / "worker-0.json"))
+def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts, capsys):
+    """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block
+    compile; the mode each hook method runs as: test_cudagraphs_is_dropped_...). The text encoder
+    and VAE stay eager: their compile is tested in test_compiler_compile.py and costs most of the
+    CPU compile time; the shapes and the session's compile cache are those of the in-process
+    compiles above (their C++ kernels reused; the cold build: test_compile_job.py)."""
+    from runner import job
+    from runner.config import load_config, split
+    from runner.worker import Worker
+    from test_jobrun import Cluster
+    p = write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
+    args = ["job=demo_video", f"output.dir={tmp_path}", "ray.cpu_workers=1", f"prompts.path={p}",
+            f"generation.num_inference_steps={STEPS}", "run.batch_size=1",
+            f"compile.cache_dir={compile_cache()}", f"step_cache.method={method}",
+            f"compile.mode={mode}", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
+    j = split(load_config(args))
+    checked = job.check_input(j)
+    w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
+    w.warmup()
+    assert [r["status"] for r in w.run_shard(checked.items)] == ["ok"] * 3
+    assert len(os.listdir(tmp_path / "demo_video" / "media")) == 3
+    m = w.metrics()
     assert m["step_cache_reused"] > 0                  # the worker did skip attention or steps
     assert m["compile_mode"] == runs_as
-    # another step-cache setting into the same directory: refused like any output setting
+    # the job directory remembers the step cache: another setting into it is refused like any
+    # output setting (the job's own run, its workers simulated)
+    c = Cluster()
+    assert c.main(args) == 0
     other = "pab" if method == "fastercache" else "fastercache"
-    r = _cli(tmp_path, f"step_cache.method={other}")
-    assert r.returncode == 2 and "step_cache" in r.stderr and "output.overwrite=true" in r.stderr
+    capsys.readouterr()
+    assert c.main(args + [f"step_cache.method={other}"]) == 2
+    err = capsys.readouterr().err
+    assert "step_cache" in err and "output.overwrite=true" in err and len(c.pools) == 1
 
 
 # ---------------------------------------------------------------------------------------------
