@@ -117,7 +117,7 @@ def cause(e: BaseException) -> str:
     return (text.splitlines() or [type(c).__name__])[0][:500]
 
 
-@dataclass
+@dataclass(eq=False)                 # hashed by identity: a replacement is another slot
 class Slot:
     rank: int
     actor: Any                       # the Pool's worker handle (a Ray actor under RayPool)
@@ -149,6 +149,9 @@ class Dispatcher:
         self.queue = deque(shards)
         self.next_index = max((s.index for s in shards), default=-1) + 1   # for split shards
         self.futures: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish -> (slot, shard, start)
+        # Kept as they change, so that a loop iteration costs O(what happened), not O(slots):
+        self.warming: dict[Any, Slot] = {}     # warm-up future -> its starting slot
+        self.hungry: dict[Slot, None] = {}     # ready slots with room for another shard
         self.attempts: dict[int, int] = {}      # shard index -> failed attempts charged
         self.suspects: set[int] = set()         # shard indices that run isolated
         self.streak: dict[str, set] = {}        # cause -> shards failed of it since a success
@@ -160,27 +163,29 @@ class Dispatcher:
             self.slots.append(self._start(rank))
         while self.queue or self.futures:
             self._check_alive()
-            warming = {s.warm_ref: s for s in self.slots if s.state == "starting"}
-            ready = self.pool.wait(list(self.futures) + list(warming), timeout=1.0)
+            ready = self.pool.wait(list(self.futures) + list(self.warming), timeout=1.0)
             if self.on_tick:                 # about once a second: start-up phases, progress lines
                 self.on_tick()
             self._time_out(ready)
             for f in ready:
-                if f in warming:
-                    self.on_warm(warming[f])
+                if f in self.warming:
+                    self.on_warm(self.warming[f])
                 elif f in self.futures:      # (not retired meanwhile with its lost worker)
                     self.on_done(f)
-            for s in self.slots:             # every path that retires a shard ends here: refill
+            # every path that retires a shard or readies a slot marks it hungry: refill those
+            for s in sorted(self.hungry, key=lambda s: s.rank) if self.queue else ():
                 self.fill(s)
-        for s in self.slots:
-            if s.state == "starting":        # a replacement nobody needs any more
-                self.pool.kill(s.actor)
-                s.state = "dead"
+        for s in list(self.warming.values()):   # replacements nobody needs any more
+            self.pool.kill(s.actor)
+            s.state = "dead"
+        self.warming.clear()
         return self.slots
 
     def _start(self, rank: int, restarts: int = 0) -> Slot:
         actor, warm = self.pool.start(rank)
-        return Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
+        slot = Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
+        self.warming[warm] = slot
+        return slot
 
     def _check_alive(self) -> None:
         """No slot ready or starting: stop rather than wait for nothing."""
@@ -196,7 +201,7 @@ class Dispatcher:
         """Give up slots not ready in time: a restart waiting for resources that left with a lost
         node would wait forever in Ray."""
         now = self.clock()
-        for s in [s for s in self.slots if s.state == "starting"]:
+        for s in list(self.warming.values()):
             if now - s.started > self.start_timeout_s and s.warm_ref not in ready:
                 self.lose(s, f"not ready after {self.start_timeout_s:.0f} s "
                              f"(ray.worker_start_timeout_s): the cluster may lack the resources "
@@ -213,11 +218,16 @@ class Dispatcher:
             slot.next_seq += 1
             slot.running.append(finished)
             self.futures[finished] = (slot, shard, started)
+        if slot.state == "ready" and len(slot.running) < self.inflight:
+            self.hungry[slot] = None
+        else:
+            self.hungry.pop(slot, None)
 
     def on_warm(self, slot: Slot) -> None:
         """A warm-up ended: the slot serves, or it is lost."""
         if slot.state != "starting":
             return
+        self.warming.pop(slot.warm_ref, None)
         try:
             slot.ready_info = self.pool.result(slot.warm_ref)
         except (TaskError, WorkerLost) as e:
@@ -256,6 +266,8 @@ class Dispatcher:
     def _retire(self, finished) -> None:
         slot, _, _ = self.futures.pop(finished)
         slot.running.remove(finished)
+        if slot.state == "ready":
+            self.hungry[slot] = None
 
     def _count_fault(self, shard: Shard, cause: str) -> None:
         """PersistentFault once `FAULT_ROWS` distinct shards failed of `cause` since a success."""
@@ -296,6 +308,8 @@ class Dispatcher:
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
+        self.warming.pop(slot.warm_ref, None)
+        self.hungry.pop(slot, None)
         unfinished, written = [], []
         for f in slot.running:
             _, shard, started = self.futures.pop(f)

@@ -34,28 +34,33 @@ class PhasePrinter:
         self.asked: dict = {}        # rank -> [worker, its pending phases() call, phases seen]
 
     def poll(self, slots, flush=None) -> None:
-        # flush: at most 2 x 5 s of the dispatch loop, for a worker whose warm-up has just returned
-        # (a threaded actor: it answers at once); the call it leaves in flight is never read
-        if flush is None and time.monotonic() - self.last < self.every_s:
+        if flush is not None:
+            self._flush(flush)
+            return
+        if time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()
-        asked = [self._asked(s) for s in slots if s.state == "starting" and s is not flush]
+        asked = [self._asked(s) for s in slots if s.state == "starting"]
         calls = [a[1] for a in asked if a[1] is not None]
         done = set(self.pool.wait(calls, timeout=0)) if calls else set()  # one wait for them all
         for a in asked:
             if a[1] in done:
                 self._read(a)
-        if flush is not None:
-            a = self._asked(flush)
-            # the call in flight may have been answered before the last phases were recorded:
-            # one more call after it, which sees them all
-            for _ in range(2):
-                if a[1] is None or not self.pool.wait([a[1]], timeout=5):
-                    break
-                self._read(a)
-        for slot in slots:
-            if slot.state != "starting":
-                self.asked.pop(slot.rank, None)
+        if len(self.asked) > len(asked):     # slots no longer starting: nothing more to show
+            starting = {a[3] for a in asked}
+            self.asked = {r: a for r, a in self.asked.items() if r in starting}
+
+    def _flush(self, slot) -> None:
+        """`slot`'s warm-up has returned: its last phases (at most 2 x 5 s of the dispatch loop; a
+        threaded actor answers at once). The call in flight may have been answered before the
+        last phases were recorded: one more call after it, which sees them all (the call it leaves
+        in flight is never read)."""
+        a = self._asked(slot)
+        for _ in range(2):
+            if a[1] is None or not self.pool.wait([a[1]], timeout=5):
+                break
+            self._read(a)
+        self.asked.pop(slot.rank, None)
 
     def _asked(self, slot) -> list:
         a = self.asked.get(slot.rank)

@@ -35,16 +35,24 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import json
 import logging
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..dispatch import TaskError, WorkerLost
+from ..outputs import format_table, write_json
 from ..prompts import Item
+from ..storage import atomic_path
+from . import parse_args
 
 log = logging.getLogger("runner")
 ROW_FIELDS = ("id", "prompt", "negative_prompt", "seed", "height", "width", "num_frames",
@@ -227,10 +235,14 @@ class SimPool:
         """Something that happens to `w` at `t` (no caller waits for it)."""
         heapq.heappush(self.heap, (t, next(self.n), SimFuture(w, t, action)))
 
-    def _set(self, f: SimFuture, state: str, value) -> None:
+    def _set(self, f: SimFuture, state: str, value, watched: bool = True) -> None:
+        """`f` completes. `watched`: kept for `wait`'s bulk path until returned (what the driver
+        waits on in bulk: warm-ups, finishes, phases, metrics); a shard's start future is asked
+        for alone (`Dispatcher._value`), when its worker is lost."""
         f.state, f.value = state, value
         f.worker.pending.remove(f)
-        self.undelivered[f] = None
+        if watched:
+            self.undelivered[f] = None
 
     def _warmed(self, f: SimFuture) -> None:
         w = f.worker
@@ -264,7 +276,7 @@ class SimPool:
             death = t + self.write_s / 2
         w.busy_until = death if death is not None else t
         w.busy_s += w.busy_until - start
-        started = self._future(w, t, lambda f: self._set(f, "ok", len(items))) \
+        started = self._future(w, t, lambda f: self._set(f, "ok", len(items), watched=False)) \
             if death is None or writing is not None else self._future(w, math.inf, None)
         if death is not None:                        # every call still on it is lost then
             self._event(w, death, lambda f: self._die(f.worker, f.t, "actor died (simulated)",
@@ -315,6 +327,7 @@ class SimPool:
                 f.action(f)
 
     def _done(self, futures: list) -> list:
+        """The done ones of `futures`: a few looked at one by one, many through `undelivered`."""
         if len(futures) <= 8:
             done = [f for f in futures if f.state != "pending"]
         else:
@@ -348,3 +361,267 @@ class SimPool:
         live = [w for w in self.workers if w.ready and w.dead_at is None]
         return (self.dead_ready_s + sum(now - w.ready_at for w in live),
                 self.dead_idle_s + sum(self._idle(w, now) for w in live))
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench: one process per run, a parent that prepares, measures and plots.
+
+USAGE = ("python -m runner.bench.simulate workers=N prompts=M item_s=R [duration_s=120] "
+         "[shard_size=8] [settle_s=10] [resume_s=20] [startup_s=10:40] [jitter=0.2] "
+         "[deaths_per_min=3] [sweep=workers:100,300;prompts:100000] [sweep_s=60] [out=DIR]")
+DEFAULTS = {"workers": "1000", "prompts": "10000000", "item_s": "0.7", "duration_s": "120",
+            "shard_size": "8", "settle_s": "10", "resume_s": "20", "startup_s": "10:40",
+            "jitter": "0.2", "deaths_per_min": "3", "sweep": "", "sweep_s": "60",
+            "out": "/tmp/runner-simulate", "seed": "0",
+            "child": None, "job_dir": None, "prompts_file": None}
+
+
+def write_prompts(path: str, n: int) -> None:
+    """`n` prompts (ids p00000000..., ~40 characters) as one Parquet file, built column-wise."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    if os.path.exists(path):
+        return
+    k = pc.cast(pa.array(range(n), pa.int64()), pa.string())
+    ids = pc.binary_join_element_wise("p", pc.utf8_lpad(k, 8, "0"), "")
+    prompts = pc.binary_join_element_wise("a photo of a red fox in the snow, number ", k, "")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(pa.table({"id": ids, "prompt": prompts}), tmp)
+    os.replace(tmp, path)
+
+
+def _job_argv(o: dict) -> list[str]:
+    return ["job=demo_image", f"prompts.path={o['prompts_file']}", f"output.dir={o['job_dir']}",
+            "job.name=sim", f"run.shard_size={o['shard_size']}", f"ray.num_workers={o['workers']}",
+            "output.results_every_s=30"]
+
+
+def _sample(pool: SimPool) -> dict:
+    """The figures so far; `cpu` is the process's (every thread), `sim_cpu` the simulator's and
+    `monitor_cpu` this monitoring thread's: the driver's is the first less the others."""
+    ready_s, idle_s = pool.worker_seconds()
+    t = os.times()
+    return dict(t=time.time(), cpu=t.user + t.system, sim_cpu=pool.sim_cpu_s,
+                monitor_cpu=time.thread_time(), rows=pool.rows_delivered,
+                shards=pool.shards_delivered, ready_s=ready_s, idle_s=idle_s)
+
+
+def _monitor(state: dict, settle_s: float, duration_s: float) -> None:
+    """Once every slot was ready: wait `settle_s`, sample every 5 s for `duration_s`, then stop
+    the job as Ctrl-C does (its handler records the signal; the dispatch loop raises)."""
+    while "pool" not in state:
+        time.sleep(0.2)
+    pool = state["pool"]
+    while len({w.rank for w in pool.workers if w.ready}) < pool.size:
+        time.sleep(0.5)
+    state["t_all_ready"] = time.time()
+    time.sleep(settle_s)
+    samples = state["samples"] = [_sample(pool)]
+    end = time.time() + duration_s
+    while time.time() < end - 0.01:
+        time.sleep(min(5.0, end - time.time()))
+        samples.append(_sample(pool))
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def _child_run(o: dict) -> dict:
+    """One run of the job (`python -m runner` in this process) over a SimPool, stopped by
+    `_monitor`; its figures."""
+    from .. import job
+    state: dict = {}
+    lo, hi = (float(x) for x in o["startup_s"].split(":"))
+
+    def start_pool(j, limits) -> SimPool:
+        state["t_pool"] = time.time()
+        state["pool"] = SimPool(j["ray"].num_workers, float(o["item_s"]), RealClock(),
+                                jitter=float(o["jitter"]), startup_s=(lo, hi),
+                                deaths_per_min=float(o["deaths_per_min"]),
+                                shard_size=int(o["shard_size"]), seed=int(o["seed"]))
+        return state["pool"]
+    threading.Thread(target=_monitor, args=(state, float(o["settle_s"]), float(o["duration_s"])),
+                     daemon=True).start()
+    t0 = time.time()
+    status = job.main(_job_argv(o), start_pool=start_pool)
+    t_end = time.time()
+    s = state.get("samples") or []
+    out = dict(status=status, plan_s=state["t_pool"] - t0, peak_rss_mb=_peak_rss_mb(),
+               all_ready_s=state.get("t_all_ready", t_end) - state["t_pool"],
+               stop_s=t_end - s[-1]["t"] if s else None)
+    if len(s) >= 2:
+        out.update(_window(s, int(o["workers"]), float(o["item_s"])))
+    pool = state["pool"]
+    out.update(deaths=sum(w.dead_at is not None for w in pool.workers) - pool.size,
+               started=len(pool.workers))
+    return out
+
+
+def _window(s: list[dict], workers: int, item_s: float) -> dict:
+    a, b = s[0], s[-1]
+    dt, rows, shards = b["t"] - a["t"], b["rows"] - a["rows"], b["shards"] - a["shards"]
+    cpu = (b["cpu"] - a["cpu"]) - (b["sim_cpu"] - a["sim_cpu"]) - (b["monitor_cpu"] - a["monitor_cpu"])
+    rates = [(y["rows"] - x["rows"]) / (y["t"] - x["t"]) for x, y in zip(s, s[1:])]
+    ready = (b["ready_s"] - a["ready_s"]) / dt          # workers ready on average (deaths, restarts)
+    return dict(window_s=dt, items=rows, shards=shards, items_per_s=rows / dt,
+                items_per_s_min=min(rates), items_per_s_max=max(rates),
+                demand_items_per_s=workers / item_s, ready_workers=ready,
+                ready_demand_items_per_s=ready / item_s,
+                idle_fraction=(b["idle_s"] - a["idle_s"]) / (b["ready_s"] - a["ready_s"]),
+                driver_cpu_s=cpu, driver_cpu_fraction=cpu / dt,
+                sim_cpu_s=b["sim_cpu"] - a["sim_cpu"],
+                cpu_ms_per_shard=1e3 * cpu / shards, cpu_ms_per_item=1e3 * cpu / rows,
+                max_items_per_s=rows / cpu)
+
+
+def _child_snapshot(o: dict) -> dict:
+    """One background snapshot's work at the job directory's end state: results.parquet from the
+    record, then report.html (its timeline as the run left it)."""
+    import pyarrow.parquet as pq
+
+    from ..report import write_report
+    from ..results import Results
+    from ..storage import resolve
+    job_dir = os.path.join(o["job_dir"], "sim")
+    ids = pq.read_table(o["prompts_file"], columns=["id"]).column("id").to_pylist()
+    t0 = time.perf_counter()
+    results = Results(resolve(job_dir)).load()
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    table = results.write_table(ids)
+    snapshot_s = time.perf_counter() - t0
+    with open(os.path.join(job_dir, "report", "timeline.json")) as f:
+        timeline = json.load(f)
+    t0 = time.perf_counter()
+    write_report(job_dir, table, {"job": "sim", "items": len(ids)}, timeline=timeline,
+                 thumb_budget_s=5)
+    records = resolve(job_dir).list("records")
+    return dict(record_load_s=load_s, snapshot_s=snapshot_s, report_s=time.perf_counter() - t0,
+                record_rows=len(results.rows), record_mb=sum(records.values()) / 2**20,
+                record_bytes_per_row=sum(records.values()) / max(1, len(results.rows)))
+
+
+def _touch_media(job_dir: str) -> int:
+    """The media files the simulated workers would have written (1 byte each), for the ok rows of
+    the record: what the resume's one listing of media/ then finds."""
+    from ..results import Results
+    from ..storage import resolve
+    d = os.path.join(job_dir, "sim", "media")
+    os.makedirs(d, exist_ok=True)
+    rows = Results(resolve(os.path.join(job_dir, "sim"))).load().rows
+    n = 0
+    for r in rows.values():
+        if r["status"] == "ok":
+            with open(os.path.join(d, f"{r['id']}.png"), "wb") as f:
+                f.write(b"x")
+            n += 1
+    return n
+
+
+def _spawn(child: str, o: dict, log: str, **kw) -> dict:
+    args = [sys.executable, "-m", "runner.bench.simulate", f"child={child}",
+            *(f"{k}={v}" for k, v in {**o, **kw}.items() if v is not None and k not in ("child", "sweep"))]
+    with open(log, "a") as f:
+        r = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, text=True)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        raise SystemExit(f"{child} failed ({r.returncode}); see {log}")
+    return json.loads(lines[-1])
+
+
+def measure(o: dict, workers: int, prompts: int, duration_s: float, resume: bool) -> dict:
+    """One point: run 1 (plan, serve, stop), one snapshot at its end state, and with `resume` the
+    resumed run 2."""
+    import shutil
+    prompts_file = os.path.join(o["out"], f"prompts-{prompts}.parquet")
+    write_prompts(prompts_file, prompts)
+    job_dir = os.path.join(o["out"], f"job-{workers}w-{prompts}p")
+    shutil.rmtree(job_dir, ignore_errors=True)
+    log = os.path.join(o["out"], f"job-{workers}w-{prompts}p.log")
+    if os.path.exists(log):
+        os.remove(log)
+    o = {**o, "workers": workers, "prompts": prompts, "duration_s": duration_s,
+         "prompts_file": prompts_file, "job_dir": job_dir}
+    row = dict(workers=workers, prompts=prompts, item_s=float(o["item_s"]),
+               shard_size=int(o["shard_size"]), **_spawn("run", o, log))
+    row.update(_spawn("snapshot", o, log))
+    if resume:
+        row["media_files"] = _touch_media(job_dir)
+        r2 = _spawn("run", o, log, duration_s=o["resume_s"], seed=int(o["seed"]) + 1)
+        row.update(resume_plan_s=r2["plan_s"], resume_peak_rss_mb=r2["peak_rss_mb"],
+                   resume_items_per_s=r2.get("items_per_s"), resume_status=r2["status"])
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _sweep(o: dict) -> list[tuple[int, int]]:
+    """`workers:100,300;prompts:100000` -> (N, prompts) and (workers, M) points around the main."""
+    points = []
+    for part in filter(None, o["sweep"].split(";")):
+        key, _, values = part.partition(":")
+        if key not in ("workers", "prompts") or not values:
+            raise SystemExit(f"sweep={o['sweep']!r}: give workers:N,N;prompts:M,M\nusage: {USAGE}")
+        for v in values.split(","):
+            points.append((int(v), int(o["prompts"])) if key == "workers" else
+                          (int(o["workers"]), int(v)))
+    return points
+
+
+TABLE = ["workers", "prompts", "items_per_s", "demand_items_per_s", "idle_fraction",
+         "cpu_ms_per_shard", "cpu_ms_per_item", "max_items_per_s", "driver_cpu_fraction",
+         "plan_s", "peak_rss_mb", "record_bytes_per_row", "snapshot_s", "report_s", "resume_plan_s"]
+
+
+def plot(rows: list[dict], main_point: tuple[int, int], path: str) -> None:
+    """Each figure against workers (prompts fixed) and against prompts (workers fixed)."""
+    from matplotlib.figure import Figure
+    figs = [("items_per_s", "items/s received (demand dashed)"), ("idle_fraction", "worker idle fraction"),
+            ("cpu_ms_per_item", "driver CPU ms / item"), ("peak_rss_mb", "driver peak RSS, MiB"),
+            ("plan_s", "plan: start to pool, s"), ("snapshot_s", "one snapshot: results.parquet, s")]
+    fig = Figure(figsize=(12, 6.5), dpi=110, layout="constrained")
+    axes = fig.subplots(2, 3)
+    n0, m0 = main_point
+    for ax, (key, title) in zip(axes.flat, figs):
+        for axis, fixed, other, style in (("workers", "prompts", m0, "o-"), ("prompts", "workers", n0, "s--")):
+            pts = sorted((r[axis], r[key]) for r in rows if r[fixed] == other and r.get(key) is not None)
+            if len(pts) > 1:
+                ax.plot(*zip(*pts), style, label=f"vs {axis} ({fixed}={other:,})")
+        if key == "items_per_s":
+            pts = sorted((r["workers"], r["demand_items_per_s"]) for r in rows if r["prompts"] == m0)
+            ax.plot(*zip(*pts), ":", color="gray", label="demand (workers / item_s)")
+        ax.set(title=title, xscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, frameon=False)
+    fig.suptitle("runner.bench.simulate: the real driver over a simulated pool "
+                 "(x: workers or prompts, log scale)")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+
+
+def main(argv: list[str]) -> int:
+    o, _ = parse_args(argv, DEFAULTS, USAGE)
+    if o["child"] == "run":
+        print(json.dumps(_child_run(o)))
+        return 0
+    if o["child"] == "snapshot":
+        print(json.dumps(_child_snapshot(o)))
+        return 0
+    os.makedirs(o["out"], exist_ok=True)
+    main_point = (int(o["workers"]), int(o["prompts"]))
+    rows = [measure(o, *main_point, float(o["duration_s"]), resume=True)]
+    for n, m in _sweep(o):
+        if (n, m) != main_point:
+            rows.append(measure(o, n, m, float(o["sweep_s"]), resume=False))
+    write_json(os.path.join(o["out"], "simulate.json"), {"argv": argv, "rows": rows})
+    print(format_table(rows, TABLE))
+    if len(rows) > 1:
+        plot(rows, main_point, os.path.join(o["out"], "simulate.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
