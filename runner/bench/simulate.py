@@ -1,33 +1,43 @@
 """Can one driver feed a large cluster? The real job over a simulated pool of workers.
 
     python -m runner.bench.simulate workers=1000 prompts=10000000 item_s=0.7 duration_s=120 \
-        [shard_size=8] [out=DIR] [sweep=workers:100,300,1000;prompts:100000,1000000]
+        [shard_size=8] [out=DIR] [sweep=100:1000000,1000:100000,1000:1000000:0.1] [sweep_s=60]
 
 The job is the real one (`runner.job.main`: config, prompt checks, the lock, the record's resume
 plan, `JobRun`, `Dispatcher`, `Results`, the background snapshots of results.parquet and
-report.html, the summary) on a real temp-dir store; only the workers are simulated: `SimPool`, a
-`dispatch.Pool` whose workers start in `startup_s` seconds (uniform), take `item_s` seconds per
-item (+-`jitter`, uniform) on their GPU, deliver a shard's rows `write_s` after its GPU work, and
-die now and then (`deaths_per_min` in all, at a random point of a random shard; the dispatcher
-starts replacements). Each run is its own process (so its peak RSS is its own); the parent writes
-the prompt files first and, after each run, the media files the workers would have written, so
-that the next run's resume planning lists them as a real one does.
+report.html every 30 s, the summary) on a real temp-dir store; only the workers are simulated:
+`SimPool`, a `dispatch.Pool` whose workers start in `startup_s` seconds (uniform), take `item_s`
+seconds per item (+-`jitter`, uniform) on their GPU, deliver a shard's rows `write_s` after its GPU
+work, and die now and then (`deaths_per_min` in all, at a random point of a random shard; the
+dispatcher starts replacements). The simulator runs on the driver's thread, inside `wait`, and
+measures its own CPU, which is left out of the driver's. Each run is its own process (so its peak
+RSS is its own); the parent writes the prompt files first and, after run 1, the media files the
+workers would have written, so that run 2's resume lists them as a real one does.
 
-For a point (N workers, M prompts): run 1 plans all M prompts and runs until `duration_s` after
-every worker was first ready, then stops the job the way Ctrl-C does (SIGINT: summary written);
-run 2 resumes it (record load, one media listing, plan) and is stopped `resume_s` later. Figures
-(JSON lines and a table; `simulate.json` and `simulate.png` under `out`):
-- `items_per_s`: rows the driver received per second over the steady window (from `settle_s`
-  after all were ready to the stop); `demand_items_per_s` = N / item_s;
-- `idle_fraction`: of the workers' ready time in that window, the part their GPU had no shard;
-- `cpu_ms_per_shard`, `cpu_ms_per_item`: the driver process's CPU seconds in the window (every
-  thread: dispatch loop, snapshots) less the simulator's own (measured per call), per shard / row;
-  `max_items_per_s` = 1 / cpu_s_per_item: the rate at which that CPU would fill one core;
-- `plan_s`: from the job's start to its pool's start (config, prompt checks, record load, media
-  listing, plan, shards); `peak_rss_mb`: the run's peak RSS (VmHWM);
+The main point (N workers, M prompts, item_s R): run 1 plans all M prompts and runs until
+`duration_s` after `settle_s` past every worker's first ready, then stops the job the way Ctrl-C
+does (SIGINT: summary written); one snapshot is timed at its end state; run 2 resumes it (record
+load, one media listing, plan) and is stopped `resume_s` later. Each `sweep` point
+(`workers:prompts[:item_s]`) is a run 1 and a snapshot, over `sweep_s`. Figures (a JSON line per
+point, a table, `simulate.json` and `simulate.png` under `out`):
+- `items_per_s`: rows the driver received per second over the window; `demand_items_per_s` =
+  N / item_s, `ready_demand_items_per_s` the same for the workers ready on average (deaths and
+  restarts leave a few out); `items_per_s_min`/`_max` over its 5-s intervals;
+- `idle_fraction`: of the workers' ready time in the window, the part their GPU had no shard;
+- `driver_cpu_s` in the window (the process's user+sys, every thread: dispatch loop, snapshots;
+  less the simulator's and the monitoring thread's), `cpu_ms_per_shard`, `cpu_ms_per_item`, and
+  `max_items_per_s` = items per driver CPU second: the rate at which it would fill one core (the
+  GIL makes the driver one core). A point whose demand exceeds what the driver can take measures
+  the ceiling directly (`items_per_s` < demand; the simulator shares that thread, so it is a lower
+  bound);
+- `plan_s`: the job's start to its pool's start (config, prompt checks, record load, media listing,
+  plan, shards); `peak_rss_mb`: the run's peak RSS (VmHWM); `resume_plan_s`, `resume_peak_rss_mb`;
 - `record_mb`, `record_bytes_per_row`: `records/` after run 1; `snapshot_s`, `report_s`: one
-  rewrite of results.parquet and of report.html at run 1's end state (what the background
-  snapshot does every `output.results_every_s`).
+  rewrite of results.parquet and of report.html at run 1's end state (what the background snapshot
+  does; without thumbnails: the simulated media are not written then);
+- `load_avg_max`: the machine's 1-minute load average during the window (other work on it).
+Not simulated: Ray's own cost on the driver (the remote calls, `ray.wait` over the shards in flight,
+object transfers), the network, and a real store's latency.
 """
 
 from __future__ import annotations
@@ -194,18 +204,19 @@ class SimPool:
 
     def wait(self, futures: list, timeout: float) -> list:
         t0 = time.thread_time()
-        self._deliver()
-        done = self._done(futures)
-        if not done and timeout > 0:
-            now = self.clock.time()
-            pause = min(timeout, max(0.0, self.heap[0][0] - now)) if self.heap else timeout
-            self.sim_cpu_s += time.thread_time() - t0
-            self.clock.sleep(pause)
-            t0 = time.thread_time()
+        deadline = self.clock.time() + timeout
+        while True:
             self._deliver()
             done = self._done(futures)
-        self.sim_cpu_s += time.thread_time() - t0
-        return done
+            now = self.clock.time()
+            if done or now >= deadline:
+                self.sim_cpu_s += time.thread_time() - t0
+                return done
+            # asleep until the next event (which may not be one of `futures`) or the deadline
+            wake = min(deadline, self.heap[0][0]) if self.heap else deadline
+            self.sim_cpu_s += time.thread_time() - t0
+            self.clock.sleep(wake - now)
+            t0 = time.thread_time()
 
     def result(self, f: SimFuture) -> Any:
         assert f.state != "pending", "a Pool's caller reads only done futures"
@@ -368,7 +379,7 @@ class SimPool:
 
 USAGE = ("python -m runner.bench.simulate workers=N prompts=M item_s=R [duration_s=120] "
          "[shard_size=8] [settle_s=10] [resume_s=20] [startup_s=10:40] [jitter=0.2] "
-         "[deaths_per_min=3] [sweep=workers:100,300;prompts:100000] [sweep_s=60] [out=DIR]")
+         "[deaths_per_min=3] [sweep=N:M[:R],...] [sweep_s=60] [out=DIR]")
 DEFAULTS = {"workers": "1000", "prompts": "10000000", "item_s": "0.7", "duration_s": "120",
             "shard_size": "8", "settle_s": "10", "resume_s": "20", "startup_s": "10:40",
             "jitter": "0.2", "deaths_per_min": "3", "sweep": "", "sweep_s": "60",
@@ -404,7 +415,8 @@ def _sample(pool: SimPool) -> dict:
     t = os.times()
     return dict(t=time.time(), cpu=t.user + t.system, sim_cpu=pool.sim_cpu_s,
                 monitor_cpu=time.thread_time(), rows=pool.rows_delivered,
-                shards=pool.shards_delivered, ready_s=ready_s, idle_s=idle_s)
+                shards=pool.shards_delivered, ready_s=ready_s, idle_s=idle_s,
+                load=os.getloadavg()[0])
 
 
 def _monitor(state: dict, settle_s: float, duration_s: float) -> None:
@@ -475,7 +487,7 @@ def _window(s: list[dict], workers: int, item_s: float) -> dict:
                 driver_cpu_s=cpu, driver_cpu_fraction=cpu / dt,
                 sim_cpu_s=b["sim_cpu"] - a["sim_cpu"],
                 cpu_ms_per_shard=1e3 * cpu / shards, cpu_ms_per_item=1e3 * cpu / rows,
-                max_items_per_s=rows / cpu)
+                max_items_per_s=rows / cpu, load_avg_max=max(x["load"] for x in s))
 
 
 def _child_snapshot(o: dict) -> dict:
@@ -533,71 +545,93 @@ def _spawn(child: str, o: dict, log: str, **kw) -> dict:
     return json.loads(lines[-1])
 
 
-def measure(o: dict, workers: int, prompts: int, duration_s: float, resume: bool) -> dict:
+def measure(o: dict, workers: int, prompts: int, item_s: float, duration_s: float,
+            resume: bool) -> dict:
     """One point: run 1 (plan, serve, stop), one snapshot at its end state, and with `resume` the
     resumed run 2."""
     import shutil
     prompts_file = os.path.join(o["out"], f"prompts-{prompts}.parquet")
     write_prompts(prompts_file, prompts)
-    job_dir = os.path.join(o["out"], f"job-{workers}w-{prompts}p")
+    name = f"job-{workers}w-{prompts}p-{item_s}s"
+    job_dir = os.path.join(o["out"], name)
     shutil.rmtree(job_dir, ignore_errors=True)
-    log = os.path.join(o["out"], f"job-{workers}w-{prompts}p.log")
+    log = os.path.join(o["out"], f"{name}.log")
     if os.path.exists(log):
         os.remove(log)
-    o = {**o, "workers": workers, "prompts": prompts, "duration_s": duration_s,
+    o = {**o, "workers": workers, "prompts": prompts, "item_s": item_s, "duration_s": duration_s,
          "prompts_file": prompts_file, "job_dir": job_dir}
-    row = dict(workers=workers, prompts=prompts, item_s=float(o["item_s"]),
-               shard_size=int(o["shard_size"]), **_spawn("run", o, log))
+    row = dict(workers=workers, prompts=prompts, item_s=item_s, shard_size=int(o["shard_size"]),
+               **_spawn("run", o, log))
+    if "items_per_s" not in row:
+        log_warning = (f"{name}: the job ended before its measuring window did (too few prompts "
+                       f"for duration_s): no throughput figures")
+        print(log_warning, file=sys.stderr)
     row.update(_spawn("snapshot", o, log))
     if resume:
         row["media_files"] = _touch_media(job_dir)
         r2 = _spawn("run", o, log, duration_s=o["resume_s"], seed=int(o["seed"]) + 1)
         row.update(resume_plan_s=r2["plan_s"], resume_peak_rss_mb=r2["peak_rss_mb"],
                    resume_items_per_s=r2.get("items_per_s"), resume_status=r2["status"])
+    shutil.rmtree(job_dir, ignore_errors=True)       # up to ~1 GB of record and media at 10M
     print(json.dumps(row), flush=True)
     return row
 
 
-def _sweep(o: dict) -> list[tuple[int, int]]:
-    """`workers:100,300;prompts:100000` -> (N, prompts) and (workers, M) points around the main."""
+def _sweep(o: dict) -> list[tuple[int, int, float]]:
+    """`100:1000000,1000:100000:0.1` -> (workers, prompts, item_s) points (item_s: the main's)."""
     points = []
-    for part in filter(None, o["sweep"].split(";")):
-        key, _, values = part.partition(":")
-        if key not in ("workers", "prompts") or not values:
-            raise SystemExit(f"sweep={o['sweep']!r}: give workers:N,N;prompts:M,M\nusage: {USAGE}")
-        for v in values.split(","):
-            points.append((int(v), int(o["prompts"])) if key == "workers" else
-                          (int(o["workers"]), int(v)))
+    for part in filter(None, o["sweep"].split(",")):
+        try:
+            n, m, *r = part.split(":")
+            points.append((int(n), int(m), float(r[0]) if r else float(o["item_s"])))
+        except ValueError:
+            raise SystemExit(f"sweep={o['sweep']!r}: give workers:prompts[:item_s],...\n"
+                             f"usage: {USAGE}") from None
     return points
 
 
-TABLE = ["workers", "prompts", "items_per_s", "demand_items_per_s", "idle_fraction",
+TABLE = ["workers", "prompts", "item_s", "items_per_s", "demand_items_per_s", "idle_fraction",
          "cpu_ms_per_shard", "cpu_ms_per_item", "max_items_per_s", "driver_cpu_fraction",
-         "plan_s", "peak_rss_mb", "record_bytes_per_row", "snapshot_s", "report_s", "resume_plan_s"]
+         "plan_s", "peak_rss_mb", "record_bytes_per_row", "snapshot_s", "report_s",
+         "resume_plan_s", "load_avg_max"]
 
 
-def plot(rows: list[dict], main_point: tuple[int, int], path: str) -> None:
-    """Each figure against workers (prompts fixed) and against prompts (workers fixed)."""
+def plot(rows: list[dict], main: dict, path: str) -> None:
+    """Received against demanded items/s (every point), and each cost against workers (prompts
+    and item_s fixed) and against prompts (workers and item_s fixed)."""
     from matplotlib.figure import Figure
-    figs = [("items_per_s", "items/s received (demand dashed)"), ("idle_fraction", "worker idle fraction"),
-            ("cpu_ms_per_item", "driver CPU ms / item"), ("peak_rss_mb", "driver peak RSS, MiB"),
-            ("plan_s", "plan: start to pool, s"), ("snapshot_s", "one snapshot: results.parquet, s")]
-    fig = Figure(figsize=(12, 6.5), dpi=110, layout="constrained")
-    axes = fig.subplots(2, 3)
-    n0, m0 = main_point
-    for ax, (key, title) in zip(axes.flat, figs):
-        for axis, fixed, other, style in (("workers", "prompts", m0, "o-"), ("prompts", "workers", n0, "s--")):
-            pts = sorted((r[axis], r[key]) for r in rows if r[fixed] == other and r.get(key) is not None)
+    rows = [r for r in rows if r.get("items_per_s")]   # (a job that ended before its window: none)
+    fig = Figure(figsize=(13, 7), dpi=110, layout="constrained")
+    axes = fig.subplots(2, 3).flat
+    ax = next(axes)
+    top = max(r["demand_items_per_s"] for r in rows) * 1.1
+    ax.plot([0, top], [0, top], ":", color="gray", label="received = demanded")
+    for r in rows:
+        ax.plot(r["demand_items_per_s"], r["items_per_s"], "o", color="tab:blue")
+        ax.annotate(f"{r['workers']}w {r['prompts']:.0e}p {r['item_s']}s", (r["demand_items_per_s"],
+                    r["items_per_s"]), fontsize=6, xytext=(3, -8), textcoords="offset points")
+    ax.set(title="items/s received by the driver", xlabel="demanded: workers / item_s",
+           ylabel="items/s")
+    ax.legend(fontsize=7, frameon=False)
+    same = [r for r in rows if r["item_s"] == main["item_s"]]
+    by_m = max({r["prompts"] for r in same}, key=lambda m: len({r["workers"] for r in same if r["prompts"] == m}))
+    vs_n = sorted((r for r in same if r["prompts"] == by_m), key=lambda r: r["workers"])
+    vs_m = sorted((r for r in same if r["workers"] == main["workers"]), key=lambda r: r["prompts"])
+    for ax, key, title in zip(axes, ("idle_fraction", "cpu_ms_per_item", "peak_rss_mb", "plan_s",
+                                     "snapshot_s"),
+                              ("workers' time waiting for work", "driver CPU ms per item",
+                               "driver peak RSS, MiB", "plan (start to first worker), s",
+                               "one results.parquet rewrite, s")):
+        for pts, axis, style, fixed in ((vs_n, "workers", "o-", f"{by_m:.0e} prompts"),
+                                        (vs_m, "prompts", "s--", f"{main['workers']} workers")):
             if len(pts) > 1:
-                ax.plot(*zip(*pts), style, label=f"vs {axis} ({fixed}={other:,})")
-        if key == "items_per_s":
-            pts = sorted((r["workers"], r["demand_items_per_s"]) for r in rows if r["prompts"] == m0)
-            ax.plot(*zip(*pts), ":", color="gray", label="demand (workers / item_s)")
+                ax.plot([r[axis] for r in pts], [r[key] for r in pts], style,
+                        label=f"vs {axis} ({fixed})")
         ax.set(title=title, xscale="log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
-    fig.suptitle("runner.bench.simulate: the real driver over a simulated pool "
-                 "(x: workers or prompts, log scale)")
+    fig.suptitle(f"runner.bench.simulate: the real driver over simulated workers "
+                 f"(x: workers or prompts, log; item_s {main['item_s']} s unless marked)")
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
 
@@ -611,15 +645,15 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_child_snapshot(o)))
         return 0
     os.makedirs(o["out"], exist_ok=True)
-    main_point = (int(o["workers"]), int(o["prompts"]))
+    main_point = (int(o["workers"]), int(o["prompts"]), float(o["item_s"]))
     rows = [measure(o, *main_point, float(o["duration_s"]), resume=True)]
-    for n, m in _sweep(o):
-        if (n, m) != main_point:
-            rows.append(measure(o, n, m, float(o["sweep_s"]), resume=False))
+    for point in _sweep(o):
+        if point != main_point:
+            rows.append(measure(o, *point, float(o["sweep_s"]), resume=False))
     write_json(os.path.join(o["out"], "simulate.json"), {"argv": argv, "rows": rows})
     print(format_table(rows, TABLE))
-    if len(rows) > 1:
-        plot(rows, main_point, os.path.join(o["out"], "simulate.png"))
+    if len(rows) > 1 and rows[0].get("items_per_s"):
+        plot(rows, rows[0], os.path.join(o["out"], "simulate.png"))
     return 0
 
 
