@@ -215,7 +215,7 @@ class SimPool:
             # asleep until the next event (which may not be one of `futures`) or the deadline
             wake = min(deadline, self.heap[0][0]) if self.heap else deadline
             self.sim_cpu_s += time.thread_time() - t0
-            self.clock.sleep(wake - now)
+            self.clock.sleep(max(0.0, wake - now))   # (an event may have come due meanwhile)
             t0 = time.thread_time()
 
     def result(self, f: SimFuture) -> Any:
