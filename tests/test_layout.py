@@ -144,3 +144,17 @@ def test_no_family_name_outside_the_family_modules():
             if named.search(text.lower()):
                 bad.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}: {text}")
     assert bad == [], "\n".join(bad)
+
+
+DRIVER = ("job", "dispatch", "progress", "summary", "raypool")
+
+
+def test_the_driver_keeps_its_state_in_objects_and_the_job_reads_as_a_short_recipe():
+    """No `nonlocal` in the driver's modules (a run's state is `JobRun`'s, its callbacks its
+    methods), and the locked part of the job, its recipe, fits on one screen (<= 50 lines)."""
+    for name in DRIVER:
+        tree = ast.parse((ROOT / "runner" / f"{name}.py").read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Nonlocal)], name
+    tree = ast.parse((ROOT / "runner" / "job.py").read_text())
+    (recipe,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_run_locked"]
+    assert recipe.end_lineno - recipe.lineno + 1 <= 50
