@@ -36,8 +36,10 @@ point, a table, `simulate.json` and `simulate.png` under `out`):
   rewrite of results.parquet and of report.html at run 1's end state (what the background snapshot
   does; without thumbnails: the simulated media are not written then);
 - `load_avg_max`: the machine's 1-minute load average during the window (other work on it).
-Not simulated: Ray's own cost on the driver (the remote calls, `ray.wait` over the shards in flight,
-object transfers), the network, and a real store's latency.
+Not simulated: Ray's own cost on the driver, the network, and a real store's latency. `ray_calls=K`
+times the first on a local Ray (`HeldWorker` actors holding K shards in flight, as N = K / 2
+workers do with 2 each): `RayPool.submit` of a shard (two remote calls, its items pickled), `RayPool.wait` over
+the K futures, `RayPool.result` of a shard's rows, in CPU microseconds of the driver process.
 """
 
 from __future__ import annotations
@@ -379,11 +381,11 @@ class SimPool:
 
 USAGE = ("python -m runner.bench.simulate workers=N prompts=M item_s=R [duration_s=120] "
          "[shard_size=8] [settle_s=10] [resume_s=20] [startup_s=10:40] [jitter=0.2] "
-         "[deaths_per_min=3] [sweep=N:M[:R],...] [sweep_s=60] [out=DIR]")
+         "[deaths_per_min=3] [sweep=N:M[:R],...] [sweep_s=60] [ray_calls=2000] [out=DIR]")
 DEFAULTS = {"workers": "1000", "prompts": "10000000", "item_s": "0.7", "duration_s": "120",
             "shard_size": "8", "settle_s": "10", "resume_s": "20", "startup_s": "10:40",
             "jitter": "0.2", "deaths_per_min": "3", "sweep": "", "sweep_s": "60",
-            "out": "/tmp/runner-simulate", "seed": "0",
+            "out": "/tmp/runner-simulate", "seed": "0", "ray_calls": "0",
             "child": None, "job_dir": None, "prompts_file": None}
 
 
@@ -636,6 +638,76 @@ def plot(rows: list[dict], main: dict, path: str) -> None:
         fig.savefig(tmp, format="png")
 
 
+class HeldWorker:
+    """A `WorkerContract` stand-in for timing `RayPool` on real Ray: shards are held (never done)
+    until `release`, so that the calls in flight pile up as at N workers x 2 shards."""
+
+    def __init__(self):
+        self.released = threading.Event()
+
+    def warmup(self) -> dict:
+        return {}
+
+    def start_shard(self, seq: int, items) -> int:
+        self.released.wait()
+        return len(items)
+
+    def finish_shard(self, seq: int) -> list[dict]:
+        self.released.wait()
+        return []
+
+    def rows(self, items) -> list[dict]:
+        return [_row(it, 0, "ok", 1.8e9, 1.4) for it in items]
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def _child_ray(o: dict) -> dict:
+    """What Ray costs the driver per shard, which the simulation leaves out: `RayPool.submit` of a
+    shard's items (two remote calls), `RayPool.wait` over `ray_calls` futures in flight, and
+    `RayPool.result` of a shard's rows; CPU microseconds per call of this process (Ray's own
+    threads in it included), on a local Ray."""
+    import ray
+
+    from ..raypool import RayPool
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
+    n = int(o["ray_calls"])
+    make = ray.remote(HeldWorker).options(num_cpus=0, max_concurrency=n + 10)
+    actors = [make.remote() for _ in range(4)]
+    pool = RayPool(lambda rank: actors[rank], 4)
+    ray.get([a.warmup.remote() for a in actors])
+    shard = [it for it in _items(int(o["shard_size"]))]
+
+    def per_call(fn, k: int) -> float:
+        c = time.process_time()
+        for _ in range(k):
+            fn()
+        return (time.process_time() - c) / k * 1e6
+    futures: list = []
+    submit_us = per_call(lambda: futures.extend(pool.submit(actors[len(futures) % 4], len(futures),
+                                                            shard)), n)
+    time.sleep(2)
+    finishes = futures[1::2]
+    wait_us = per_call(lambda: pool.wait(finishes, timeout=0), 200)
+    rows = [actors[0].rows.remote(shard) for _ in range(200)]
+    ray.wait(rows, num_returns=len(rows))
+    it = iter(rows)
+    result_us = per_call(lambda: pool.result(next(it)), 200)
+    for a in actors:
+        a.release.remote()
+    ray.shutdown()
+    return dict(ray_calls_in_flight=len(finishes), submit_us_per_shard=submit_us,
+                wait_us_per_call=wait_us, result_us_per_shard=result_us)
+
+
+def _items(n: int) -> list[Item]:
+    return [Item(id=f"p{i:08d}", prompt=f"a photo of a red fox in the snow, number {i}",
+                 negative_prompt="", seed=i, height=128, width=128, num_frames=None,
+                 num_inference_steps=4, guidance_scale=4.5, file="/data/prompts.parquet", row=i)
+            for i in range(n)]
+
+
 def main(argv: list[str]) -> int:
     o, _ = parse_args(argv, DEFAULTS, USAGE)
     if o["child"] == "run":
@@ -644,13 +716,20 @@ def main(argv: list[str]) -> int:
     if o["child"] == "snapshot":
         print(json.dumps(_child_snapshot(o)))
         return 0
+    if o["child"] == "ray":
+        print(json.dumps(_child_ray(o)))
+        return 0
     os.makedirs(o["out"], exist_ok=True)
     main_point = (int(o["workers"]), int(o["prompts"]), float(o["item_s"]))
     rows = [measure(o, *main_point, float(o["duration_s"]), resume=True)]
     for point in _sweep(o):
         if point != main_point:
             rows.append(measure(o, *point, float(o["sweep_s"]), resume=False))
-    write_json(os.path.join(o["out"], "simulate.json"), {"argv": argv, "rows": rows})
+    ray_cost = None
+    if int(o["ray_calls"]):
+        ray_cost = _spawn("ray", o, os.path.join(o["out"], "ray-calls.log"))
+        print(json.dumps(ray_cost), flush=True)
+    write_json(os.path.join(o["out"], "simulate.json"), {"argv": argv, "rows": rows, "ray": ray_cost})
     print(format_table(rows, TABLE))
     if len(rows) > 1 and rows[0].get("items_per_s"):
         plot(rows, rows[0], os.path.join(o["out"], "simulate.png"))
