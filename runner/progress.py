@@ -20,8 +20,20 @@ import contextlib
 import logging
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("runner")
+
+
+@dataclass(eq=False)
+class Watched:
+    """A starting worker whose phases are shown: its pending `phases()` call (None once one
+    failed: nothing more to show) and how many phases were logged."""
+    worker: Any
+    rank: int
+    call: Any = None
+    seen: int = 0
 
 
 class PhasePrinter:
@@ -31,7 +43,7 @@ class PhasePrinter:
 
     def __init__(self, pool, every_s: float = 0.5):
         self.pool, self.every_s, self.last = pool, every_s, 0.0
-        self.asked: dict = {}        # rank -> [worker, its pending phases() call, phases seen]
+        self.watched: dict[int, Watched] = {}        # by rank
 
     def poll(self, slots, flush=None) -> None:
         if flush is not None:
@@ -40,54 +52,53 @@ class PhasePrinter:
         if time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()
-        asked = [self._asked(s) for s in slots if s.state == "starting"]
-        calls = [a[1] for a in asked if a[1] is not None]
+        watched = [self._watch(s) for s in slots if s.state == "starting"]
+        calls = [w.call for w in watched if w.call is not None]
         done = set(self.pool.wait(calls, timeout=0)) if calls else set()  # one wait for them all
-        for a in asked:
-            if a[1] in done:
-                self._read(a)
-        if len(self.asked) > len(asked):     # slots no longer starting: nothing more to show
-            starting = {a[3] for a in asked}
-            self.asked = {r: a for r, a in self.asked.items() if r in starting}
+        for w in watched:
+            if w.call in done:
+                self._read(w)
+        if len(self.watched) > len(watched):     # slots no longer starting: nothing more to show
+            self.watched = {w.rank: w for w in watched}
 
     def _flush(self, slot) -> None:
         """`slot`'s warm-up has returned: its last phases (at most 2 x 5 s of the dispatch loop; a
         threaded actor answers at once). The call in flight may have been answered before the
         last phases were recorded: one more call after it, which sees them all (the call it leaves
         in flight is never read)."""
-        a = self._asked(slot)
+        w = self._watch(slot)
         for _ in range(2):
-            if a[1] is None or not self.pool.wait([a[1]], timeout=5):
+            if w.call is None or not self.pool.wait([w.call], timeout=5):
                 break
-            self._read(a)
-        self.asked.pop(slot.rank, None)
+            self._read(w)
+        self.watched.pop(slot.rank, None)
 
-    def _asked(self, slot) -> list:
-        a = self.asked.get(slot.rank)
-        if a is None or a[0] is not slot.actor:              # a new worker (or its replacement)
+    def _watch(self, slot) -> Watched:
+        w = self.watched.get(slot.rank)
+        if w is None or w.worker is not slot.actor:          # a new worker (or its replacement)
             # its process may still wait for a node's resources: its own phases start at warm-up
             log.info("worker %d: starting, then loading model", slot.rank)
-            a = self.asked[slot.rank] = [slot.actor, None, 0, slot.rank]
-            self._ask(a)
-        return a
+            w = self.watched[slot.rank] = Watched(slot.actor, slot.rank)
+            self._ask(w)
+        return w
 
-    def _ask(self, a: list) -> None:
+    def _ask(self, w: Watched) -> None:
         try:
-            a[1] = self.pool.phases(a[0], a[2])
+            w.call = self.pool.phases(w.worker, w.seen)
         except Exception:
-            a[1] = None
+            w.call = None
 
-    def _read(self, a: list) -> None:
+    def _read(self, w: Watched) -> None:
         """A done phases() call: log what it brought, ask for the next ones."""
         try:
-            events = self.pool.result(a[1])
+            events = self.pool.result(w.call)
         except Exception:            # a display, never a reason to fail the job; the slot's
-            a[1] = None              # own error reaches the dispatcher through its warm-up
+            w.call = None            # own error reaches the dispatcher through its warm-up
             return
         for phase, _ in events:
-            log.info("worker %d: %s", a[3], phase)
-        a[2] += len(events)
-        self._ask(a)
+            log.info("worker %d: %s", w.rank, phase)
+        w.seen += len(events)
+        self._ask(w)
 
 
 def _duration(s: float) -> str:
