@@ -15,8 +15,8 @@ RSS is its own); the parent writes the prompt files first and, after run 1, the 
 workers would have written, so that run 2's resume lists them as a real one does.
 
 The main point (N workers, M prompts, item_s R): run 1 plans all M prompts and runs until
-`duration_s` after `settle_s` past every worker's first ready, then stops the job the way Ctrl-C
-does (SIGINT: summary written); one snapshot is timed at its end state; run 2 resumes it (record
+`duration_s` after `settle_s` past every worker's first ready, then stops the job the way
+`ray job stop` does (SIGTERM: summary written, exit 143); one snapshot is timed at its end state; run 2 resumes it (record
 load, one media listing, plan) and is stopped `resume_s` later. Each `sweep` point
 (`workers:prompts[:item_s]`) is a run 1 and a snapshot, over `sweep_s`. Figures (a JSON line per
 point, a table, `simulate.json` and `simulate.png` under `out`):
@@ -423,7 +423,8 @@ def _sample(pool: SimPool) -> dict:
 
 def _monitor(state: dict, settle_s: float, duration_s: float) -> None:
     """Once every slot was ready: wait `settle_s`, sample every 5 s for `duration_s`, then stop
-    the job as Ctrl-C does (its handler records the signal; the dispatch loop raises)."""
+    the job as `ray job stop` does (SIGTERM: its handler records the signal, the dispatch loop
+    raises; SIGINT would be ignored in a process started in the background, as Python does)."""
     while "pool" not in state:
         time.sleep(0.2)
     pool = state["pool"]
@@ -436,7 +437,7 @@ def _monitor(state: dict, settle_s: float, duration_s: float) -> None:
     while time.time() < end - 0.01:
         time.sleep(min(5.0, end - time.time()))
         samples.append(_sample(pool))
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _peak_rss_mb() -> float:
