@@ -381,11 +381,12 @@ class SimPool:
 
 USAGE = ("python -m runner.bench.simulate workers=N prompts=M item_s=R [duration_s=120] "
          "[shard_size=8] [settle_s=10] [resume_s=20] [startup_s=10:40] [jitter=0.2] "
-         "[deaths_per_min=3] [sweep=N:M[:R],...] [sweep_s=60] [ray_calls=2000] [out=DIR]")
+         "[deaths_per_min=3] [sweep=N:M[:R],...] [sweep_s=60] [ray_calls=2000] [out=DIR]\n"
+         "       python -m runner.bench.simulate replot=DIR   (table and plot from DIR/simulate.json)")
 DEFAULTS = {"workers": "1000", "prompts": "10000000", "item_s": "0.7", "duration_s": "120",
             "shard_size": "8", "settle_s": "10", "resume_s": "20", "startup_s": "10:40",
             "jitter": "0.2", "deaths_per_min": "3", "sweep": "", "sweep_s": "60",
-            "out": "/tmp/runner-simulate", "seed": "0", "ray_calls": "0",
+            "out": "/tmp/runner-simulate", "seed": "0", "ray_calls": "0", "replot": None,
             "child": None, "job_dir": None, "prompts_file": None}
 
 
@@ -603,13 +604,15 @@ def plot(rows: list[dict], main: dict, path: str) -> None:
     """Received against demanded items/s (every point), and each cost against workers (prompts
     and item_s fixed) and against prompts (workers and item_s fixed)."""
     from matplotlib.figure import Figure
-    rows = [r for r in rows if r.get("items_per_s")]   # (a job that ended before its window: none)
+    # a job that ran out of prompts in its window (it ended: status 0) shows its tail, not a steady
+    # rate: its plan, memory and snapshot figures only
+    steady = [r for r in rows if r.get("items_per_s") and r["status"] != 0]
     fig = Figure(figsize=(13, 7), dpi=110, layout="constrained")
     axes = fig.subplots(2, 3).flat
     ax = next(axes)
-    top = max(r["demand_items_per_s"] for r in rows) * 1.1
+    top = max(r["demand_items_per_s"] for r in steady) * 1.1
     ax.plot([0, top], [0, top], ":", color="gray", label="received = demanded")
-    for r in rows:
+    for r in steady:
         ax.plot(r["demand_items_per_s"], r["items_per_s"], "o", color="tab:blue")
         ax.annotate(f"{r['workers']}w {r['prompts']:.0e}p {r['item_s']}s", (r["demand_items_per_s"],
                     r["items_per_s"]), fontsize=6, xytext=(3, -8), textcoords="offset points")
@@ -627,6 +630,8 @@ def plot(rows: list[dict], main: dict, path: str) -> None:
                                "one results.parquet rewrite, s")):
         for pts, axis, style, fixed in ((vs_n, "workers", "o-", f"{by_m:.0e} prompts"),
                                         (vs_m, "prompts", "s--", f"{main['workers']} workers")):
+            if key in ("idle_fraction", "cpu_ms_per_item"):
+                pts = [r for r in pts if r in steady]
             if len(pts) > 1:
                 ax.plot([r[axis] for r in pts], [r[key] for r in pts], style,
                         label=f"vs {axis} ({fixed})")
@@ -709,8 +714,19 @@ def _items(n: int) -> list[Item]:
             for i in range(n)]
 
 
+def replot(out: str) -> None:
+    """The table and the plot again from `out`/simulate.json."""
+    with open(os.path.join(out, "simulate.json")) as f:
+        rows = json.load(f)["rows"]
+    print(format_table(rows, TABLE))
+    plot(rows, rows[0], os.path.join(out, "simulate.png"))
+
+
 def main(argv: list[str]) -> int:
     o, _ = parse_args(argv, DEFAULTS, USAGE)
+    if o["replot"]:
+        replot(o["replot"])
+        return 0
     if o["child"] == "run":
         print(json.dumps(_child_run(o)))
         return 0
