@@ -1,39 +1,19 @@
-"""What the driver hands a worker: `WorkerConfig` (the only part of the job's config a worker sees)
-and `WorkerActor`, the class the driver wraps in `ray.remote`.
+"""The class the driver wraps in `ray.remote`: `WorkerActor(rank, cfg, broker)` builds a
+`runner.worker.Worker` in the actor's own process and forwards the `WorkerContract` calls to it.
 
-Contract: `WorkerActor(rank, cfg, broker)` builds a `runner.worker.Worker` in the actor's own
-process and forwards the `WorkerContract` calls to it. Why a second class: the driver needs the
-actor's class to start it, and `runner.worker` imports torch and diffusers, which the driver never
-uses otherwise (~1.3 s of CPU per job, on the machine that also runs the workers). This module
-imports no torch.
+Why a second class: the driver needs the actor's class to start it, and `runner.worker` imports
+torch and diffusers, which the driver never uses otherwise (~1.3 s of CPU per job, on the machine
+that also runs the workers). This module imports no torch; what a worker is handed is
+`runner.config.WorkerConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .config import CompileConfig, GenerationDefaults, ModelSpec, StepCacheSection
-
 if TYPE_CHECKING:
-    from .prompts import Constraints, Item
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    model: ModelSpec
-    generation: GenerationDefaults
-    limits: Constraints
-    on_empty: str
-    job_dir: str
-    batch_size: int = 1
-    warmup_steps: int = 2
-    fps: int = 8
-    compile: CompileConfig = CompileConfig()
-    step_cache: StepCacheSection = StepCacheSection()
-    num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
-    encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
-    cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
+    from .config import WorkerConfig
+    from .prompts import Item
 
 
 class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/worker.py)

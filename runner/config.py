@@ -31,7 +31,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from compiler import CompileOptions, parse_options   # light: no torch
+
 from .families import DEFAULT_PRESET, PRESETS   # light: no torch
+
+if typing.TYPE_CHECKING:
+    from .prompts import Constraints
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
@@ -547,24 +552,38 @@ class OutputOptions:
         _positive("output.results_every_s", self.results_every_s, allow_zero=True)
 
 
-def _compile_options(section: dict) -> dict:
-    return {k: v for k, v in section.items() if k != "cache_dir"}   # the rest is compiler options
+def _compile_options(section: dict) -> CompileOptions:
+    """The compile section (all but cache_dir) as the compiler's typed options, parsed and checked
+    here, once, before anything uses them: a bad value is a ConfigError naming its key and the
+    valid values."""
+    from compiler.options import expand_mode
+    options = {k: v for k, v in section.items() if k != "cache_dir"}
+    try:
+        expand_mode(str(options.get("mode") or "none"))
+    except ValueError as e:
+        raise ConfigError(f"compile.mode={options.get('mode')!r}: {e}") from e
+    try:
+        return parse_options(options)
+    except ValueError as e:          # the compiler's message names the key and the valid values
+        raise ConfigError(f"compile: {e}") from e
 
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """The nexfort-style options dict handed to `compiler.compile_pipe`, plus the cache dir."""
-    options: dict = field(default_factory=lambda: _compile_options(
+    """The job's compile options (`compiler.CompileOptions`, parsed once by `split`), the mode as
+    the job named it (`O2`; for logs and the summary) and the compile cache directory."""
+    options: CompileOptions = field(default_factory=lambda: _compile_options(
         OmegaConf.to_container(defaults().compile)))
     cache_dir: str | None = None
+    mode: str = "none"
 
     @property
     def enabled(self) -> bool:
-        return self.options.get("mode", "none") != "none"
+        return self.options.compile
 
     @property
     def fuse_qkv(self) -> bool:
-        return self.options.get("fuse_qkv", True)
+        return self.options.fuse_qkv
 
 
 def _step_cache(section: dict) -> StepCacheSection:
@@ -620,9 +639,28 @@ def split(cfg: DictConfig) -> dict:
                              results_every_s=cfg.output.results_every_s),
         step_cache=_step_cache(section("step_cache")),
         compile=CompileConfig(
-            options=_compile_options(c),
+            options=_compile_options(c), mode=str(c["mode"]),
             cache_dir=cache_dir if storage.is_uri(cache_dir) else storage.resolve(cache_dir).base),
     )
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the driver hands each worker (`runner.actor.WorkerActor`): the only part of the job's
+    config a worker sees."""
+    model: ModelSpec
+    generation: GenerationDefaults
+    limits: Constraints
+    on_empty: str
+    job_dir: str
+    batch_size: int = 1
+    warmup_steps: int = 2
+    fps: int = 8
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    step_cache: StepCacheSection = field(default_factory=StepCacheSection)
+    num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
+    encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
+    cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Hands shards to workers and survives their failures.
 
-Contract of `dispatch(...)`:
+Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
 - Each worker slot holds at most `inflight` shards; when one finishes, the slot takes the next from
-  the queue (dynamic, not a static split). A shard travels with its validated items as two calls
-  on the (threaded) actor: `start_shard(seq, items)`, done when its GPU work is, and
+  the queue (dynamic, not a static split). A shard travels with its validated items (`Shard.items`)
+  as two calls on the (threaded) actor: `start_shard(seq, items)`, done when its GPU work is, and
   `finish_shard(seq)`, its rows once written; `seq` numbers the slot's shards so the worker runs
   them in order while it writes one shard and generates the next. Rows go to `on_rows` as each
   shard finishes.
@@ -25,12 +25,16 @@ Contract of `dispatch(...)`:
 - `slots` (optional) is a list the caller owns, filled with the live slots as they change: after an
   interrupt (an exception out of dispatch) the caller still knows which workers served.
 - `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
+- A loop iteration costs O(what happened) plus one `Pool.wait` over the shards in flight, not
+  O(slots): starting and hungry (ready, with room for a shard) slots are kept as they change
+  (`runner.bench.simulate` measures the loop at 1000 workers).
 
 These rules live in `Dispatcher`, which reaches its workers only through a `Pool` (start a worker
 and its warm-up, submit a shard, wait for futures, read a result as a value, `TaskError` or
-`WorkerLost`, kill a worker): `RayPool` is the Ray one (the only place Ray is called), and
-tests/test_dispatch.py drives the same rules with an in-memory pool. A worker is anything with the
-methods of `runner.worker.WorkerContract`; `dispatch(...)` is `Dispatcher(RayPool(...), ...).run()`.
+`WorkerLost`, kill a worker; and for the rest of the driver: phases, metrics, stop and wait until
+dead): `runner.raypool.RayPool` is the Ray one (the driver's only Ray code), tests drive the same
+rules with in-memory pools, and `runner.bench.simulate` with a simulated cluster. A worker is
+anything with the methods of `runner.worker.WorkerContract`. This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ FAULT_ROWS = 4   # distinct failing shards (or rows) with one cause and no succe
 
 class TaskError(Exception):
     """An exception raised by our code inside a worker, which lives on. `str()` is its cause,
-    `Type: message` of the worker-side exception (see `_cause`)."""
+    `Type: message` of the worker-side exception (see `cause`)."""
 
 
 class WorkerLost(Exception):
@@ -70,8 +74,11 @@ class WorkerLost(Exception):
 
 
 class Pool(Protocol):
-    """The dispatcher's only way to its workers. Handles and futures are opaque; futures are
-    hashable, and a worker runs its calls in the order they were made."""
+    """Every call the driver makes on its workers (the dispatcher, the start-up display, the
+    summary's metrics, the stop). Handles and futures are opaque; futures are hashable, and a
+    worker runs its calls in the order they were made. `size`: the workers the job runs."""
+
+    size: int
 
     def start(self, rank: int) -> tuple[Any, Any]:
         """Create the worker of slot `rank` and begin its warm-up: (handle, future of the
@@ -81,8 +88,16 @@ class Pool(Protocol):
         """Shard number `seq` of this worker (`start_shard`, `finish_shard`): (future done when
         its GPU work is, future of its rows once written)."""
 
+    def phases(self, worker: Any, since: int) -> Any:
+        """Future of the worker's start-up phases from the `since`-th on (answered while it warms
+        up)."""
+
+    def metrics(self, worker: Any) -> Any:
+        """Future of the worker's metrics (`Worker.metrics`)."""
+
     def wait(self, futures: list, timeout: float) -> list:
-        """Some of `futures` that are done, or [] once `timeout` seconds passed with none done."""
+        """The futures of `futures` that are done (at least one), or [] once `timeout` seconds
+        passed with none done."""
 
     def result(self, future: Any) -> Any:
         """The value of a done future; raises `TaskError` or `WorkerLost`."""
@@ -90,8 +105,12 @@ class Pool(Protocol):
     def kill(self, worker: Any) -> None:
         """Stop the worker for good (no restart behind the dispatcher's back). Never raises."""
 
+    def stop(self, workers: list, timeout_s: float) -> int:
+        """Kill `workers` and return once each is gone (no file of theirs can land after), or
+        after `timeout_s`: the number still running then."""
 
-def _cause(e: BaseException) -> str:
+
+def cause(e: BaseException) -> str:
     """`Type: message` of the exception raised in the worker (Ray's wrapper holds it as `cause`),
     first line, for logs and the summary; Ray's own error text for what has no cause (a lost
     actor or node)."""
@@ -101,43 +120,7 @@ def _cause(e: BaseException) -> str:
     return (text.splitlines() or [type(c).__name__])[0][:500]
 
 
-class RayPool:
-    """`Pool` over Ray actors made by `make_actor(rank)` (a `WorkerContract` under `ray.remote`).
-    The only code here that touches Ray."""
-
-    def __init__(self, make_actor: Callable[[int], Any]):
-        import ray                     # here only: the dispatcher and its tests run without Ray
-        self.ray, self.make_actor = ray, make_actor
-
-    def start(self, rank: int) -> tuple[Any, Any]:
-        actor = self.make_actor(rank)
-        return actor, actor.warmup.remote()
-
-    def submit(self, actor, seq: int, items: list[Item]) -> tuple[Any, Any]:
-        return actor.start_shard.remote(seq, items), actor.finish_shard.remote(seq)
-
-    def wait(self, futures: list, timeout: float) -> list:
-        return self.ray.wait(futures, num_returns=1, timeout=timeout)[0]
-
-    def result(self, ref) -> Any:
-        errors = self.ray.exceptions
-        try:
-            return self.ray.get(ref)
-        except errors.RayError as e:
-            # a RayTaskError wraps our code's exception; a dead actor is no such thing even in the
-            # Ray versions where RayActorError subclasses RayTaskError
-            if isinstance(e, errors.RayTaskError) and not isinstance(e, errors.RayActorError):
-                raise TaskError(_cause(e)) from e
-            raise WorkerLost(_cause(e)) from e
-
-    def kill(self, actor) -> None:
-        try:
-            self.ray.kill(actor, no_restart=True)
-        except Exception:              # already gone: nothing left to stop
-            pass
-
-
-@dataclass
+@dataclass(eq=False)                 # hashed by identity: a replacement is another slot
 class Slot:
     rank: int
     actor: Any                       # the Pool's worker handle (a Ray actor under RayPool)
@@ -152,17 +135,16 @@ class Slot:
 
 
 class Dispatcher:
-    """The rules of the module docstring over a `Pool`. Takes `dispatch`'s arguments, and `clock`
-    (seconds: start-up timeouts, `Slot.started`) so that tests can run on a fake one. `run()`
-    once."""
+    """The rules of the module docstring over a `Pool`, for `n_workers` slots; `clock` (seconds:
+    start-up timeouts, `Slot.started`) may be a fake one in tests. `run()` once."""
 
     def __init__(self, pool: Pool, n_workers: int, shards: list[Shard],
-                 items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
+                 on_rows: Callable[[list[dict]], None],
                  inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
                  start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
                  slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.pool, self.n_workers, self.items_of, self.on_rows = pool, n_workers, items_of, on_rows
+        self.pool, self.n_workers, self.on_rows = pool, n_workers, on_rows
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
@@ -170,6 +152,9 @@ class Dispatcher:
         self.queue = deque(shards)
         self.next_index = max((s.index for s in shards), default=-1) + 1   # for split shards
         self.futures: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish -> (slot, shard, start)
+        # Kept as they change, so that a loop iteration costs O(what happened), not O(slots):
+        self.warming: dict[Any, Slot] = {}     # warm-up future -> its starting slot
+        self.hungry: dict[Slot, None] = {}     # ready slots with room for another shard
         self.attempts: dict[int, int] = {}      # shard index -> failed attempts charged
         self.suspects: set[int] = set()         # shard indices that run isolated
         self.streak: dict[str, set] = {}        # cause -> shards failed of it since a success
@@ -181,27 +166,29 @@ class Dispatcher:
             self.slots.append(self._start(rank))
         while self.queue or self.futures:
             self._check_alive()
-            warming = {s.warm_ref: s for s in self.slots if s.state == "starting"}
-            ready = self.pool.wait(list(self.futures) + list(warming), timeout=1.0)
+            ready = self.pool.wait(list(self.futures) + list(self.warming), timeout=1.0)
             if self.on_tick:                 # about once a second: start-up phases, progress lines
                 self.on_tick()
             self._time_out(ready)
             for f in ready:
-                if f in warming:
-                    self.on_warm(warming[f])
+                if f in self.warming:
+                    self.on_warm(self.warming[f])
                 elif f in self.futures:      # (not retired meanwhile with its lost worker)
                     self.on_done(f)
-            for s in self.slots:             # every path that retires a shard ends here: refill
+            # every path that retires a shard or readies a slot marks it hungry: refill those
+            for s in sorted(self.hungry, key=lambda s: s.rank) if self.queue else ():
                 self.fill(s)
-        for s in self.slots:
-            if s.state == "starting":        # a replacement nobody needs any more
-                self.pool.kill(s.actor)
-                s.state = "dead"
+        for s in list(self.warming.values()):   # replacements nobody needs any more
+            self.pool.kill(s.actor)
+            s.state = "dead"
+        self.warming.clear()
         return self.slots
 
     def _start(self, rank: int, restarts: int = 0) -> Slot:
         actor, warm = self.pool.start(rank)
-        return Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
+        slot = Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
+        self.warming[warm] = slot
+        return slot
 
     def _check_alive(self) -> None:
         """No slot ready or starting: stop rather than wait for nothing."""
@@ -217,7 +204,7 @@ class Dispatcher:
         """Give up slots not ready in time: a restart waiting for resources that left with a lost
         node would wait forever in Ray."""
         now = self.clock()
-        for s in [s for s in self.slots if s.state == "starting"]:
+        for s in list(self.warming.values()):
             if now - s.started > self.start_timeout_s and s.warm_ref not in ready:
                 self.lose(s, f"not ready after {self.start_timeout_s:.0f} s "
                              f"(ray.worker_start_timeout_s): the cluster may lack the resources "
@@ -230,15 +217,20 @@ class Dispatcher:
                     self.futures[f][1].index in self.suspects for f in slot.running)):
                 break
             shard = self.queue.popleft()
-            started, finished = self.pool.submit(slot.actor, slot.next_seq, self.items_of(shard))
+            started, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
             slot.running.append(finished)
             self.futures[finished] = (slot, shard, started)
+        if slot.state == "ready" and len(slot.running) < self.inflight:
+            self.hungry[slot] = None
+        else:
+            self.hungry.pop(slot, None)
 
     def on_warm(self, slot: Slot) -> None:
         """A warm-up ended: the slot serves, or it is lost."""
         if slot.state != "starting":
             return
+        self.warming.pop(slot.warm_ref, None)
         try:
             slot.ready_info = self.pool.result(slot.warm_ref)
         except (TaskError, WorkerLost) as e:
@@ -277,6 +269,8 @@ class Dispatcher:
     def _retire(self, finished) -> None:
         slot, _, _ = self.futures.pop(finished)
         slot.running.remove(finished)
+        if slot.state == "ready":
+            self.hungry[slot] = None
 
     def _count_fault(self, shard: Shard, cause: str) -> None:
         """PersistentFault once `FAULT_ROWS` distinct shards failed of `cause` since a success."""
@@ -292,12 +286,11 @@ class Dispatcher:
         """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which
         a single row over `max_retries` is recorded failed. A shard of several rows is split."""
         n = self.attempts.get(shard.index, 0) + int(count)
-        items = self.items_of(shard)
+        items = shard.items
         if len(items) > 1:
             log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
                         shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
-            singles = [Shard(self.next_index + k, shard.file, it.row, it.row + 1)
-                       for k, it in enumerate(items)]
+            singles = [Shard(self.next_index + k, (it,)) for k, it in enumerate(items)]
             self.next_index += len(singles)
             for s in singles:
                 self.attempts[s.index] = n
@@ -318,6 +311,8 @@ class Dispatcher:
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
+        self.warming.pop(slot.warm_ref, None)
+        self.hungry.pop(slot, None)
         unfinished, written = [], []
         for f in slot.running:
             _, shard, started = self.futures.pop(f)
@@ -349,13 +344,3 @@ class Dispatcher:
         except (TaskError, WorkerLost):
             return None
 
-
-def dispatch(make_actor: Callable[[int], Any], n_workers: int, shards: list[Shard],
-             items_of: Callable[[Shard], list[Item]], on_rows: Callable[[list[dict]], None],
-             inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-             start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
-             slots: list[Slot] | None = None,
-             on_tick: Callable[[], None] | None = None) -> list[Slot]:
-    """The module docstring's contract on Ray actors made by `make_actor(rank)`."""
-    return Dispatcher(RayPool(make_actor), n_workers, shards, items_of, on_rows, inflight,
-                      max_retries, max_restarts, start_timeout_s, on_ready, slots, on_tick).run()

@@ -1,6 +1,11 @@
-"""Everything the job writes, each file atomically: a temporary name in the same directory, then
-`os.replace`. A reader (or a resumed job) therefore sees a complete file or none; a crash leaves at
-most a `.tmp-*` file, never a half-written output under its final name.
+"""The media encoders and the small files and tables the job writes.
+
+`write_png` and `write_mp4` write straight to the path they are given: the worker hands them a
+temporary name (`storage.Store.atomic_local`), so an output appears under its final name only once
+complete. `write_text`/`write_json` are atomic themselves, through `storage.atomic_path` (the one
+local atomic write: a `.tmp-*` name in the same directory, then `os.replace`), re-exported here for
+the report and the benches. A reader (or a resumed job) sees a complete file or none; a crash leaves
+at most a `.tmp-*` file, never a half-written output under its final name.
 
 Layout under `<output.dir>/<job name>/`:
     media/<id>.mp4 | media/<id>.png   one per prompt (H.264 mp4 through imageio-ffmpeg)
@@ -18,26 +23,12 @@ import errno
 import json
 import os
 import subprocess
-import uuid
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """Yields a temporary path next to `path` (same suffix, so writers pick the right format);
-    renamed onto `path` only if the block finishes."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+from .storage import atomic_path   # noqa: F401  (re-exported: the one atomic write)
 
 
 def write_text(path, text: str) -> None:
@@ -57,24 +48,24 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
 
 
 def write_png(path, image: np.ndarray) -> None:
-    """image: (H, W, 3) uint8, or floats in [0, 1]. Encoded in memory, then written here: when
-    imageio writes a file itself and the disk is full, it keeps the file open, and closing it in
-    its `__del__` fails again, printed as "Exception ignored in PluginV3.__del__" long after this
-    call raised. Here a full disk raises in this call, once, and nothing is left open."""
+    """image: (H, W, 3) uint8, or floats in [0, 1]. Written straight to `path` (see above),
+    encoded in memory first: when imageio writes a file itself and the disk is full, it keeps the
+    file open, and closing it in its `__del__` fails again, printed as "Exception ignored in
+    PluginV3.__del__" long after this call raised. Here a full disk raises in this call, once, and
+    nothing is left at `path`."""
     import imageio.v3 as iio
     data = iio.imwrite("<bytes>", to_uint8(image), extension=".png")
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)
+    with _removed_on_error(path):
+        Path(path).write_bytes(data)
 
 
 def write_mp4(path, frames: np.ndarray, fps: int) -> None:
-    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4 (CRF 18), through the
-    ffmpeg that imageio-ffmpeg ships, run here rather than through `imageio_ffmpeg.write_frames`:
-    that ignores ffmpeg's exit status (a full disk gave a truncated file, published as the
-    output) and lets ffmpeg print to the worker's stderr. Here a failure raises `OSError` with
-    ffmpeg's message (`[Errno 28] No space left on device` when it is that), and ffmpeg prints
-    nothing."""
+    """frames: (F, H, W, 3) uint8, or floats in [0, 1] -> H.264 yuv420p mp4 (CRF 18), written
+    straight to `path` (see above), through the ffmpeg that imageio-ffmpeg ships, run here rather
+    than through `imageio_ffmpeg.write_frames`: that ignores ffmpeg's exit status (a full disk gave
+    a truncated file, published as the output) and lets ffmpeg print to the worker's stderr. Here
+    a failure raises `OSError` with ffmpeg's message (`[Errno 28] No space left on device` when it
+    is that), ffmpeg prints nothing, and nothing is left at `path`."""
     import imageio_ffmpeg
     frames = np.ascontiguousarray(to_uint8(frames))
     _, h, w, _ = frames.shape
@@ -84,15 +75,26 @@ def write_mp4(path, frames: np.ndarray, fps: int) -> None:
            "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(Fraction(fps).limit_denominator()),
            "-i", "-", "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", "-v", "error",
            "-crf", "18"]
-    with atomic_path(path) as tmp:
-        proc = subprocess.run([*cmd, str(tmp)], input=memoryview(frames).cast("B"),
+    with _removed_on_error(path):
+        proc = subprocess.run([*cmd, str(path)], input=memoryview(frames).cast("B"),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if proc.returncode:
-            said = proc.stderr.decode(errors="replace").replace(str(tmp), "<output>").strip()
+            said = proc.stderr.decode(errors="replace").replace(str(path), "<output>").strip()
             if "No space left on device" in said:      # as a full disk reads from Python's writes
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             last = said.splitlines()[-1] if said else "no message"
             raise OSError(f"ffmpeg could not write the video (exit status {proc.returncode}): {last}")
+
+
+@contextlib.contextmanager
+def _removed_on_error(path):
+    """A write that fails leaves no partial file at `path` (the caller's temporary name)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:

@@ -1,12 +1,13 @@
 """What the driver shows while a job runs: each worker's start-up phases, then the progress.
 
 Contract:
-- `PhasePrinter.poll(slots)` logs each starting worker's start-up phases as they happen: "starting,
-  then loading model" when its actor is made (an actor answers no call before its `__init__`, the
-  model load, returns), then what the worker's `phases()` reports during `warmup()` (compiling,
-  warming up from the compile cache, ...), which a threaded actor answers while it warms up. The
-  driver polls from its wait loop (dispatch wakes every second); a poll never blocks: one call per
-  worker is in flight at a time.
+- `PhasePrinter(pool).poll(slots)` logs each starting worker's start-up phases as they happen:
+  "starting, then loading model" when its actor is made (an actor answers no call before its
+  `__init__`, the model load, returns), then what the worker's `phases()` reports during `warmup()`
+  (compiling, warming up from the compile cache, ...), which a threaded actor answers while it warms
+  up. The driver polls from its wait loop (dispatch wakes every second); a poll never blocks: one
+  call per worker is in flight at a time, and one `pool.wait` looks at all of them. It reaches the
+  workers only through the job's `dispatch.Pool` (no Ray here).
 - `Progress` counts finished items. It starts at the first worker's ready, so its rate and ETA count
   generation, not start-up (the same clock as the summary's items/s). On a terminal it is a tqdm
   bar; otherwise (a log file, `ray job logs`) a plain line every `every_s` seconds and one at the end,
@@ -19,54 +20,85 @@ import contextlib
 import logging
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("runner")
 
 
-class PhasePrinter:
-    """Driver side: `poll(slots)` logs the phases the starting slots' workers reported since the
-    last poll; `poll(slots, flush=slot)` waits (up to 5 s) for that slot's last ones."""
+@dataclass(eq=False)
+class Watched:
+    """A starting worker whose phases are shown: its pending `phases()` call (None once one
+    failed: nothing more to show) and how many phases were logged."""
+    worker: Any
+    rank: int
+    call: Any = None
+    seen: int = 0
 
-    def __init__(self, every_s: float = 0.5):
-        self.every_s, self.last = every_s, 0.0
-        self.asked: dict = {}        # rank -> [actor, its pending phases() call, phases seen]
+
+class PhasePrinter:
+    """Driver side, over the job's `dispatch.Pool`: `poll(slots)` logs the phases the starting
+    slots' workers reported since the last poll; `poll(slots, flush=slot)` waits (up to 5 s) for
+    that slot's last ones."""
+
+    def __init__(self, pool, every_s: float = 0.5):
+        self.pool, self.every_s, self.last = pool, every_s, 0.0
+        self.watched: dict[int, Watched] = {}        # by rank
 
     def poll(self, slots, flush=None) -> None:
-        # flush: at most 2 x 5 s of the dispatch loop, for a worker whose warm-up has just returned
-        # (a threaded actor: it answers at once); the call it leaves in flight is never read
-        if flush is None and time.monotonic() - self.last < self.every_s:
+        if flush is not None:
+            self._flush(flush)
+            return
+        if time.monotonic() - self.last < self.every_s:
             return
         self.last = time.monotonic()
-        for slot in slots:
-            if slot.state == "starting" or slot is flush:
-                self._poll(slot, flush=slot is flush)
-            if slot.state != "starting":
-                self.asked.pop(slot.rank, None)
+        watched = [self._watch(s) for s in slots if s.state == "starting"]
+        calls = [w.call for w in watched if w.call is not None]
+        done = set(self.pool.wait(calls, timeout=0)) if calls else set()  # one wait for them all
+        for w in watched:
+            if w.call in done:
+                self._read(w)
+        if len(self.watched) > len(watched):     # slots no longer starting: nothing more to show
+            self.watched = {w.rank: w for w in watched}
 
-    def _poll(self, slot, flush: bool) -> None:
-        import ray
-        asked = self.asked.get(slot.rank)
-        if asked is None or asked[0] != slot.actor:          # a new worker (or its replacement)
+    def _flush(self, slot) -> None:
+        """`slot`'s warm-up has returned: its last phases (at most 2 x 5 s of the dispatch loop; a
+        threaded actor answers at once). The call in flight may have been answered before the
+        last phases were recorded: one more call after it, which sees them all (the call it leaves
+        in flight is never read)."""
+        w = self._watch(slot)
+        for _ in range(2):
+            if w.call is None or not self.pool.wait([w.call], timeout=5):
+                break
+            self._read(w)
+        self.watched.pop(slot.rank, None)
+
+    def _watch(self, slot) -> Watched:
+        w = self.watched.get(slot.rank)
+        if w is None or w.worker is not slot.actor:          # a new worker (or its replacement)
             # its process may still wait for a node's resources: its own phases start at warm-up
             log.info("worker %d: starting, then loading model", slot.rank)
-            asked = self.asked[slot.rank] = [slot.actor, slot.actor.phases.remote(0), 0]
-        if asked[1] is None:                                 # its phases() failed: nothing more
+            w = self.watched[slot.rank] = Watched(slot.actor, slot.rank)
+            self._ask(w)
+        return w
+
+    def _ask(self, w: Watched) -> None:
+        try:
+            w.call = self.pool.phases(w.worker, w.seen)
+        except Exception:
+            w.call = None
+
+    def _read(self, w: Watched) -> None:
+        """A done phases() call: log what it brought, ask for the next ones."""
+        try:
+            events = self.pool.result(w.call)
+        except Exception:            # a display, never a reason to fail the job; the slot's
+            w.call = None            # own error reaches the dispatcher through its warm-up
             return
-        # flush (its warm-up has returned): the call in flight may have been answered before the
-        # last phases were recorded, so one more call after it, which sees them all
-        for _ in range(2 if flush else 1):
-            try:
-                done, _ = ray.wait([asked[1]], timeout=5 if flush else 0)
-                events = ray.get(done[0]) if done else None
-            except Exception:            # a display, never a reason to fail the job; the slot's
-                asked[1] = None          # own error reaches the dispatcher through its warm-up
-                return
-            if events is None:
-                return
-            for phase, _ in events:
-                log.info("worker %d: %s", slot.rank, phase)
-            asked[2] += len(events)
-            asked[1] = slot.actor.phases.remote(asked[2])
+        for phase, _ in events:
+            log.info("worker %d: %s", w.rank, phase)
+        w.seen += len(events)
+        self._ask(w)
 
 
 def _duration(s: float) -> str:

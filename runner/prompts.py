@@ -23,8 +23,9 @@ Contract:
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
   would fail later (before any model is built): one error listing every bad row (the first
   `MAX_LISTED` as file:row: reason, and the count), so a 50k-row file is fixed in one pass.
-- A shard is `(file, start, stop)` over raw rows, planned over the rows still to do. The driver
-  sends each shard's validated items with it, so workers never read the Parquet files.
+  The `prompt` column must be of a string type (an integer column is an error, not stringified).
+- A shard is up to `shard_size` consecutive rows of one file still to do, holding their validated
+  items: the driver sends them with it, so workers never read the Parquet files.
 """
 
 from __future__ import annotations
@@ -136,15 +137,27 @@ KNOWN_COLUMNS = ("prompt", *OPTIONAL_COLUMNS)
 _NOT_IN_ROW = tuple(f.name for f in fields(Item) if f.metadata.get("row") is False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Shard:
+    """Consecutive rows of one file, with their items: what a worker is sent (no lookup back
+    from rows to items). `index` numbers it for retries (split rows get new ones)."""
     index: int
-    file: str
-    start: int
-    stop: int
+    items: tuple[Item, ...]
+
+    @property
+    def file(self) -> str:
+        return self.items[0].file
+
+    @property
+    def start(self) -> int:
+        return self.items[0].row
+
+    @property
+    def stop(self) -> int:
+        return self.items[-1].row + 1
 
     def __len__(self):
-        return self.stop - self.start
+        return len(self.items)
 
 
 def list_files(paths: tuple[str, ...]) -> list[str]:
@@ -535,22 +548,17 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
 
 
 def plan_shards(items: list[Item], shard_size: int, done: set[str] = frozenset()) -> list[Shard]:
-    """Shards over runs of consecutive rows still to do (`done` ids are left out: resume)."""
+    """Shards over runs of consecutive rows still to do (`done` ids are left out: resume), each
+    holding its items."""
     shards: list[Shard] = []
-    start = prev = None
-    file = None
-
-    def close():
-        if start is not None:
-            shards.append(Shard(len(shards), file, start, prev + 1))
-
+    run: list[Item] = []
     for it in items:
         if it.id in done:
             continue
-        if it.file == file and it.row == prev + 1 and it.row - start < shard_size:
-            prev = it.row
-            continue
-        close()
-        file, start, prev = it.file, it.row, it.row
-    close()
+        if run and (it.file != run[-1].file or it.row != run[-1].row + 1 or len(run) == shard_size):
+            shards.append(Shard(len(shards), tuple(run)))
+            run = []
+        run.append(it)
+    if run:
+        shards.append(Shard(len(shards), tuple(run)))
     return shards

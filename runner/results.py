@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -268,7 +269,12 @@ class Results:
         if not self.rows or len(self._loaded) + len(mine) <= 1 and not self.store.exists(JOURNAL):
             return
         name = f"{self.run}-compact.jsonl"
-        self.store.write_bytes_atomic(f"{RECORDS}/{name}", _jsonl(self.rows.values()))
+        # written in chunks to a local temporary file (then renamed, or uploaded whole): never
+        # the whole record in memory as one string (~0.5 KB per row, twice: text and bytes)
+        with self.store.atomic_local(f"{RECORDS}/{name}") as tmp, open(tmp, "wb") as f:
+            rows = iter(self.rows.values())
+            while chunk := list(itertools.islice(rows, 10_000)):
+                f.write(_jsonl(chunk))
         for n in self._loaded + mine:
             if n != name:
                 self.store.delete(f"{RECORDS}/{n}")
@@ -277,10 +283,9 @@ class Results:
         self.run = f"{time.time_ns():020d}-{uuid.uuid4().hex[:6]}"
 
     def write_table(self, ids: list[str]) -> list[dict]:
-        """results.parquet: one row per id of the current prompt set that has a result."""
+        """results.parquet: one row per id of the current prompt set that has a result. Returns
+        those rows (the record's own dicts: read, never change them)."""
         table = [self.rows[i] for i in ids if i in self.rows]
-        columns = list(dict.fromkeys(k for r in table for k in r))
-        table = [{c: r.get(c) for c in columns} for r in table]
         write_parquet(self.store, "results.parquet", table)
         return table
 
@@ -295,10 +300,14 @@ def _media_name(output: str | None) -> str:
 
 
 def write_parquet(store: Store, rel: str, rows: list[dict]) -> None:
+    """`rows` as one Parquet object; a column per key of any row (null where a row lacks it),
+    built column by column: a list of references per column, not a dict per row (a million rows
+    cost ~1 GiB more the other way)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), buf)
+    pq.write_table(pa.table({c: [r.get(c) for r in rows] for c in columns}), buf)
     store.write_bytes_atomic(rel, buf.getbuffer())
 
 

@@ -117,22 +117,21 @@ def prepare(job: dict) -> None:
     check_first_blocks(sc, job["model"].resolved())
     options = compile_options(job["compile"].options, sc)
     if options is not job["compile"].options:
-        job["compile"] = dataclasses.replace(job["compile"], options=options)
+        job["compile"] = dataclasses.replace(job["compile"], options=options, mode=options.mode)
 
 
-def compile_options(options: dict, sc: StepCacheSection) -> dict:
-    """`options` without the `cudagraphs` flag when a hook method is on (module docstring)."""
-    if sc.method not in HOOKS:
-        return options
+def compile_options(options, sc: StepCacheSection):
+    """`options` (anything `compiler.parse_options` takes) as `CompileOptions`, without the
+    `cudagraphs` flag when a hook method is on (module docstring)."""
     import compiler
-    flags = compiler.parse_options(options).flags
-    if "cudagraphs" not in flags:
+    options = compiler.parse_options(options)
+    if sc.method not in HOOKS or "cudagraphs" not in options.flags:
         return options
-    mode = ":".join(sorted(flags - {"cudagraphs"})) or "none"
+    runs = dataclasses.replace(options, flags=options.flags - {"cudagraphs"} or frozenset({"none"}))
     log.warning("step_cache.method=%s: compile.mode=%s runs without its cudagraphs step graph "
                 "(as %s): a captured step cannot follow the cache's per-step decisions",
-                sc.method, options.get("mode"), mode)
-    return {**options, "mode": mode}
+                sc.method, options.mode, runs.mode)
+    return runs
 
 
 def _timestep_range(sc: StepCacheSection) -> tuple:

@@ -22,7 +22,8 @@ Contract
   A Store pickles as its URI (Ray workers resolve it again), so each process uses its own
   environment's credentials.
 - Writes are atomic per name: a reader sees the whole object or none, never a partial one.
-  Local: a `.tmp-*` file in the same directory, then `os.replace`. Object stores: the whole payload is
+  Local: a `.tmp-*` file in the same directory, then `os.replace` (`atomic_path`, the one local
+  atomic write of the runner: report files and benches use it too). Object stores: the whole payload is
   in hand (bytes, or a finished local file, memory-mapped) before the output stream opens, and goes
   out in one `write` + `close`: one PutObject (`allow_delayed_open`; without it Arrow spends three
   requests on a multipart upload even for 1 byte), or for payloads above Arrow's part threshold
@@ -86,6 +87,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -200,7 +202,7 @@ class Store:
     def write_bytes_atomic(self, rel: str, data: bytes | memoryview | pa.Buffer) -> None:
         path = self.path(rel)
         if self.local:
-            with _local_tmp(path) as tmp:
+            with atomic_path(path) as tmp:
                 with open(tmp, "wb") as f:
                     f.write(data)
             return
@@ -217,7 +219,7 @@ class Store:
     def write_file_atomic(self, rel: str, local_path: str | os.PathLike) -> None:
         """Copies a finished local file to rel atomically (local stores: copy + rename)."""
         if self.local:
-            with _local_tmp(self.path(rel)) as tmp:
+            with atomic_path(self.path(rel)) as tmp:
                 shutil.copyfile(local_path, tmp)
             return
         with pa.memory_map(os.fspath(local_path)) as src:  # zero-copy: no second copy in memory
@@ -225,14 +227,15 @@ class Store:
 
     @contextlib.contextmanager
     def atomic_local(self, rel: str):
-        """Yields a local temporary path (same suffix as rel, so writers pick the format); its content
-        lands at rel only if the block finishes. Local stores: renamed in place, no copy."""
+        """Yields a local temporary path (a `Path`, same suffix as rel, so writers pick the format);
+        its content lands at rel only if the block finishes. Local stores: renamed in place, no
+        copy."""
         if self.local:
-            with _local_tmp(self.path(rel)) as tmp:
+            with atomic_path(self.path(rel)) as tmp:
                 yield tmp
             return
         with tempfile.TemporaryDirectory(prefix="runner-upload-") as d:
-            tmp = os.path.join(d, os.path.basename(rel))
+            tmp = Path(d) / os.path.basename(rel)
             yield tmp
             self.write_file_atomic(rel, tmp)
 
@@ -252,17 +255,20 @@ class Store:
 
 
 @contextlib.contextmanager
-def _local_tmp(path: str):
-    """A `.tmp-*` name next to path, renamed onto path only if the block finishes."""
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-{name}")
+def atomic_path(path: str | os.PathLike):
+    """The one local atomic write: yields a `.tmp-*` path next to `path` (a `Path`, same suffix,
+    so writers pick the right format; parent directories created), renamed onto `path` only if
+    the block finishes, removed otherwise. Readers see the whole file or none; a crash leaves at
+    most the `.tmp-*` file (`list` hides it; `results.remove_temp_files` deletes it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp.exists():
+            tmp.unlink()
 
 
 def check(value: str | os.PathLike) -> str:

@@ -16,7 +16,7 @@ import sys
 
 from . import step_cache
 from .config import ConfigError, load_config, split
-from .job import JobError, check_compile, constraints, worker_config
+from .job import JobError, constraints, worker_config
 from .prompts import PromptError
 
 
@@ -26,8 +26,8 @@ def main(argv: list[str]) -> int:
         job = split(load_config(argv))
         limits = constraints(job["model"])
         step_cache.prepare(job)
-        if "cache-all" not in check_compile(job["compile"]):
-            raise ConfigError(f"compile.mode={job['compile'].options['mode']!r} does not keep a "
+        if not job["compile"].options.has("cache"):
+            raise ConfigError(f"compile.mode={job['compile'].mode!r} does not keep a "
                               f"cache: use a mode with cache-all (or O2 / O3)")
     except (ConfigError, PromptError, JobError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from . import images, step_cache
-from .actor import WorkerConfig
+from .config import WorkerConfig
 from .families import Family
 from .models import ModelSpec, build_pipeline, check_gpu_memory
 from .outputs import write_mp4, write_png
@@ -175,7 +175,7 @@ class ShardRun:
 
 
 class WorkerContract(Protocol):
-    """What the driver calls on a worker actor (`runner.dispatch.RayPool`, `runner.job`). `Worker`
+    """What the driver calls on a worker actor (`runner.raypool.RayPool`, `runner.job`). `Worker`
     implements it, and `runner.actor.WorkerActor` forwards it; tests/test_dispatch.py checks that
     the names and parameters of both match."""
 
@@ -267,7 +267,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         if opts.enabled:
             import compiler
             from compiler.cache import cache_key, configure_cache_dir
-            if "cache-all" in compiler.parse_options(opts.options).flags:
+            if opts.options.has("cache"):
                 from .compile_cache import local_dir, warm_from_shared_cache
                 configure_cache_dir(local_dir(opts.cache_dir))
                 key = cache_key(self.pipe, opts.options, self.cache_shapes())
@@ -291,7 +291,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             raise
         self._sync()
         t_end = time.perf_counter()
-        self.m["compile_mode"] = opts.options.get("mode", "none")
+        self.m["compile_mode"] = opts.mode
         self.m["warmup_s"] = t_end - t0
         if opts.enabled:
             self._record_compile(cache, t0, t_compile, t_end)

@@ -44,8 +44,8 @@ WORKER_ENV = ("RUNNER_", "AWS_", "STORAGE_EMULATOR_HOST", "PYTHONPATH", "HF_HUB_
 def fault_env(faults: str, **extra) -> dict:
     """Environment for a CLI run with injected faults: RUNNER_FAULTS and tests/faults first on
     PYTHONPATH, whose sitecustomize.py wraps the worker's functions in every process of the job;
-    RUNNER_FAULT_DIR, a fresh directory for the markers of `crash_once` faults (and the run's
-    mark: `ray_workers_of` finds the job's worker processes by it)."""
+    RUNNER_FAULT_DIR, a fresh directory for the markers of `wait_ready` (and the run's mark:
+    `ray_workers_of` finds the job's worker processes by it)."""
     path = os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH")) if p)
     return cli_env(RUNNER_FAULTS=faults, PYTHONPATH=path,
                    RUNNER_FAULT_DIR=tempfile.mkdtemp(prefix="runner-faults-"), **extra)
@@ -181,6 +181,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """`runner.job.main` run in-process installs SIGTERM/SIGINT handlers that only record a stop
+    for its dispatch loop: put back after each test, so that the test process stops on them."""
+    import signal
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
 
 
 @pytest.fixture

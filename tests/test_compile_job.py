@@ -77,8 +77,15 @@ def test_warm_needs_a_caching_mode(tmp_path):
     assert r.returncode == 2 and "use a mode with cache-all" in r.stderr
 
 
-def test_bad_compile_mode_is_rejected_before_any_work(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", "compile.mode=O9",
-                        f"output.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and "unknown compile mode flag 'O9'" in r.stderr
-    assert not (tmp_path / "demo_image").exists()
+def test_bad_compile_mode_with_a_step_cache_is_exit_2_naming_it(tmp_path):
+    """The compile options are parsed once, before anything uses them: with a step cache on (which
+    adjusts the mode) the typo is the same clean exit 2 as without, naming the key and the valid
+    values (it was a ValueError traceback, exit 1)."""
+    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_video", "run.dry_run=true",
+                        "step_cache.method=pab", "compile.mode=O9", f"output.dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "error: compile.mode='O9': unknown compile mode flag 'O9'; valid flags: [" in r.stderr
+    assert "'cudagraphs'" in r.stderr and "presets: ['O2', 'O3']" in r.stderr
+    assert not (tmp_path / "demo_video").exists()

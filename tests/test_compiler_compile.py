@@ -1,7 +1,7 @@
 """compile_pipe on tiny models on CPU: eager-vs-compiled match, QKV fusion equivalence, no recompiles.
 
-Each compile on 2 CPU cores takes ~10-40 s cold (Inductor's C++ codegen), so pipelines are built
-and compiled once per module and each test reuses them.
+Each compile on 2 CPU cores takes ~10-40 s cold (Inductor's C++ codegen), so each model is built
+and compiled once, in one test that makes every check on it.
 """
 
 import copy
@@ -31,11 +31,15 @@ def generate(pipe, preset: str, **kw) -> torch.Tensor:
     return out.frames if hasattr(out, "frames") else out.images
 
 
-@pytest.fixture(scope="module", params=["pixart_alpha_512", "latte1"])
-def compiled(request):
-    """(preset, eager reference output, compiled pipe) with a lossless mode that runs on CPU."""
-    preset = request.param
+@pytest.mark.parametrize("preset", ["pixart_alpha_512", "latte1"])
+def test_compiled_matches_eager_shares_graphs_and_never_recompiles(preset):
+    """One lossless mode that runs on CPU, one compile per model (in one test, so that pytest -n
+    never compiles the same model cold on two workers at once): the compiled pipeline's output
+    matches eager; its blocks of one type share one graph; more steps recompile nothing."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
+    from compiler import block_pairs
     torch._dynamo.reset()  # fresh Dynamo caches: other modules' compiles must not leak in
     counters.clear()       # graph counts below are this pipeline's alone
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))
@@ -46,11 +50,7 @@ def compiled(request):
     opts = {"mode": "O2"} if preset != "latte1" else {
         "mode": "O2", "compile_text_encoder": False, "compile_vae": False}
     compile_pipe(pipe, opts)
-    return preset, ref, pipe
 
-
-def test_compiled_matches_eager(compiled):
-    preset, ref, pipe = compiled
     out = generate(pipe, preset)
     assert sum(pipe._compile_report["compiled_blocks"].values()) >= 2
     # compile_vae's and compile_text_encoder's default: compiled with the mode
@@ -61,27 +61,15 @@ def test_compiled_matches_eager(compiled):
     assert pipe._compile_report["fused_attention"] > 0
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)  # fp32 here; fp16 tolerance on GPU
 
-
-def test_no_recompiles_across_steps(compiled):
-    preset, _, pipe = compiled
-    generate(pipe, preset, steps=2)  # compiled already; make sure
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        generate(pipe, preset, steps=5)
-
-
-def test_blocks_of_one_type_share_graphs(compiled):
-    from diffusers.models.attention import BasicTransformerBlock
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from compiler import block_pairs
-    preset, _, pipe = compiled
-    # A call first: under pytest -n a test of another module may have run torch._dynamo.reset()
-    # in this process since the fixture compiled (no graphs left to count); the call compiles
-    # again if so.
-    generate(pipe, preset, steps=2)
     # Dynamo's graphs for the denoiser's compiled code: PixArt's 2 blocks share one graph; Latte's
     # 2 (spatial, temporal) pairs share one graph of the pair function. Never one per instance.
     code = (block_pairs._pair if preset == "latte1" else BasicTransformerBlock.forward).__code__
     assert len(_debug_get_cache_entry_list(code)) == 1
+
+    # no recompiles across steps
+    generate(pipe, preset, steps=2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        generate(pipe, preset, steps=5)
 
 
 @pytest.mark.parametrize("preset", ["latte1", "pixart_alpha_512", "sd21"])

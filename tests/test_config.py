@@ -84,7 +84,7 @@ def test_missing_required_key(tmp_path):
 def test_free_form_inductor_options_pass_through():
     cfg = load_config(["job=demo_image", "compile.options.coordinate_descent_tuning=true"])
     job = split(cfg)
-    assert job["compile"].options["options"] == {"coordinate_descent_tuning": True}
+    assert job["compile"].options.inductor == {"coordinate_descent_tuning": True}
 
 
 @pytest.mark.parametrize("arg,needle", [

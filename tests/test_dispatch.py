@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.dispatch import (FAULT_ROWS, DispatchError, Dispatcher, PersistentFault, RayPool,
-                             TaskError, WorkerLost)
+from runner.dispatch import (FAULT_ROWS, DispatchError, Dispatcher, PersistentFault, TaskError,
+                             WorkerLost)
 from runner.prompts import Item, plan_shards
 
 BAD_ROW = "ValueError: bad row"
@@ -184,8 +184,7 @@ class Job:
 
     def __init__(self, pool=None, n=12, workers=2, shard_size=3, **kw):
         self.pool, self.rows, its = pool or FakePool(), {}, items(n)
-        self.d = Dispatcher(self.pool, workers, plan_shards(its, shard_size),
-                            lambda s: its[s.start:s.stop], self.on_rows,
+        self.d = Dispatcher(self.pool, workers, plan_shards(its, shard_size), self.on_rows,
                             clock=lambda: self.pool.now, **kw)
 
     def on_rows(self, rows):
@@ -414,7 +413,7 @@ def test_the_drivers_path_imports_no_torch(tmp_path):
         from runner.config import load_config, split
         from runner import job
         j = split(load_config(["job=demo_image", "compile.mode=O3", "output.dir={tmp_path}"]))
-        assert "cudagraphs" in job.check_compile(j["compile"])
+        assert "cudagraphs" in j["compile"].options.flags
         limits = job.constraints(j["model"])
         job.worker_config(j, limits, on_gpu=False)
         import ray
@@ -428,9 +427,11 @@ def test_the_drivers_path_imports_no_torch(tmp_path):
     assert r.stdout.strip() == "[]"
 
 
-def test_ray_pool_maps_ray_errors():
+def test_ray_pool_maps_ray_errors(monkeypatch):
     """RayPool on a stand-in for Ray: our code's exception is a TaskError showing its cause; a
     lost actor, even where Ray's class for it subclasses RayTaskError, is a WorkerLost."""
+    from runner import raypool
+
     class RayError(Exception):
         pass
 
@@ -446,9 +447,9 @@ def test_ray_pool_maps_ray_errors():
 
     def get(ref):
         raise raised.pop()
-    pool = RayPool.__new__(RayPool)            # no `import ray`
-    pool.ray = SimpleNamespace(get=get, exceptions=SimpleNamespace(
-        RayError=RayError, RayTaskError=RayTaskError, RayActorError=RayActorError))
+    monkeypatch.setattr(raypool, "ray", SimpleNamespace(get=get, exceptions=SimpleNamespace(
+        RayError=RayError, RayTaskError=RayTaskError, RayActorError=RayActorError)))
+    pool = raypool.RayPool(make_actor=None, size=1)
     raised.append(RayTaskError(OSError("No space left on device\nmore lines")))
     with pytest.raises(TaskError, match=r"^OSError: No space left on device$"):
         pool.result(None)
@@ -457,9 +458,36 @@ def test_ray_pool_maps_ray_errors():
         pool.result(None)
 
 
-def test_the_dispatcher_runs_without_ray():
-    code = "import sys, runner.dispatch; assert 'ray' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_ray_pool_wait_returns_every_finished_future_at_once(monkeypatch):
+    """Under load one dispatch-loop iteration takes every finished shard, not one per wait."""
+    from runner import raypool
+    calls = []
+
+    def wait(refs, num_returns, timeout):
+        calls.append((num_returns, timeout))
+        done = [r for r in refs if r.startswith("done")]
+        return done[:num_returns], [r for r in refs if r not in done[:num_returns]]
+    monkeypatch.setattr(raypool, "ray", SimpleNamespace(wait=wait))
+    pool = raypool.RayPool(make_actor=None, size=1)
+    assert pool.wait(["done1", "busy", "done2", "done3"], timeout=1.0) == ["done1", "done2", "done3"]
+    assert calls == [(1, 1.0), (4, 0)]
+    assert pool.wait(["busy"], timeout=0.5) == []
+
+
+def test_the_driver_runs_without_ray():
+    """The dispatcher, the job and the progress display import no Ray, at any level of the
+    source (only runner/raypool.py does), nor when imported."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    for name in ("dispatch", "job", "progress", "summary"):
+        tree = ast.parse((root / "runner" / f"{name}.py").read_text())
+        mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        mods += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in mods if m.split(".")[0] == "ray"], name
+    code = ("import sys, runner.dispatch, runner.job, runner.progress; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
 def test_shards_split_get_fresh_indices():

@@ -1,8 +1,8 @@
 """The job record cannot go stale (issue 15): outputs count as done only when made from exactly the
 current row's parameters and the job's output settings; lossy compile modes are refused on a
 lossless job; one driver per job directory; SIGTERM is handled like Ctrl-C; bad values are exit 2
-before Ray. Fast tests run in-process without Ray or models; `e2e` ones run the real CLI on a local
-Ray with the tiny demo model (helpers shared with test_faults.py)."""
+before Ray. Fast tests run in-process without Ray or models; the `e2e` one runs the real CLI on Ray
+with the tiny demo model (helpers shared with test_faults.py): a second driver and a real SIGTERM."""
 import json
 import os
 import signal
@@ -169,11 +169,11 @@ def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_bad_output_dir_is_exit_2_on_the_command_line(tmp_path, write_prompts):
+def test_bad_output_dir_is_exit_2(tmp_path, write_prompts, capsys):
+    from runner.job import main
     p = write_prompts({"prompt": ["a"]})
-    r = subprocess.run([sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={p}",
-                        "output.dir=/proc/foo"], cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
-    assert r.returncode == 2 and "error: output.dir" in r.stderr and "Traceback" not in r.stderr
+    assert main(["job=demo_image", f"prompts.path={p}", "output.dir=/proc/foo"]) == 2
+    assert "error: output.dir" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,43 +183,7 @@ def journal_lines(job_dir):
     return len(record_rows(job_dir))
 
 
-@pytest.mark.e2e
-def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, write_prompts):
-    ids = [f"a{i}" for i in range(6)]
-    p = write_prompts({"prompt": [f"prompt {i}" for i in range(6)], "id": ids})
-    args, job_dir = base_args(p, tmp_path / "out"), tmp_path / "out" / "j"
-    rc, out, err = cli(args)
-    assert rc == 0, err[-3000:]
-    mtime = {i: (job_dir / "media" / f"{i}.png").stat().st_mtime_ns for i in ids}
-    # same ids: a0 new prompt, a1 new seed, a2 height 128 (column), a3/a4 unchanged but moved,
-    # a5 dropped, a6 new
-    write_prompts({"id": ["a4", "a3", "a0", "a1", "a2", "a6"],
-                   "prompt": ["prompt 4", "prompt 3", "a new prompt", "prompt 1", "prompt 2", "prompt 6"],
-                   "seed": [0, 0, 0, 7, 0, 0], "height": [64, 64, 64, 64, 128, 64]})
-    rc, out, err = cli(args + ["run.dry_run=true"])                     # the plan, nothing run
-    assert rc == 0, err[-3000:]
-    assert "4 to run (3 changed: 3 in " in out and "2 already done" in out
-    assert "1 no longer in the input (kept): a5" in out
-    assert journal_lines(job_dir) == 6                                   # compacted: one per id
-    rc, out, err = cli(args)
-    assert rc == 0, err[-3000:]
-    assert "3 rows changed since their outputs were made (3 in " in err and "2 already done" in err
-    table = {r["id"]: r for r in rows(job_dir)}
-    assert sorted(table) == ["a0", "a1", "a2", "a3", "a4", "a6"]
-    assert table["a0"]["prompt"] == "a new prompt" and table["a1"]["seed"] == 7
-    assert table["a2"]["height"] == 128
-    import imageio.v3 as iio
-    assert iio.imread(job_dir / "media" / "a2.png").shape[:2] == (128, 64)
-    for i in ("a3", "a4", "a5"):                                          # untouched, a5 kept
-        assert (job_dir / "media" / f"{i}.png").stat().st_mtime_ns == mtime[i]
-    for i in ("a0", "a1", "a2"):
-        assert (job_dir / "media" / f"{i}.png").stat().st_mtime_ns != mtime[i]
-    summary = json.load(open(job_dir / "summary.json"))
-    assert summary["resumed"] == 2 and summary["regenerated"] == 3 and summary["ok"] == 6
-    assert summary["not_in_input"] == 1 and summary["not_in_input_ids"] == ["a5"]
-    assert "1 outputs of ids no longer in the input (kept): a5" in open(job_dir / "summary.txt").read()
-    assert journal_lines(job_dir) == 6 + 1            # compacted: one row per id, a5's kept
-    assert len(os.listdir(job_dir / "records")) == 1
+# Edited rows regenerated, dropped ids reported, through two runs and a dry run: test_jobrun.py.
 
 
 @pytest.mark.e2e
@@ -259,11 +223,10 @@ def test_a_second_driver_is_refused_and_sigterm_stops_like_ctrl_c_with_exit_143(
     assert [f.name for f in media if f.stat().st_mtime > done] == []
 
 
-def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts):
+def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts, capsys):
     """A rerun onto a full disk: writing config.yaml fails with ENOSPC before any work (a real
-    tmpfs, filled), and the CLI exits 2 naming the file and the error, no traceback."""
-    import subprocess
-    import sys
+    tmpfs, filled), and the job exits 2 naming the file and the error (no worker started)."""
+    from runner.job import main
     p = write_prompts({"prompt": ["a", "b"]})
     out = tmp_path / "full"
     out.mkdir()
@@ -278,13 +241,12 @@ def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts):
             while True:
                 os.write(fd, b"x" * 4096)
         os.close(fd)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        r = subprocess.run([sys.executable, "-m", "runner", *base_args(p, out)], cwd=root,
-                           capture_output=True, text=True, timeout=GUARD_S)
+        status = main(base_args(p, out), start_pool=lambda *a: pytest.fail("a worker started"))
     finally:
         subprocess.run(["umount", str(out)], capture_output=True)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "No space left on device" in r.stderr and "Traceback" not in r.stderr
+    err = capsys.readouterr().err
+    assert status == 2, err[-3000:]
+    assert "No space left on device" in err
 
 
 class SlowRay:
@@ -302,12 +264,12 @@ class SlowRay:
 
 
 def test_a_local_ray_slow_to_start_is_started_again_then_named():
-    from runner.job import start_local_ray
+    from runner.raypool import RayStartError, start_local_ray
     ray = SlowRay(fails=2)
     start_local_ray(ray, num_cpus=2)
     assert ray.inits == 3 and ray.shutdowns == 2
     ray = SlowRay(fails=3)
-    with pytest.raises(JobError, match=r"did not start, 3 times .*timed out during startup.*ray\.address"):
+    with pytest.raises(RayStartError, match=r"did not start, 3 times .*timed out during startup.*ray\.address"):
         start_local_ray(ray, num_cpus=2)
     ray = SlowRay(fails=1, error="some other failure")        # not retried: raised as it is
     with pytest.raises(Exception, match="some other failure"):

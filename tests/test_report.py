@@ -20,20 +20,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ["red-fox", "cat-window", "broken", "river"]
 
 
-def run_job(tmp_path, job, *args):
+def job_args(tmp_path, job):
+    """4 prompts, of which `broken` fails (its output is not finite)."""
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"id": IDS, "seed": [1, 2, 3, 4],
                              "prompt": ["a red fox in fresh snow at dawn", "a cat at a window",
                                         "this one fails " * 20, "a river through a forest"]}), prompts)
-    r = subprocess.run([sys.executable, "-m", "runner", f"job={job}", f"prompts.path={prompts}",
-                        f"output.dir={tmp_path}", "job.name=j", "ray.cpu_workers=1",
-                        "generation.height=64", "generation.width=64",
-                        "generation.num_inference_steps=2", *args],
+    return [f"job={job}", f"prompts.path={prompts}", f"output.dir={tmp_path}", "job.name=j",
+            "ray.cpu_workers=1", "generation.height=64", "generation.width=64",
+            "generation.num_inference_steps=2"]
+
+
+def run_job(tmp_path, job, *args, faults="nan:broken"):
+    """The real CLI on Ray (tests/faults makes `broken`'s output NaN): exit 1, one item failed."""
+    r = subprocess.run([sys.executable, "-m", "runner", *job_args(tmp_path, job), *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S,
-                       env=fault_env("nan:broken"))
+                       env=fault_env(faults))
     assert r.returncode == 1, f"runner ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "report.html not written" not in r.stderr, r.stderr[-5000:]
-    return tmp_path / "j"
+    return tmp_path / "j", r
 
 
 def chromium(page, tmp_path, *flags) -> subprocess.CompletedProcess:
@@ -89,20 +94,23 @@ def check_page(job_dir, dom):
     assert "FloatingPointError" in html and "Resolved config" in html and "seed 2" in html
 
 
-@pytest.mark.e2e
-def test_image_job_report_renders_in_chromium(tmp_path):
-    job_dir = run_job(tmp_path, "demo_image", "output.results_every_s=0")   # + rewrites while running
+def test_image_job_report_renders_in_chromium(tmp_path, capsys):
+    """The job on a simulated pool (its media: small real PNGs; `broken` a failed row), the report
+    rewritten after every shard while it runs (results_every_s=0), then rendered by Chromium. The
+    video job's report, from the real CLI: test_e2e.py."""
+    from test_jobrun import Cluster
+    broken = "fail:FloatingPointError: non-finite values in the output of 'broken'"
+    c = Cluster(lambda it: broken if it.id == "broken" else "ok")
+    assert c.main(job_args(tmp_path, "demo_image") + ["output.results_every_s=0"]) == 1
+    assert "report.html not written" not in capsys.readouterr().err
+    job_dir = tmp_path / "j"
     dom = render(job_dir, tmp_path)
     check_page(job_dir, dom)
     for i in ("red-fox", "cat-window", "river"):
         assert f"report/thumbs/{i}.jpg" in dom.imgs and f"media/{i}.png" in dom.links
 
 
-@pytest.mark.e2e
-def test_video_job_report_has_animated_previews(tmp_path):
-    job_dir = run_job(tmp_path, "demo_video")
-    dom = render(job_dir, tmp_path)
-    check_page(job_dir, dom)
+def check_video_previews(job_dir, dom) -> None:
     from PIL import Image
     for i in ("red-fox", "cat-window", "river"):
         preview = next(s for s in dom.imgs if s.startswith(f"report/thumbs/{i}."))
@@ -141,6 +149,7 @@ def test_thumbnails_made_once_and_within_the_budget(tmp_path):
     from runner.outputs import write_png
     from runner.report import write_report
     rows = fake_rows(3)
+    (tmp_path / "media").mkdir()
     for r in rows:
         write_png(tmp_path / r["output"], np.random.default_rng(0).random((300, 200, 3)))
     write_report(str(tmp_path), rows, thumb_budget_s=-1)     # out of time: none made yet
@@ -197,6 +206,7 @@ def test_thumbnails_on_a_full_disk_are_one_warning_and_the_page_is_written(tmp_p
     from runner.outputs import write_png
     from runner.report import write_report
     rows = fake_rows(30)
+    (tmp_path / "media").mkdir()                   # write_png writes straight to its path
     for r in rows:
         write_png(tmp_path / r["output"], np.random.default_rng(0).random((300, 200, 3)))
     thumbs = tmp_path / "report" / "thumbs"

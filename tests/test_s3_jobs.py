@@ -98,7 +98,8 @@ def wait_for_records(p, store, n: int) -> None:
 
 def sigkill_then_rerun(scheme: str, bucket: str, write_prompts, check_lock: bool = True) -> None:
     """Prompts in the store, the driver SIGKILLed after 2 rows, the rerun finishes the rest:
-    exactly one output and one result row per prompt (S3 here, GCS in test_gcs_jobs.py)."""
+    exactly one output and one result row per prompt, every file of the job in the store (S3
+    here, GCS in test_gcs_jobs.py)."""
     ids = [f"k{i:02d}" for i in range(8)]
     local = write_prompts({"prompt": [f"prompt {i}" for i in range(8)], "id": ids})
     resolve(f"{scheme}://{bucket}/in").write_file_atomic("p.parquet", local)
@@ -118,7 +119,9 @@ def sigkill_then_rerun(scheme: str, bucket: str, write_prompts, check_lock: bool
     time.sleep(2)
     rc, out, err = cli(a)
     assert rc == 0, err[-4000:]
-    check_store(store, ids, "png", resumed=len(done))
+    table = check_store(store, ids, "png", resumed=len(done))
+    # a complete, decodable file, read back through the store
+    assert iio.imread(store.read_bytes(table[0]["output"]), extension=".png").shape == (64, 64, 3)
 
 
 def test_driver_sigkill_then_rerun_on_s3(s3_bucket, write_prompts):

@@ -93,25 +93,29 @@ def test_good_parameters_reach_the_diffusers_config():
     (["job=demo_video", "step_cache.method=pab", "step_cache.block_skip_range=1"],
      "step_cache.block_skip_range=1 must be >= 2"),
 ])
-def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "runner", *args, f"output.dir={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=GUARD_S)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert needle in r.stderr
+def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path, capsys):
+    """The job's entry point in-process (`python -m runner` runs the same `main`; the command line
+    itself: test_compile_job.py's test_bad_compile_mode_with_a_step_cache_is_exit_2_naming_it)."""
+    from runner.job import main
+    assert main([*args, f"output.dir={tmp_path}"]) == 2
+    assert needle in capsys.readouterr().err
     assert not (tmp_path / "demo_video").exists() and not (tmp_path / "demo_image").exists()
 
 
 def test_cudagraphs_is_dropped_from_the_mode_for_the_hook_methods_only():
     job = split(load_config(["job=demo_video", "compile.mode=O3", "step_cache.method=pab"]))
     step_cache.prepare(job)
-    assert job["compile"].options["mode"] == "cache-all:low-precision:max-optimize"
+    assert job["compile"].options.mode == job["compile"].mode == "cache-all:low-precision:max-optimize"
     job = split(load_config(["job=demo_video", "compile.mode=O2", "step_cache.method=pab"]))
     step_cache.prepare(job)
-    assert job["compile"].options["mode"] == "cache-all"
+    assert job["compile"].options.flags == {"cache-all"} and job["compile"].mode == "cache-all"
     for method in ("none", "residual"):   # off, or residual (a graph per kind of step): untouched
         job = split(load_config(["job=demo_video", "compile.mode=O2", f"step_cache.method={method}"]))
         step_cache.prepare(job)
-        assert job["compile"].options["mode"] == "O2"
+        assert job["compile"].mode == "O2" and "cudagraphs" in job["compile"].options.flags
+    job = split(load_config(["job=demo_video", "compile.mode=cudagraphs", "step_cache.method=pab"]))
+    step_cache.prepare(job)
+    assert job["compile"].options.flags == {"none"}          # nothing left: eager
 
 
 def test_residual_schedule_depends_on_step_count_and_settings_only():
@@ -244,40 +248,43 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
 
 
 # ---------------------------------------------------------------------------------------------
-# The real CLI: the demo video job with a step cache, one CPU worker.
+# The demo video job with a step cache: its worker (in-process, built from the job's command line
+# as the driver builds it), and the job directory's refusal of another step-cache setting.
 
-def _cli(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "runner", "job=demo_video", f"output.dir={tmp_path}",
-                           "ray.cpu_workers=1", f"prompts.path={tmp_path / 'p.parquet'}",
-                           # the shapes and session cache of the in-process compiles above: their
-                           # C++ kernels are reused (the cold build is tested in test_compile_job.py)
-                           f"generation.num_inference_steps={STEPS}", "run.batch_size=1",
-                           f"compile.cache_dir={compile_cache()}", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
-
-
-@pytest.mark.e2e
-# One case through the CLI: every method (eager and under per-block compile) is checked in-process
-# above through the same step_cache.apply the worker calls, and the mode each method runs as (pab's
-# O2 as cache-all) by test_cudagraphs_is_dropped_... . (Each CLI job costs ~25 CPU-s on CI's 2 cores.)
 @pytest.mark.parametrize("method, mode, runs_as", [("residual", "O2", "O2")])
-def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts):
-    """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block compile,
-    its step graph dropped because of the step cache)."""
-    write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
-    # The text encoder and VAE stay eager: their compile is tested in test_compiler_compile.py and
-    # costs most of this test's CPU compile time.
-    r = _cli(tmp_path, f"step_cache.method={method}", f"compile.mode={mode}", "compile.compile_text_encoder=false", "compile.compile_vae=false")
-    assert r.returncode == 0, r.stderr[-4000:]
-    job = tmp_path / "demo_video"
-    assert len(os.listdir(job / "media")) == 3
-    m = json.load(open(job / "metrics" / "worker-0.json"))
+def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_prompts, capsys):
+    """The worker applies the step cache at warm-up, after compiling (O2 on CPU: per-block
+    compile; the mode each hook method runs as: test_cudagraphs_is_dropped_...). The text encoder
+    and VAE stay eager: their compile is tested in test_compiler_compile.py and costs most of the
+    CPU compile time; the shapes and the session's compile cache are those of the in-process
+    compiles above (their C++ kernels reused; the cold build: test_compile_job.py)."""
+    from runner import job
+    from runner.config import load_config, split
+    from runner.worker import Worker
+    from test_jobrun import Cluster
+    p = write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
+    args = ["job=demo_video", f"output.dir={tmp_path}", "ray.cpu_workers=1", f"prompts.path={p}",
+            f"generation.num_inference_steps={STEPS}", "run.batch_size=1",
+            f"compile.cache_dir={compile_cache()}", f"step_cache.method={method}",
+            f"compile.mode={mode}", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
+    j = split(load_config(args))
+    checked = job.check_input(j)
+    w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
+    w.warmup()
+    assert [r["status"] for r in w.run_shard(checked.items)] == ["ok"] * 3
+    assert len(os.listdir(tmp_path / "demo_video" / "media")) == 3
+    m = w.metrics()
     assert m["step_cache_reused"] > 0                  # the worker did skip attention or steps
     assert m["compile_mode"] == runs_as
-    # another step-cache setting into the same directory: refused like any output setting
+    # the job directory remembers the step cache: another setting into it is refused like any
+    # output setting (the job's own run, its workers simulated)
+    c = Cluster()
+    assert c.main(args) == 0
     other = "pab" if method == "fastercache" else "fastercache"
-    r = _cli(tmp_path, f"step_cache.method={other}")
-    assert r.returncode == 2 and "step_cache" in r.stderr and "output.overwrite=true" in r.stderr
+    capsys.readouterr()
+    assert c.main(args + [f"step_cache.method={other}"]) == 2
+    err = capsys.readouterr().err
+    assert "step_cache" in err and "output.overwrite=true" in err and len(c.pools) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +407,8 @@ def test_compile_cache_key_covers_the_step_reuse_setting(tmp_path):
     from compiler.cache import cache_key
     from runner.config import GenerationDefaults
     from runner.prompts import Constraints
-    from runner.worker import Worker, WorkerConfig
+    from runner.config import WorkerConfig
+    from runner.worker import Worker
 
     def key(**sc):
         w = Worker(0, WorkerConfig(model=ModelSpec("latte1", source="tiny"),

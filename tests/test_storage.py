@@ -79,7 +79,7 @@ def test_join_path_and_uri(store):
 
 def test_atomic_local_publishes_only_a_finished_file(store):
     with store.atomic_local("media/a.mp4") as tmp:
-        assert tmp.endswith(".mp4")  # writers pick the format from the suffix
+        assert tmp.suffix == ".mp4"  # writers pick the format from the suffix
         with open(tmp, "wb") as f:
             f.write(b"frame" * 1000)
         assert not store.exists("media/a.mp4")  # nothing under the final name while writing

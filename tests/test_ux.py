@@ -45,8 +45,10 @@ def test_schema_is_the_only_place_defaults_live():
 
 def test_compile_section_defaults_match_the_compiler():
     from compiler.options import parse_options
-    from runner.config import CompileConfig
-    assert parse_options({"mode": "none"}).to_dict() == CompileConfig().options
+    from runner.config import CompileConfig, defaults
+    section = {k: v for k, v in defaults().compile.items() if k != "cache_dir"}
+    assert parse_options({"mode": "none"}).to_dict() == section
+    assert CompileConfig().options == parse_options("none")
 
 
 def test_readme_key_table_is_generated_from_the_schema():
@@ -163,7 +165,8 @@ def test_worker_reports_start_up_phases(tmp_path):
     from runner.config import GenerationDefaults
     from runner.models import ModelSpec
     from runner.prompts import Constraints
-    from runner.worker import Worker, WorkerConfig
+    from runner.config import WorkerConfig
+    from runner.worker import Worker
 
     cfg = WorkerConfig(model=ModelSpec("pixart_alpha_512", source="tiny"),
                        generation=GenerationDefaults(height=64, width=64, num_inference_steps=2),
@@ -176,27 +179,38 @@ def test_worker_reports_start_up_phases(tmp_path):
     assert 0 < w.phases(0)[0][1] < 600                 # seconds since the worker started
 
 
-def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(monkeypatch, caplog):
+class PhasesPool:
+    """The part of a `dispatch.Pool` PhasePrinter uses: a phases() call is answered when made,
+    with the worker's phases at that moment, or raises when the worker is gone."""
+
+    def __init__(self):
+        self.recorded, self.gone = [], set()
+
+    def phases(self, worker, since):
+        return (worker, since, tuple(self.recorded[since:]))   # hashable, as futures are
+
+    def wait(self, futures, timeout):
+        return list(futures)
+
+    def result(self, f):
+        worker, since, events = f
+        if worker in self.gone:
+            raise RuntimeError("actor died")
+        return events
+
+
+def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(caplog):
     """A phases() call answered before warm-up recorded its phases must not hide them: when the
-    slot is ready, the driver asks once more (a fake Ray whose calls are answered when made)."""
+    slot is ready, the driver asks once more."""
     import logging
-    import sys
     from types import SimpleNamespace
     from runner.progress import PhasePrinter
-
-    class Ref:                         # the worker's phases at the moment the call was made
-        def __init__(self, value):
-            self.value = value
-
-    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
-        wait=lambda refs, timeout: (refs, []), get=lambda ref: ref.value))
-    recorded = []
-    actor = SimpleNamespace(phases=SimpleNamespace(remote=lambda since: Ref(recorded[since:])))
-    slot = SimpleNamespace(rank=0, actor=actor, state="starting")
-    printer = PhasePrinter(every_s=0)
+    pool = PhasesPool()
+    slot = SimpleNamespace(rank=0, actor="w0", state="starting")
+    printer = PhasePrinter(pool, every_s=0)
     with caplog.at_level(logging.INFO, logger="runner"):
         printer.poll([slot])                           # answered: nothing yet; asked again
-        recorded.append(("warming up", 1.0))           # the warm-up runs and returns
+        pool.recorded.append(("warming up", 1.0))      # the warm-up runs and returns
         slot.state = "ready"
         printer.poll([slot], flush=slot)
         printer.poll([slot])                           # ready: not asked any more
@@ -204,13 +218,8 @@ def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(monkeypatch,
                                                         "worker 0: warming up"]
 
     # a phases() call that fails (the worker gone): logged once, not started over
-    def gone(since):
-        raise RuntimeError("actor died")
-    other = SimpleNamespace(rank=1, state="starting",
-                            actor=SimpleNamespace(phases=SimpleNamespace(remote=lambda s: Ref(gone))))
-    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
-        wait=lambda refs, timeout: (refs, []),
-        get=lambda ref: ref.value(0) if callable(ref.value) else ref.value))
+    pool.gone.add("w1")
+    other = SimpleNamespace(rank=1, state="starting", actor="w1")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="runner"):
         for _ in range(3):

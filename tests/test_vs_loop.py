@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from conftest import GUARD_S
+from test_scaling import session_ray
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -15,7 +16,7 @@ def test_loops_and_job_on_the_same_prompts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "runner.bench.vs_loop", "job=demo_image", "prompts=3",
                         "modes=none", f"out={tmp_path}", "arms=loop,job", "ray.cpu_workers=1",
                         "generation.height=64", "generation.width=64",
-                        "generation.num_inference_steps=2"],
+                        "generation.num_inference_steps=2", *session_ray()],
                        cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.load(open(tmp_path / "vs_loop.json"))["rows"]

@@ -9,9 +9,11 @@ import torch
 from runner.config import GenerationDefaults
 from runner.job import JobError, run
 from runner.models import ModelSpec
-from runner.outputs import atomic_path, write_mp4, write_png
+from runner.outputs import write_mp4, write_png
+from runner.storage import atomic_path
 from runner.prompts import Constraints, Item, PromptError
-from runner.worker import Worker, WorkerConfig, batches, generate
+from runner.config import WorkerConfig
+from runner.worker import Worker, batches, generate
 
 
 def make_worker(tmp_path, batch_size=2, preset="pixart_alpha_1024", size=64, video_length=None):
@@ -245,7 +247,7 @@ def test_cli_exit_code_and_message_for_bad_input(tmp_path):
 
 
 def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready():
-    from runner.job import work_after
+    from runner.summary import work_after
     ok = lambda start, e2e: {"status": "ok", "batch_size": 1, "started_at": start, "e2e_s": e2e}
     # pipelined batches overlap (each one's writing with the next one's generation):
     # [4,7] [6,9] [8,11]; from t=7: 0 + 2/3 + 1
@@ -331,3 +333,77 @@ def test_an_over_long_prompt_is_reported_in_one_short_line(caplog, capfd):
     assert len(ours) == 1 and "the model reads the first 120" in ours[0] and len(ours[0]) < 200
     printed = capfd.readouterr()
     assert "following part of your input was truncated" not in printed.err + printed.out
+
+
+def test_a_non_finite_output_fails_its_item_alone_and_a_failed_write_fails_the_shard(tmp_path,
+                                                                                    monkeypatch):
+    """b's output is NaN (on the device, before the check): b fails, its batch-mates a and c do
+    not. A write that fails (a full disk) fails the shard: the driver retries it, and the same
+    error on several shards stops the job (test_jobrun.py)."""
+    import runner.worker as worker
+    w = make_worker(tmp_path, batch_size=3)
+    w.warmup()
+    generate_ = worker.generate
+
+    def nan_for_b(pipe, family, batch, *a, **k):
+        out = generate_(pipe, family, batch, *a, **k)
+        for n, it in enumerate(batch):
+            if it.id == "b":
+                out[n] = float("nan")
+        return out
+    monkeypatch.setattr(worker, "generate", nan_for_b)
+    rows = {r["id"]: r for r in w.run_shard(items("abc"))}
+    assert {i: r["status"] for i, r in rows.items()} == {"a": "ok", "b": "failed", "c": "ok"}
+    # no id in the message: failures are grouped by cause, the row carries its id
+    assert rows["b"]["error"] == "FloatingPointError: non-finite values (NaN or inf) in the output"
+    assert rows["a"]["batch_size"] == 3 and not (tmp_path / "job" / "media" / "b.png").exists()
+
+    def full(rel):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(w.store, "atomic_local", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        w.run_shard(items(["d"]))
+
+
+def job_worker(args, tmp_path):
+    """The worker a shipped job's command line gives (config, prompt checks, worker config), built
+    and warmed in this process: the family's path through the job without Ray."""
+    from runner import job
+    from runner.config import load_config, split
+    j = split(load_config([*args, f"output.dir={tmp_path}"]))
+    checked = job.check_input(j)
+    w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
+    w.warmup()
+    return w, checked.items, tmp_path / j["name"]
+
+
+def test_the_wan_job_with_the_tiny_model_writes_mp4s_of_4k_plus_1_frames(tmp_path):
+    """The shipped Wan 2.1 job: its family came in as one module (and presets); with step reuse
+    (`residual`: its guidance branches as separate calls, tests/test_step_reuse.py)."""
+    import imageio_ffmpeg
+    w, its, job_dir = job_worker(["job=wan_batch", "model.source=tiny", "generation.height=64",
+                                  "generation.width=48", "generation.num_frames=5",
+                                  "generation.num_inference_steps=4", "run.shard_size=2",
+                                  "step_cache.method=residual", "step_cache.compute_ratio=0.5"],
+                                 tmp_path)
+    rows = w.run_shard(its[:2])
+    assert [r["status"] for r in rows] == ["ok", "ok"] and len(its) == 8
+    # both videos reused a step in both guidance branches (the warm-up's reuse comes on top)
+    assert w.metrics()["step_cache_reused"] >= 2 * 2
+    for row in rows:
+        reader = imageio_ffmpeg.read_frames(str(job_dir / row["output"]))
+        meta = next(reader)
+        assert meta["size"] == (48, 64) and meta["fps"] == 16 and len(list(reader)) == 5
+
+
+def test_a_pretrained_job_from_a_saved_directory(tmp_path):
+    import imageio.v3 as iio
+    from runner.models import build_pipeline
+    build_pipeline(ModelSpec("sd21", source="tiny")).save_pretrained(tmp_path / "sd21-tiny")
+    w, its, job_dir = job_worker(["job=sd2_batch", f"model.path={tmp_path / 'sd21-tiny'}",
+                                  "model.local_files_only=true", "model.device=cpu",
+                                  "generation.height=64", "generation.width=64",
+                                  "generation.num_inference_steps=2"], tmp_path / "out")
+    rows = w.run_shard(its[:2])
+    assert [r["status"] for r in rows] == ["ok", "ok"] and w.spec.source == "pretrained"
+    assert all(iio.imread(job_dir / r["output"]).shape == (64, 64, 3) for r in rows)

@@ -81,7 +81,7 @@ def parse_argv(argv: list[str]) -> dict:
         a["step_cache"] = StepCacheSection(**sc)
     except (ConfigError, TypeError) as e:
         raise SystemExit(f"step_cache: {e}")
-    a["compile"] = step_cache.compile_options(parse_options(comp).to_dict(), a["step_cache"])
+    a["compile"] = step_cache.compile_options(parse_options(comp), a["step_cache"]).to_dict()
     return a
 
 

@@ -4,16 +4,14 @@ Tests that set RUNNER_FAULTS also put this directory first on PYTHONPATH (`tests
 `fault_env`), so every Python process of the job, the driver and Ray's worker processes alike,
 imports this module at start-up. It changes nothing until `runner.worker` is imported, then wraps
 two of that module's functions. Faults, comma-separated:
-    crash:<id>        the worker process dies when it starts generating <id>, every time
-    crash_once:<id>   only the first time (a marker file in RUNNER_FAULT_DIR remembers)
     nan:<id>          the output of <id> is NaN (on the device, before the finiteness check)
     slow:<seconds>    sleep before each pipeline call (warm-up excluded)
-    crash_write:<id>  the worker dies half-way through writing <id>'s file (a partial temp file
-                      is left behind, as a kill mid-write would)
     wait_ready        no item is generated until every worker of the job (`ray.num_workers` or
                       `ray.cpu_workers` in its config.yaml) has warmed up: each leaves a marker,
                       named by its job directory, in RUNNER_FAULT_DIR; waits 900 s at most. So
                       every worker serves, however slowly the machine starts them.
+Worker deaths, raising rows and warm-up errors are the simulated pool's (tests/test_jobrun.py);
+the CLI tests kill real processes from outside.
 """
 
 import hashlib
@@ -29,22 +27,12 @@ _JOB_DIR = []    # the worker's job directory, from its first `resolve` call (Wo
 
 def _generate_with_faults(generate):
     def wrapped(pipe, family, items, *args, **kwargs):
-        if items[0].file == "warmup" and any(kind == "warmup_error" for kind, _ in FAULTS):
-            raise RuntimeError(f"injected warm-up failure ({dict(FAULTS)['warmup_error']})")
         if items[0].file != "warmup":
             for kind, arg in FAULTS:
                 if kind == "wait_ready":
                     _wait_for_every_worker(timeout_s=900)
                 if kind == "slow":
                     time.sleep(float(arg))
-                for it in items:
-                    if kind == "crash" and arg == it.id:
-                        os._exit(71)
-                    if kind == "crash_once" and arg == it.id:
-                        marker = os.path.join(os.environ["RUNNER_FAULT_DIR"], f"fault-{it.id}")
-                        if not os.path.exists(marker):
-                            open(marker, "w").close()
-                            os._exit(71)
         out = generate(pipe, family, items, *args, **kwargs)
         if items[0].file == "warmup" and _JOB_DIR and "RUNNER_FAULT_DIR" in os.environ:
             open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"{_ready_prefix()}{os.getpid()}"), "w").close()
@@ -80,27 +68,11 @@ def _resolve_noting_the_job_dir(resolve):
     return wrapped
 
 
-def _write_with_faults(write, atomic_path):
-    def wrapped(path, media, *args):
-        stem = os.path.basename(str(path)).rsplit(".", 1)[0]
-        if stem.startswith(".tmp-"):        # the worker encodes to a temp name (Store.atomic_local)
-            stem = stem.split("-", 2)[-1]
-        if ("crash_write", stem) in FAULTS:
-            with atomic_path(path) as tmp:
-                open(tmp, "wb").write(b"\x89PNG half a file")
-                os._exit(71)
-        return write(path, media, *args)
-    return wrapped
-
-
 def _patch(worker):
     # Module functions only: Ray ships an actor class's methods from the driver by value, so a
     # patched method would run the driver's copy.
     worker.generate = _generate_with_faults(worker.generate)
     worker.resolve = _resolve_noting_the_job_dir(worker.resolve)
-    from runner.outputs import atomic_path
-    worker.write_png = _write_with_faults(worker.write_png, atomic_path)
-    worker.write_mp4 = _write_with_faults(worker.write_mp4, atomic_path)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

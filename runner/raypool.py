@@ -1,0 +1,171 @@
+"""The driver's only Ray code: a `dispatch.Pool` of Ray actors, and the connection to Ray.
+
+Contract:
+- `RayPool.open(opts, gpu, worker_config, shared_cache, inflight)` connects to the cluster (`ray.address`, or
+  RAY_ADDRESS, else a new embedded local Ray, quiet: see `connect`), counts its GPUs and returns the
+  pool: `size` workers, one per GPU (`ray.num_workers` overrides; `ray.cpu_workers` CPU actors where
+  there is no GPU or `model.device=cpu`), each a `runner.actor.WorkerActor` built from
+  `worker_config(on_gpu)`, spread over nodes, never restarted by Ray itself (the dispatcher decides).
+  `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
+- The Pool calls map one to one onto actor calls (`warmup`, `start_shard` + `finish_shard`,
+  `phases`, `metrics`); `result` turns Ray's errors into `TaskError` (our code raised in the worker:
+  its cause, `Type: message`) or `WorkerLost` (the actor or its node is gone); `stop` kills and
+  waits until each actor's process is gone, so nothing it writes lands after the caller goes on.
+- Only this module (and the worker's side: `runner.worker`, `runner.compile_cache`) imports Ray:
+  the job, the dispatcher and the progress display run, and are tested, without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import ray
+
+from .config import RayOptions
+from .dispatch import TaskError, WorkerLost, cause
+
+log = logging.getLogger("runner")
+
+
+class RayPool:
+    """`Pool` over Ray actors made by `make_actor(rank)` (a `WorkerContract` under `ray.remote`)."""
+
+    def __init__(self, make_actor: Callable[[int], Any], size: int):
+        self.make_actor, self.size = make_actor, size
+
+    @classmethod
+    def open(cls, opts: RayOptions, gpu: bool, worker_config: Callable[[bool], Any],
+             shared_cache: bool, inflight: int) -> "RayPool":
+        from .actor import WorkerActor
+        connect(opts)
+        gpus = int(ray.cluster_resources().get("GPU", 0)) if gpu else 0
+        size = opts.num_workers or (gpus or opts.cpu_workers)
+        resources = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=opts.cpus_per_worker)
+        broker = None
+        if shared_cache:
+            from .compile_cache import CacheBroker
+            broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
+        cfg = worker_config(bool(gpus))
+        # Threaded: a shard's two calls (start_shard, finish_shard) for each of the `inflight`
+        # shards, metrics() and phases(); the worker orders the GPU work itself.
+        remote = ray.remote(WorkerActor).options(max_restarts=0, scheduling_strategy="SPREAD",
+                                                 max_concurrency=2 * inflight + 1, **resources)
+        log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
+                 "warms up)", size, "GPU" if gpus else "CPU")
+        return cls(lambda rank: remote.remote(rank, cfg, broker), size)
+
+    def start(self, rank: int) -> tuple[Any, Any]:
+        actor = self.make_actor(rank)
+        return actor, actor.warmup.remote()
+
+    def submit(self, actor, seq: int, items: list) -> tuple[Any, Any]:
+        return actor.start_shard.remote(seq, items), actor.finish_shard.remote(seq)
+
+    def phases(self, actor, since: int) -> Any:
+        return actor.phases.remote(since)
+
+    def metrics(self, actor) -> Any:
+        return actor.metrics.remote()
+
+    def wait(self, futures: list, timeout: float) -> list:
+        # One blocking wait for the first, then every other one already done: under load a loop
+        # iteration takes all finished shards at once instead of one per `ray.wait`.
+        first = ray.wait(futures, num_returns=1, timeout=timeout)[0]
+        if not first or len(futures) == 1:
+            return first
+        return ray.wait(futures, num_returns=len(futures), timeout=0)[0] or first
+
+    def result(self, ref) -> Any:
+        errors = ray.exceptions
+        try:
+            return ray.get(ref)
+        except errors.RayError as e:
+            # a RayTaskError wraps our code's exception; a dead actor is no such thing even in the
+            # Ray versions where RayActorError subclasses RayTaskError
+            if isinstance(e, errors.RayTaskError) and not isinstance(e, errors.RayActorError):
+                raise TaskError(cause(e)) from e
+            raise WorkerLost(cause(e)) from e
+
+    def kill(self, actor) -> None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:              # already gone: nothing left to stop
+            pass
+
+    def stop(self, actors: list, timeout_s: float) -> int:
+        """`ray.kill` only asks: a worker mid-write could still put a file. Wait until a call to
+        each fails (its process is gone), `timeout_s` at most."""
+        for a in actors:
+            self.kill(a)
+        deadline = time.monotonic() + timeout_s
+        alive = list(actors)
+        while alive and time.monotonic() < deadline:
+            calls = [(a, a.__ray_ready__.remote()) for a in alive]
+            alive = []
+            for a, ref in calls:
+                try:       # an answer, or none in time: the kill has not reached it yet
+                    ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    pass
+                except Exception:                  # RayActorError: dead, as asked
+                    continue
+                alive.append(a)
+            if alive:
+                time.sleep(0.2)
+        return len(alive)
+
+
+def connect(opts: RayOptions) -> None:
+    """The cluster at `opts.address` or RAY_ADDRESS, else a new embedded local Ray."""
+    if ray.is_initialized():
+        return
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    # Embedded local Ray, always a new one ("local": never attach to a cluster that `ray start`
+    # left running; that takes ray.address=auto), with enough CPU slots for the CPU workers even
+    # on a small machine. Quiet: no usage stats, and token auth on, as Ray 2.60 turns it on for a
+    # new local cluster, but set explicitly, which is what silences its warning. A value the user
+    # set wins; a user's own cluster (the branch above) is untouched.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"        # inherited by every process of the cluster
+        try:   # this process read its config at `import ray`: re-read it, as ray.init does
+            from ray._raylet import Config
+            Config.initialize("")
+        except Exception:                             # a Ray without token auth
+            pass
+    need = (opts.num_workers or opts.cpu_workers) * opts.cpus_per_worker
+    log.info("starting a local Ray (ray.address or RAY_ADDRESS: use a cluster instead)")
+    start_local_ray(ray, num_cpus=max(os.cpu_count() or 1, need))
+
+
+class RayStartError(RuntimeError):
+    """The local Ray did not start (the message says what to do)."""
+
+
+def start_local_ray(ray_module, num_cpus: int, attempts: int = 3) -> None:
+    """ray.init of a new local Ray. Ray waits a fixed 30 s for its raylet to register, which a
+    loaded machine can exceed ("The current node timed out during startup"; seen on 2 cores with
+    other jobs starting): `attempts` tries in all, then a `RayStartError` naming it (the job
+    exits 2) instead of a traceback."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray_module.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                            logging_level=logging.WARNING)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e):
+                raise
+            ray_module.shutdown()
+            if attempt == attempts:
+                raise RayStartError(f"the local Ray did not start, {attempts} times ({e}); the "
+                                    f"machine may be overloaded: rerun when it is not, or set "
+                                    f"ray.address to a running cluster") from e
+            log.warning("the local Ray did not start in time (%s); starting it again (%d of %d)",
+                        e, attempt + 1, attempts)

@@ -1,0 +1,122 @@
+"""The job's summary: `summary.json` (every figure) and `summary.txt` (the table the job prints).
+
+Contract: `write_summary(store, head, n_items, table, slots, metrics, resumed, interrupted, timing,
+plan)` writes both into the job's store and prints the text; returns the summary dict. `head`
+names the job (job, model, source, compile_mode); `table` is results.parquet's rows of this input;
+`slots` the dispatcher's worker slots; `metrics` the workers' `metrics()` that came back; `timing`
+the run's figures (startup_s, generate_s, and all_ready_s / steady_items_per_s when every worker
+served; aborted, skipped_empty). `work_after` is the steady-rate rule (see its docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from .outputs import format_table
+
+# Printed under the per-worker table: the columns' units and what steady_it_s measures.
+LEGEND = ("model_load_s, warmup_s: seconds to load the model / to compile (or load the compile cache) "
+          "and warm up; steady_it_s: denoising steps/s, from the end of step 1 of each call (its "
+          "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), from its "
+          "start to its last file written, mean / 95th percentile; peak_mem_gb: peak GPU memory while "
+          "serving, GiB. Over the serving window (first call to last batch): busy_fraction: share the "
+          "model thread was generating (not waiting for work); gpu_util: NVML's utilisation, what "
+          "nvidia-smi shows (it falls when the GPU idles). gpu_ms_text, gpu_ms_denoise, "
+          "gpu_ms_decode: GPU milliseconds per item of text encoding (a shard's prompts in one "
+          "call), denoising and VAE decoding, from CUDA events around each (GPU figures null on "
+          "CPU). Seconds per stage: summed per worker; encoding and writing overlap with "
+          "generating.")
+COLUMNS = ["rank", "host", "items", "failed", "restarts", "model_load_s", "warmup_s", "steady_it_s",
+           "e2e_mean_s", "e2e_p95_s", "peak_mem_gb", "busy_fraction", "gpu_util", "gpu_ms_text",
+           "gpu_ms_denoise", "gpu_ms_decode"]
+
+
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def work_after(rows: list[dict], t_from: float) -> float:
+    """Items' worth of work in one shard's `rows` done after `t_from` (epoch seconds): each ok row
+    ran from `started_at` (epoch, its batch's call start) for `e2e_s` seconds; a row that started
+    before `t_from` counts by the share of its run after it. (The pipelined worker overlaps a
+    batch's writing with the next batch's generation, so the runs cannot be laid end to end back
+    from the shard's arrival: that undercounted the first shards.) Failed rows count 0."""
+    credit = 0.0
+    for r in rows:
+        start, dur = r.get("started_at"), r.get("e2e_s")
+        if r.get("status") != "ok" or start is None or not dur:
+            continue
+        credit += min(1.0, max(0.0, (start + dur - t_from) / dur))
+    return credit
+
+
+def worker_detail(m: dict) -> dict:
+    """A worker's line of the summary: its metrics' headline figures, GPU ms per item flattened."""
+    d = {k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items", "failed", "restarts",
+                                "model_load_s", "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s",
+                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s")}
+    ms = m.get("gpu_ms_per_item") or {}
+    d.update(gpu_ms_text=ms.get("text_encode"), gpu_ms_denoise=ms.get("denoise"),
+             gpu_ms_decode=ms.get("decode"))
+    return d
+
+
+def served(slots, metrics) -> int:
+    """Worker slots that became ready (also when interrupted before their metrics came back)."""
+    return len({s.rank for s in slots if s.ready_info is not None} | {m["rank"] for m in metrics})
+
+
+def write_summary(store, head: dict, n_items: int, table: list[dict], slots, metrics: list[dict],
+                  resumed: int, interrupted: bool, timing: dict, plan) -> dict:
+    ok = sum(r["status"] == "ok" for r in table)
+    errors: dict[str, int] = {}
+    for r in table:
+        if r["status"] != "ok":
+            key = (r["error"] or "?").splitlines()[0][:160]
+            errors[key] = errors.get(key, 0) + 1
+    gen_s = timing["generate_s"]
+    summary = dict(
+        **head, workers=served(slots, metrics), items=n_items, ok=ok, failed=len(table) - ok,
+        not_run=n_items - len(table), resumed=resumed,
+        worker_restarts=sum(s.restarts for s in slots), interrupted=interrupted, errors=errors,
+        **timing,
+        regenerated=len(plan.changed),          # rows whose parameters had changed
+        not_in_input=len(plan.gone),            # outputs kept of ids no longer in the input
+        not_in_input_ids=plan.gone,
+        items_per_s=(ok - resumed) / gen_s if gen_s else None,
+        steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
+        workers_detail=[worker_detail(m) for m in metrics],
+    )
+    store.write_text("summary.json", json_text(summary))
+    text = summary_text(summary, metrics, plan)
+    store.write_text("summary.txt", text)
+    print("\n" + text)
+    return summary
+
+
+def summary_text(s: dict, metrics: list[dict], plan) -> str:
+    table_txt = format_table(s["workers_detail"], COLUMNS) + "\n" + textwrap.fill(LEGEND, 100)
+    rate = f"{s['items_per_s']:.3g} items/s" if s["items_per_s"] else "-"
+    text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed"
+            f", {s['not_run']} not run ({s['resumed']} done by an earlier run)"
+            f"{', INTERRUPTED' if s['interrupted'] else ''}; model {s['model']} "
+            f"({s['source']}), compile {s['compile_mode']}\n"
+            f"{s['workers']} workers ({s['worker_restarts']} restarts) ready in "
+            f"{s['startup_s']:.1f} s; generated in {s['generate_s']:.1f} s = {rate}"
+            + (f"; all ready at {s['all_ready_s']:.1f} s, then {s['steady_items_per_s']:.3g} items/s"
+               if "steady_items_per_s" in s else "") + f"\n\n{table_txt}\n")
+    if metrics:   # where each worker's serving seconds went
+        stages = list(metrics[0]["time_s"])
+        text += "\nseconds per stage:\n" + format_table(
+            [{"rank": m["rank"], **m["time_s"]} for m in metrics], ["rank", *stages]) + "\n"
+    if plan.gone:
+        text += (f"\n{len(plan.gone)} outputs of ids no longer in the input (kept): "
+                 f"{', '.join(plan.gone)}\n")
+    if s["errors"]:
+        text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in s["errors"].items()) + "\n"
+    if s.get("skipped_empty"):
+        text += f"\n{s['skipped_empty']} rows with an empty prompt skipped (prompts.on_empty=skip)\n"
+    if s.get("aborted"):
+        text += f"\nSTOPPED before the end: {s['aborted']}\n"
+    return text

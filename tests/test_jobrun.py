@@ -1,0 +1,377 @@
+"""The job's rules without Ray: `runner.job.main` (config, checks, lock, resume plan, JobRun, record,
+snapshots, summary, exit status) over a simulated pool (`runner.bench.simulate.SimPool`) on a
+virtual clock, against a real temp-dir job directory. Each run takes well under a second.
+
+What stays with the real CLI on Ray: a worker process killed from outside (test_faults.py), a real
+SIGTERM and a second driver (test_record.py), a driver SIGKILL and resume and a store that dies
+(S3, GCS), multi-node and `ray job submit`, the demo jobs and their report in Chromium."""
+import json
+import logging
+import os
+import signal
+
+import pyarrow.parquet as pq
+import pytest
+
+from runner import job
+from runner.bench.simulate import SimPool, VirtualClock
+from runner.storage import resolve
+
+IDS = [f"p{i:02d}" for i in range(12)]
+
+
+@pytest.fixture(autouse=True)
+def stop_signals(monkeypatch):
+    """The stop signals `main` records (`job.STOPS`): none at the start of a test, none after."""
+    monkeypatch.setattr(job, "STOPS", [])
+
+
+class Cluster:
+    """What `main(start_pool=...)` starts: a SimPool per run, on one virtual clock, its workers
+    taking `item_s` per item after `startup_s`, writing each ok output's media file into the job
+    directory. `fate(item)` decides an item (SimPool); `generated` lists every item id handed to
+    a worker (up to the one a worker dies of), `pools` every pool."""
+
+    def __init__(self, fate=None, warm_fate=None, item_s=1.0, startup_s=(5.0, 5.0)):
+        self.clock, self.fate, self.warm_fate = VirtualClock(), fate, warm_fate
+        self.item_s, self.startup_s = item_s, startup_s
+        self.generated, self.pools = [], []
+
+    def __call__(self, j, limits) -> SimPool:
+        pool = SimPool(j["ray"].num_workers or j["ray"].cpu_workers, self.item_s, self.clock,
+                       jitter=0.0, startup_s=self.startup_s, fate=self._fate,
+                       warm_fate=self.warm_fate, media=resolve(j["output"].job_dir))
+        self.pools.append(pool)
+        return pool
+
+    def _fate(self, item) -> str:
+        self.generated.append(item.id)
+        return self.fate(item) if self.fate else "ok"
+
+    def main(self, args) -> int:
+        """`python -m runner args` in this process (the signal handlers it installs are put back
+        after the test: conftest.py)."""
+        return job.main(args, start_pool=self, clock=self.clock.time)
+
+
+@pytest.fixture
+def prompts(write_prompts):
+    return write_prompts({"prompt": [f"prompt number {i}" for i in range(len(IDS))], "id": IDS})
+
+
+def job_args(prompts, out, *extra):
+    return ["job=demo_image", f"prompts.path={prompts}", f"output.dir={out}", "job.name=j",
+            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+            "run.shard_size=3", "output.results_every_s=0", "ray.cpu_workers=1", *extra]
+
+
+def rows(job_dir):
+    return pq.read_table(os.path.join(job_dir, "results.parquet")).to_pylist()
+
+
+def summary(job_dir) -> dict:
+    return json.loads((job_dir / "summary.json").read_text())
+
+
+def record_rows(job_dir):
+    d = job_dir / "records"
+    return [json.loads(line) for n in sorted(os.listdir(d)) if not n.startswith(".tmp-")
+            for line in open(d / n)]
+
+
+def assert_complete(job_dir, ids=IDS, failed=()):
+    """One result row per prompt (ok but `failed`), one media file per ok row, no temp file."""
+    table = rows(job_dir)
+    assert sorted(r["id"] for r in table) == sorted(ids)
+    for r in table:
+        assert r["status"] == ("failed" if r["id"] in failed else "ok"), r
+    media = sorted(os.listdir(job_dir / "media"))
+    assert media == sorted(f"{i}.png" for i in ids if i not in failed)
+    assert [f for _, _, fs in os.walk(job_dir) for f in fs if f.startswith(".tmp-")] == []
+    return table
+
+
+def mtimes(job_dir, ids) -> dict:
+    return {i: (job_dir / "media" / f"{i}.png").stat().st_mtime_ns for i in ids}
+
+
+# -- a whole job --------------------------------------------------------------------------------
+
+def test_a_job_records_every_output_once_and_summarizes_timeline_and_steady_rate(prompts, tmp_path,
+                                                                                capsys):
+    """Two workers ready at 5 s, 1 s per item, shards of 3: each runs two shards (6 s of work);
+    the last rows land at 11.05 s (0.05 s of writing). Every figure follows from that."""
+    c = Cluster()
+    assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2")) == 0
+    d = tmp_path / "j"
+    assert_complete(d)
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["not_run"], s["workers"], s["worker_restarts"]) == (12, 0, 0, 2, 0)
+    assert s["startup_s"] == pytest.approx(5.0) and s["all_ready_s"] == pytest.approx(5.0)
+    assert s["generate_s"] == pytest.approx(6.05)
+    assert s["items_per_s"] == pytest.approx(12 / 6.05)
+    assert s["steady_items_per_s"] == pytest.approx(12 / 6.05)     # every item after all ready
+    assert sorted(os.listdir(d / "metrics")) == ["worker-0.json", "worker-1.json"]
+    assert [w["items"] for w in s["workers_detail"]] == [6, 6]
+    # the report's timeline: one point per shard, counts rising to 12 ok, 0 failed
+    timeline = json.loads((d / "report" / "timeline.json").read_text())
+    assert len(timeline) == 4 and timeline[-1][1:] == [12, 0]
+    assert [p[1] for p in timeline] == [3, 6, 9, 12] and timeline[0][0] == pytest.approx(8.05)
+    assert (d / "report.html").is_file() and (d / "report" / "throughput.png").is_file()
+    # the record: compacted into one object, one row per id, stamped with the settings
+    assert len(os.listdir(d / "records")) == 1 and len(record_rows(d)) == 12
+    assert len({r["settings"] for r in record_rows(d)}) == 1
+    out = capsys.readouterr().out
+    assert "job j: 12/12 ok, 0 failed, 0 not run" in out and "then 1.98 items/s" in out
+    assert not (d / ".lock").exists()
+
+
+def test_a_worker_dying_mid_job_loses_nothing_and_is_replaced(prompts, tmp_path, caplog):
+    died = []
+
+    def fate(item):                        # p04's worker dies the first time only
+        if item.id == "p04" and not died:
+            died.append(1)
+            return "die"
+        return "ok"
+    c = Cluster(fate)
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2")) == 0
+    assert_complete(tmp_path / "j")
+    s = summary(tmp_path / "j")
+    assert s["ok"] == 12 and s["failed"] == 0 and s["worker_restarts"] == 1
+    assert "worker 0 lost" in caplog.text or "worker 1 lost" in caplog.text
+    assert sorted(w.rank for w in c.pools[0].workers) in ([0, 0, 1], [0, 1, 1])   # one replacement
+
+
+def test_poison_rows_are_recorded_failed_and_their_neighbours_succeed(prompts, tmp_path):
+    """p07 kills its worker every time (retried alone, then given up); p02's output is not finite
+    (a failed row from a living worker); p09 raises in the worker every time: each fails alone."""
+    fates = {"p07": "die", "p02": "fail:FloatingPointError: non-finite values in the output of 'p02'",
+             "p09": "raise:ValueError: bad row"}
+    c = Cluster(lambda it: fates.get(it.id, "ok"))
+    assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2", "run.max_shard_retries=1",
+                           "ray.max_worker_restarts=5")) == 1       # done, some failed
+    table = assert_complete(tmp_path / "j", failed={"p07", "p02", "p09"})
+    error = {r["id"]: r["error"] for r in table}
+    assert error["p07"] == "failed 2 times: actor died (simulated)"   # 1 try + 1 retry
+    assert error["p09"] == "failed 2 times: ValueError: bad row"
+    assert "non-finite" in error["p02"]
+    s = summary(tmp_path / "j")
+    assert s["failed"] == 3 and s["ok"] == 9
+    assert "2 x failed 2 times" not in (tmp_path / "j" / "summary.txt").read_text()
+    assert "1 x failed 2 times: actor died" in (tmp_path / "j" / "summary.txt").read_text()
+    # bounded: its shard (its worker's death with two shards in flight charges neither), then
+    # alone until charged twice
+    assert c.generated.count("p07") == 3 and c.generated.count("p09") <= 3
+
+
+def test_a_persistent_fault_stops_the_job_exit_3_and_a_rerun_does_the_rest(prompts, tmp_path,
+                                                                           capsys):
+    """The same write error on every shard (a full disk): the job stops after 4 of them instead
+    of retrying every row; the summary says why; once the disk has room a rerun finishes."""
+    full = "raise:OSError: [Errno 28] No space left on device"
+    c = Cluster(lambda it: full)
+    assert c.main(job_args(prompts, tmp_path)) == 3
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "the same error on 4 shards in a row" in err
+    d = tmp_path / "j"
+    text = (d / "summary.txt").read_text()
+    assert "STOPPED before the end" in text and "No space left on device" in text
+    assert summary(d)["aborted"] and not [r for r in record_rows(d) if r["status"] == "ok"]
+    assert len(c.generated) < len(IDS) * 2        # stopped early, not every row retried
+    c.fate = None                                 # the disk has room again
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert_complete(d)
+
+
+def test_every_worker_gone_is_exit_2_naming_the_cause(prompts, tmp_path, capsys):
+    c = Cluster(lambda it: "die" if it.id == "p00" else "ok")
+    assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=1",
+                           "run.max_shard_retries=9")) == 2
+    err = capsys.readouterr().err
+    assert "every worker is gone and none could be restarted" in err and "rerun" in err
+    assert "worker 0: actor died (simulated)" in err
+    assert (tmp_path / "j" / "results.parquet").is_file()      # what finished is in the table
+
+
+def test_a_warmup_error_that_repeats_is_not_retried_again(prompts, tmp_path, capsys, caplog):
+    boom = "RuntimeError: injected warm-up failure (boom)"
+    c = Cluster(warm_fate=lambda rank, attempt: boom)
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=3")) == 2
+    assert f"worker 0: start-up failed: {boom}" in capsys.readouterr().err   # the cause itself
+    assert caplog.text.count("starting a replacement") == 1   # one retry, never a third attempt
+    assert "the same error as before: not retried" in caplog.text
+    assert len(c.pools[0].workers) == 2 and c.generated == []
+
+
+# -- stopping and resuming ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                 (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_stop_signal_writes_the_summary_of_what_was_done_and_a_rerun_resumes(
+        prompts, tmp_path, capsys, signum, status, said):
+    """A real signal to this process while shards run (Ctrl-C, or SIGTERM as `ray job stop`
+    sends): the workers are stopped, finished outputs kept, the summary and metrics written; the
+    rerun generates only the rest."""
+    sent = []
+
+    def fate(item):
+        if item.id == "p07" and not sent:      # handed out once 4 rows are in (shards of 1)
+            sent.append(signum)
+            os.kill(os.getpid(), signum)       # lands in the handler; the dispatch loop raises
+        return "ok"
+    c = Cluster(fate)
+    args = job_args(prompts, tmp_path, "ray.cpu_workers=2", "run.shard_size=1")
+    assert c.main(args) == status
+    assert f"{said}: finished outputs and the summary so far are written" in capsys.readouterr().err
+    d = tmp_path / "j"
+    s = summary(d)
+    assert s["interrupted"] and 4 <= s["ok"] < 12 and s["workers"] == 2
+    assert len(os.listdir(d / "metrics")) == s["workers"]
+    done = [r["id"] for r in rows(d)]
+    assert len(done) == s["ok"] and all(r["status"] == "ok" for r in rows(d))
+    media = {f.name: f.stat().st_mtime_ns for f in os.scandir(d / "media")}
+    assert {f"{i}.png" for i in done} <= set(media)       # what is recorded is there
+    assert max(media.values()) <= (d / "summary.json").stat().st_mtime_ns   # nothing after it
+    assert all(w.dead_at is not None for w in c.pools[0].workers)   # stopped before the summary
+    assert not (d / ".lock").exists()
+
+    job.STOPS.clear()                          # a new process, as a rerun is
+    c.generated.clear()
+    kept = mtimes(d, done)
+    assert c.main(args) == 0
+    assert_complete(d)
+    s = summary(d)
+    assert s["resumed"] == len(done) and s["ok"] == 12 and not s["interrupted"]
+    assert sorted(c.generated) == sorted(set(IDS) - set(done))         # only the rest
+    assert mtimes(d, done) == kept
+
+
+def test_a_worker_dying_while_writing_leaves_no_partial_output_and_the_rerun_does_the_rest(
+        prompts, tmp_path, capsys):
+    """Its half-written file stays under a temporary name, which the driver removes; what the
+    record holds is complete and not made again by the rerun."""
+    c = Cluster(lambda it: "die_writing" if it.id == "p07" else "ok")
+    assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=0")) == 2
+    assert "every worker is gone" in capsys.readouterr().err
+    d = tmp_path / "j"
+    assert not (d / "media" / "p07.png").exists()
+    assert [f for f in os.listdir(d / "media") if f.startswith(".tmp-")] == []   # removed
+    done = {r["id"] for r in record_rows(d)}
+    assert "p07" not in done and done
+    assert sorted(os.listdir(d / "media")) == sorted(f"{i}.png" for i in done)
+    kept = mtimes(d, done)
+    c.fate = None
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert_complete(d)
+    assert summary(d)["resumed"] == len(done) and mtimes(d, done) == kept
+
+
+def test_a_rerun_skips_done_work_a_config_change_is_refused_overwrite_regenerates(prompts, tmp_path,
+                                                                                  capsys):
+    c = Cluster()
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    d = tmp_path / "j"
+    kept = mtimes(d, IDS)
+    capsys.readouterr()
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert capsys.readouterr().out.startswith("nothing to do: all 12 prompts already done")
+    assert len(c.pools) == 1 and mtimes(d, IDS) == kept           # no worker, nothing rewritten
+    assert_complete(d)
+    assert c.main(job_args(prompts, tmp_path, "generation.num_inference_steps=3")) == 2
+    err = capsys.readouterr().err
+    assert "generation.num_inference_steps: 2 -> 3" in err and "output.overwrite=true" in err
+    c.generated.clear()
+    assert c.main(job_args(prompts, tmp_path, "generation.num_inference_steps=3",
+                           "output.overwrite=true")) == 0
+    assert sorted(c.generated) == IDS
+    assert {r["num_inference_steps"] for r in assert_complete(d)} == {3}
+
+
+def test_edited_rows_are_regenerated_and_dropped_ids_are_reported(tmp_path, write_prompts, capsys,
+                                                                   caplog):
+    ids = [f"a{i}" for i in range(6)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(6)], "id": ids})
+    args, d = job_args(p, tmp_path), tmp_path / "j"
+    c = Cluster()
+    assert c.main(args) == 0
+    kept = mtimes(d, ids)
+    # same ids: a0 new prompt, a1 new seed, a2 height 128 (column), a3/a4 unchanged but moved,
+    # a5 dropped, a6 new
+    write_prompts({"id": ["a4", "a3", "a0", "a1", "a2", "a6"],
+                   "prompt": ["prompt 4", "prompt 3", "a new prompt", "prompt 1", "prompt 2", "prompt 6"],
+                   "seed": [0, 0, 0, 7, 0, 0], "height": [64, 64, 64, 64, 128, 64]})
+    capsys.readouterr()
+    assert c.main(args + ["run.dry_run=true"]) == 0                   # the plan, nothing run
+    out = capsys.readouterr().out
+    assert "4 to run (3 changed: 3 in " in out and "2 already done" in out
+    assert "1 no longer in the input (kept): a5" in out
+    assert len(record_rows(d)) == 6 and len(c.pools) == 1               # compacted: one per id
+    c.generated.clear()
+    with caplog.at_level(logging.INFO, logger="runner"):
+        assert c.main(args) == 0
+    assert "3 rows changed since their outputs were made (3 in " in caplog.text
+    assert "2 already done" in caplog.text
+    assert sorted(c.generated) == ["a0", "a1", "a2", "a6"]
+    table = {r["id"]: r for r in rows(d)}
+    assert sorted(table) == ["a0", "a1", "a2", "a3", "a4", "a6"]
+    assert table["a0"]["prompt"] == "a new prompt" and table["a1"]["seed"] == 7
+    assert table["a2"]["height"] == 128
+    assert {i: kept[i] for i in ("a3", "a4", "a5")} == mtimes(d, ["a3", "a4", "a5"])  # a5 kept
+    new = mtimes(d, ["a0", "a1", "a2"])
+    assert all(new[i] != kept[i] for i in new)
+    s = summary(d)
+    assert s["resumed"] == 2 and s["regenerated"] == 3 and s["ok"] == 6
+    assert s["not_in_input"] == 1 and s["not_in_input_ids"] == ["a5"]
+    assert "1 outputs of ids no longer in the input (kept): a5" in (d / "summary.txt").read_text()
+    assert len(record_rows(d)) == 6 + 1 and len(os.listdir(d / "records")) == 1   # a5's row kept
+
+
+def test_hostile_ids_stay_inside_the_output_dir_and_empty_prompts_are_counted(tmp_path,
+                                                                              write_prompts, caplog):
+    p = write_prompts({"prompt": ["a", "b", "", None], "id": ["../../escape", "/etc/passwd", "e1", "e2"]})
+    c = Cluster()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(["job=demo_image", f"prompts.path={p}", f"output.dir={tmp_path}/o",
+                       "prompts.on_empty=skip"]) == 0
+    d = tmp_path / "o" / "demo_image"
+    assert sorted(os.listdir(d / "media")) == ["_.._escape.png", "_etc_passwd.png"]
+    assert sorted(os.listdir(tmp_path)) == ["o", "prompts.parquet"]
+    assert "2 rows with an empty prompt skipped" in caplog.text
+    s = summary(d)
+    assert s["skipped_empty"] == 2 and s["ok"] == 2
+    assert "2 rows with an empty prompt skipped" in (d / "summary.txt").read_text()
+
+
+def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts, tmp_path, capsys):
+    """Every output made, then the results table cannot be written (a non-empty directory holds
+    its name: a real OSError): exit 3 naming it, no traceback, every finished row recorded; a
+    rerun after the fix writes the table without generating anything again."""
+    d = tmp_path / "j"
+    (d / "results.parquet" / "in-the-way").mkdir(parents=True)
+    c = Cluster()
+    assert c.main(job_args(prompts, tmp_path)) == 3
+    err = capsys.readouterr().err
+    assert "the results or summary could not be written" in err and "Error" in err
+    assert "Traceback" not in err
+    assert sorted(r["id"] for r in record_rows(d) if r["status"] == "ok") == IDS
+    (d / "results.parquet" / "in-the-way").rmdir()
+    (d / "results.parquet").rmdir()
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert f"nothing to do: all {len(IDS)} prompts already done" in capsys.readouterr().out
+    assert_complete(d)
+
+
+def test_the_job_imports_no_ray_when_its_pool_is_not_rays(prompts, tmp_path):
+    """The whole driver path on a pool that is not Ray's: Ray is never imported."""
+    import subprocess
+    import sys
+    code = (f"import sys; from runner import job; from runner.bench.simulate import SimPool, VirtualClock\n"
+            f"clock = VirtualClock()\n"
+            f"pool = lambda j, limits: SimPool(1, 1.0, clock, startup_s=(1, 1))\n"
+            f"assert job.main({job_args(prompts, tmp_path)!r}, start_pool=pool, clock=clock.time) == 0\n"
+            f"assert 'ray' not in sys.modules, 'ray imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
