@@ -14,7 +14,7 @@ listing the valid ones. Nothing here touches a model or global state: `compiler.
 the result.
 
 `mode` is colon-joined flags. Presets expand to flags before anything else. `FLAGS` below is the one
-table of what each flag turns on; `FLAG_TABLE_MD` renders it for the README. Every Inductor setting
+table of what each flag turns on; `FLAG_TABLE_MD` renders it for docs/compiler.md. Every Inductor setting
 the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applied last), nowhere else.
 
 | flag | turns on |

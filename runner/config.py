@@ -2,7 +2,7 @@
 
 The schema is the dataclasses below, and only them: every key, its type, its default and a one-line
 doc (`key(default, doc)`). `Config` is the tree of sections. Key and type checks, `--help`, the
-README's key table (`python -m runner.config --markdown`) and `ModelSpec`'s defaults all come from
+docs/configuration.md's key table (`python -m runner.config --markdown`) and `ModelSpec`'s defaults all come from
 it; adding a key is one line in its section (a `run.*`, `ray.*` or `generation.*` key reaches
 its typed piece with no other change). Merge order, later wins:
 
@@ -49,7 +49,7 @@ class ConfigError(ValueError):
 
 
 def key(default, doc: str):
-    """A config key of a schema section: its default and one line for --help and the README."""
+    """A config key of a schema section: its default and one line for --help and docs/configuration.md."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
@@ -215,7 +215,7 @@ class OutputSection:
 
 @dataclass(frozen=True)
 class CompileSection:
-    """Handed to `compiler.parse_options` as one dict (all but cache_dir); see the README's flags."""
+    """Handed to `compiler.parse_options` as one dict (all but cache_dir); see docs/compiler.md's flags."""
     mode: str = key("none", "none (eager) | colon-joined flags, e.g. max-optimize:cache-all | O2 | O3")
     memory_format: str | None = key(None, "null | channels_last")
     dynamic: bool = key(False, "true: one compiled graph serves several resolutions")
@@ -312,7 +312,7 @@ class Config:
     step_cache: StepCacheSection = field(default_factory=StepCacheSection)
 
 
-# The keys `--help` shows; every key is in `python -m runner.config` and the README.
+# The keys `--help` shows; every key is in `python -m runner.config` and docs/configuration.md.
 COMMON_KEYS = ("model.preset", "model.source", "model.path", "prompts.path",
                "generation.num_inference_steps", "run.batch_size", "ray.num_workers", "output.dir",
                "output.overwrite", "compile.mode", "step_cache.method")
@@ -664,7 +664,7 @@ class WorkerConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Documentation from the schema: the README's key table and `--help`.
+# Documentation from the schema: docs/configuration.md's key table and `--help`.
 
 def _show(v) -> str:
     if v == REQUIRED:
@@ -679,7 +679,7 @@ def _show(v) -> str:
 
 
 def markdown_table() -> str:
-    """Every key as a README table (tests/test_ux.py checks the README holds exactly this)."""
+    """Every key as a markdown table (tests/test_ux.py checks docs/configuration.md holds exactly this)."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     rows += [f"| `{k.name}` | {_type_name(k.type)} | `{_show(k.default)}` | {k.doc} |"
              for k in schema().values()]
@@ -725,7 +725,8 @@ examples:
 common keys (key=value; values are YAML; later wins: model preset < job file < command line):
 {keys_text(COMMON_KEYS)}
 
-every key, its type, default and meaning: python -m runner.config (README.md, "Configuration").
+every key, its type, default and meaning: python -m runner.config (docs/configuration.md);
+compile modes and step reuse: docs/compiler.md; failures and resume: docs/failures.md; models: docs/models.md.
 exit status: 0 all ok (or a dry run: run.dry_run=true), 1 some prompts failed, 2 bad input,
 3 stopped early on a persistent fault (the same error on every output, e.g. a full disk: summary.txt
 names it), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""

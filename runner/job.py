@@ -571,7 +571,7 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
                 store.list(RECORDS)
         except (OSError, ValueError) as e:
             raise JobError(f"output.dir: cannot write {job_dir!r} ({e}); check the bucket and the "
-                           f"credentials in the environment (README: Cloud storage)") from e
+                           f"credentials in the environment (docs/cloud.md)") from e
         return
     job_dir = _store(job_dir).base
     p = job_dir

@@ -193,7 +193,7 @@ def _list_uri(p: str) -> list[str]:
             if kind == pafs.FileType.Directory else []
     except (OSError, ValueError) as e:
         raise PromptError(f"prompts.path {p!r}: cannot read it ({e}); check the URI and the "
-                          f"credentials in the environment (README: Cloud storage)") from e
+                          f"credentials in the environment (docs/cloud.md)") from e
     if kind == pafs.FileType.NotFound:
         raise PromptError(f"prompts.path {p!r} does not exist")
     if not found:

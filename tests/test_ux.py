@@ -51,12 +51,13 @@ def test_compile_section_defaults_match_the_compiler():
     assert CompileConfig().options == parse_options("none")
 
 
-def test_readme_key_table_is_generated_from_the_schema():
+def test_the_documented_key_table_is_generated_from_the_schema():
     from runner.config import markdown_table
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- config-table")
-    body = readme[readme.index("\n", start) + 1:readme.index("<!-- /config-table -->")].strip()
-    assert body == markdown_table(), "README table is stale: paste `python -m runner.config --markdown`"
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    start = doc.index("<!-- config-table")
+    body = doc[doc.index("\n", start) + 1:doc.index("<!-- /config-table -->")].strip()
+    assert body == markdown_table(), ("docs/configuration.md's key table is stale: paste "
+                                      "`python -m runner.config --markdown`")
 
 
 @pytest.mark.parametrize("arg,needle", [
@@ -97,7 +98,9 @@ def test_help_lists_jobs_examples_and_where_keys_are_documented(capsys):
     assert examples.count("python -m runner job=") == 3
     for k in COMMON_KEYS:
         assert k in out
-    assert "python -m runner.config" in out and "README.md" in out
+    assert "python -m runner.config" in out and "docs/configuration.md" in out
+    for page in ("docs/compiler.md", "docs/failures.md", "docs/models.md"):   # the pages exist
+        assert page in out and (ROOT / page).is_file()
     assert "main(argv)" not in out and "results.py" not in out      # no developer docstring
 
 

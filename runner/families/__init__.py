@@ -1,7 +1,7 @@
 """Model families, one module each (`latte`, `pixart`, `sd21`, `wan`, `wan22`, `wan_i2v`,
 `flux`), one `Family` record per family (`record.py`) in the plain dict `FAMILIES`; `PRESETS` maps
 a preset name (conf/models/) to its family. Adding a family: write its module, add it to the tuple
-below, add conf/models/<preset>.yaml (and a job in jobs/). README "Adding a model family";
+below, add conf/models/<preset>.yaml (and a job in jobs/). docs/adding-a-family.md;
 docs/models.md lists them all.
 """
 
