@@ -64,7 +64,10 @@ def hub_unreachable(url: str | None = None, timeout_s: float = HUB_PROBE_S) -> s
 
     def probe():
         try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout_s).close()
+            # the socket's own timeout a second past the wait: a server that never answers is
+            # always the wait's "no answer" below, not a race between the two timers
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"),
+                                   timeout=timeout_s + 1).close()
         except urllib.error.HTTPError:
             pass                                  # an HTTP status is an answer: reachable
         except urllib.error.URLError as e:        # name lookup, connection refused, ...
