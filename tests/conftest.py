@@ -104,6 +104,28 @@ def stop_ray(temp_dir: str) -> None:
 _SESSION: dict = {}
 
 
+@contextlib.contextmanager
+def full_disk(path, size: str = "4k"):
+    """`path` (an existing empty directory) as a real full disk: a tmpfs of `size` mounted there
+    and filled, so every write raises ENOSPC; unmounted after. Mounting needs root (CI runs as
+    root); elsewhere the test is skipped, with the reason shown."""
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        fd = os.open(os.path.join(path, ".filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
 def compile_cache() -> str:
     """The session's compile cache directory (Inductor's and Triton's caches under it, as
     `compiler.cache.configure_cache_dir` lays them out): every in-process compile of the session

@@ -4,13 +4,14 @@ the error raises inside the call, once, and leaves no file, no open handle and n
 runner's last line; imageio_ffmpeg published a truncated mp4 as the output)."""
 import errno
 import gc
-import subprocess
+import os
 import sys
 
 import imageio.v3 as iio
 import numpy as np
 import pytest
 
+from conftest import full_disk
 from runner.outputs import write_mp4, write_png
 
 
@@ -18,12 +19,9 @@ from runner.outputs import write_mp4, write_png
 def full_dir(tmp_path):
     d = tmp_path / "small"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    yield d
-    subprocess.run(["umount", str(d)], capture_output=True)
+    with full_disk(d, "4k"):
+        os.unlink(d / ".filler")     # a 4 kB disk, empty: a small file fits, larger ones fill it
+        yield d
 
 
 @pytest.fixture

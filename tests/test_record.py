@@ -19,7 +19,7 @@ from runner.job import JobError, run
 from runner.prompts import Item, PromptError
 from runner.results import Results, lossy
 from test_faults import ROOT, cli, record_rows, rows, wait_for_journal
-from conftest import GUARD_S
+from conftest import GUARD_S, full_disk
 
 
 @pytest.fixture
@@ -230,20 +230,8 @@ def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts, c
     p = write_prompts({"prompt": ["a", "b"]})
     out = tmp_path / "full"
     out.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(out)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
-        (out / "j").mkdir()
-        fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)   # fill it: ENOSPC from here on
-        with pytest.raises(OSError):
-            while True:
-                os.write(fd, b"x" * 4096)
-        os.close(fd)
+    with full_disk(out, "64k"):
         status = main(base_args(p, out), start_pool=lambda *a: pytest.fail("a worker started"))
-    finally:
-        subprocess.run(["umount", str(out)], capture_output=True)
     err = capsys.readouterr().err
     assert status == 2, err[-3000:]
     assert "No space left on device" in err

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import GUARD_S, fault_env
+from conftest import GUARD_S, fault_env, full_disk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = ["red-fox", "cat-window", "broken", "river"]
@@ -211,17 +211,8 @@ def test_thumbnails_on_a_full_disk_are_one_warning_and_the_page_is_written(tmp_p
         write_png(tmp_path / r["output"], np.random.default_rng(0).random((300, 200, 3)))
     thumbs = tmp_path / "report" / "thumbs"
     thumbs.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(thumbs)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    try:
-        with pytest.raises(OSError):               # fill it: no thumbnail fits
-            (thumbs / "filler").write_bytes(b"x" * 8192)
-        with caplog.at_level(logging.WARNING, logger="runner"):
-            write_report(str(tmp_path), rows)
-    finally:
-        subprocess.run(["umount", str(thumbs)], capture_output=True)
+    with full_disk(thumbs), caplog.at_level(logging.WARNING, logger="runner"):   # no thumbnail fits
+        write_report(str(tmp_path), rows)
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["report: no thumbnail of 30 outputs (media/p00000.png: the disk is full; "
                      "not tried for the rest)"]
