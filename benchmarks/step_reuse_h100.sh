@@ -6,6 +6,8 @@
 # a: Wan VAE decode variants + gpu tests (GPU 0); PixArt-a table, Latte-1 reuse job (GPU 1)
 # b: Wan 2.1 1.3B 33 frames x 20 steps table, Wan VAE gpu test (GPU 0); 81 frames x 50 steps (GPU 1)
 # c: the PixArt-a table alone (one GPU)
+# d: both tables at once on nvidia-h100-x2, each alone on its GPU with half the host's cores
+#    (taskset, 16 of 32: what a 1-GPU machine has), arms in one command each; then the VAE test
 set -u
 phase=$1; out=$2; mkdir -p "$out"
 python3 -c "import torch, triton, diffusers, cache_dit; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'cache-dit', cache_dit.__version__)"
@@ -43,6 +45,20 @@ elif [ "$phase" = b ]; then
         prompts=2 arms=job modes=O3,O3+residual generation.num_frames=81 generation.num_inference_steps=50 \
         "step_cache.compute_steps=$LEMICA25" step_cache.first_blocks=1 out=/tmp/wan81
     cp /tmp/wan81/vs_loop.json "$out/wan81_vs_loop.json"
+  ) > "$out/gpu1.log" 2>&1 &
+elif [ "$phase" = d ]; then
+  export TORCHINDUCTOR_COMPILE_THREADS=16
+  (
+    CUDA_VISIBLE_DEVICES=0 timeout 590 taskset -c 0-15 python3 -m runner.bench.vs_loop job=wan_batch \
+        model.source=random prompts=4 arms=job,cachedit,loop modes=O3,O3+residual \
+        step_cache.compute_ratio=0.75 step_cache.first_blocks=1 out=/tmp/wan33
+    cp /tmp/wan33/vs_loop.json "$out/wan33_vs_loop.json"; cp /tmp/wan33/*.json "$out/" 2>/dev/null
+  ) > "$out/gpu0.log" 2>&1 &
+  (
+    CUDA_VISIBLE_DEVICES=1 timeout 590 taskset -c 16-31 python3 -m runner.bench.vs_loop job=pixart_batch \
+        model.source=random prompts=16 arms=job,loop,cachedit modes=O3,O3+residual \
+        step_cache.compute_ratio=0.7 step_cache.first_blocks=1 out=/tmp/pixart
+    cp /tmp/pixart/vs_loop.json "$out/pixart_vs_loop.json"
   ) > "$out/gpu1.log" 2>&1 &
 else
   # c: the PixArt-a table alone on one GPU (its cachedit arm compiled past 6 minutes in (a), beside

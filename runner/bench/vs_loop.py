@@ -221,6 +221,23 @@ def compare_dirs(a_dir: str, b_dir: str, record: str, ref: str) -> dict:
                 psnr_min_db=min(vals) if vals else None)
 
 
+def _compare(out: str, rows: list[dict], arms: list[str], modes: list[str]) -> None:
+    """The PSNRs whose two sides have finished and are not yet in the rows (called after each arm,
+    so a table cut short by a time limit keeps them): cache-dit against its own no-reuse output (the
+    eager loop); each job mode with step reuse against the same mode without it (else the first)."""
+    done = {(r["arm"], r["mode"]): r for r in rows}
+    cd = next((r for r in rows if r["arm"] == "cachedit"), None)
+    if cd and "psnr_ref" not in cd and any(r["arm"] == "loop" for r in rows):
+        cd.update(psnr_ref="loop", **compare_dirs(
+            os.path.join(out, "cachedit"), os.path.join(out, "loop"),
+            os.path.join(out, "psnr_cachedit_vs_loop.json"), "loop"))
+    for r in rows:
+        ref = r["mode"].partition("+")[0] if r["mode"].partition("+")[0] in modes else modes[0]
+        if (r["arm"] == "job" and "+" in r["mode"] and ref != r["mode"] and "psnr_ref" not in r
+                and ("job", ref) in done):
+            r.update(compare_outputs(out, r["mode"], ref))
+
+
 def main(argv: list[str]) -> list[dict]:
     from omegaconf import OmegaConf
 
@@ -239,6 +256,7 @@ def main(argv: list[str]) -> list[dict]:
         """Each arm's row as it finishes (a log line and vs_loop.json so far): a table cut short
         keeps its finished arms."""
         rows.append(row)
+        _compare(opts["out"], rows, arms, modes)   # PSNRs as soon as both sides exist
         print(json.dumps(row, default=str), flush=True)
         write_json(os.path.join(opts["out"], "vs_loop.json"), dict(argv=argv, rows=rows, partial=True))
 
@@ -250,14 +268,6 @@ def main(argv: list[str]) -> list[dict]:
         for mode in modes if arm == "job" else ():
             done(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode),
                       computed_steps=computed if mode.endswith("+residual") else None))
-    if "cachedit" in arms and "loop" in arms:   # cache-dit against its own no-reuse output
-        rows[[r["arm"] for r in rows].index("cachedit")].update(psnr_ref="loop", **compare_dirs(
-            os.path.join(opts["out"], "cachedit"), os.path.join(opts["out"], "loop"),
-            os.path.join(opts["out"], "psnr_cachedit_vs_loop.json"), "loop"))
-    for r in rows:   # step reuse against the same mode without it (else the first mode)
-        ref = r["mode"].partition("+")[0] if r["mode"].partition("+")[0] in modes else modes[0]
-        if r["arm"] == "job" and "+" in r["mode"] and ref != r["mode"]:
-            r.update(compare_outputs(opts["out"], r["mode"], ref))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
