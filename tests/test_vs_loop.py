@@ -22,6 +22,7 @@ def test_loops_and_job_on_the_same_prompts(tmp_path):
     rows = json.load(open(tmp_path / "vs_loop.json"))["rows"]
     assert [(x["arm"], x["mode"], x["items"]) for x in rows] == [("loop", "eager", 3), ("job", "none", 3)]
     assert all(x["items_per_s"] > 0 for x in rows)
+    assert rows[0]["call_items_per_s"] >= rows[0]["items_per_s"]     # the write left out
     assert rows[0]["x_loop"] == 1.0 and rows[1]["x_loop"] > 0        # ratios against the loop
     assert rows[1]["time_s"]["denoise"] > 0 and rows[0]["gpu_util"] is None   # CPU: no GPU figures
     assert sorted(os.listdir(tmp_path / "loop")) == ["v00000.png", "v00001.png", "v00002.png"]
@@ -46,3 +47,12 @@ def test_step_reuse_arm_is_compared_with_its_mode_alone(tmp_path):
     per = json.load(open(tmp_path / "job-O3-residual" / "metrics" / "psnr_vs_job-O3.json"))["psnr_db"]
     assert per["a.mp4"] == float("inf") and 10 < per["b.mp4"] < 40       # same frames; perturbed
     assert res["psnr_min_db"] == per["b.mp4"] and res["psnr_ref"] == "O3"
+
+
+def test_two_lanes_need_two_gpus(tmp_path):
+    """`lanes=2` on a machine without two GPUs: a clear error before any model is built."""
+    r = subprocess.run([sys.executable, "-m", "runner.bench.vs_loop", "job=demo_image", "prompts=2",
+                        f"out={tmp_path}", "arms=loop,job", "lanes=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S)
+    assert r.returncode != 0 and "lanes=2 needs two GPUs" in r.stderr, r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "loop")

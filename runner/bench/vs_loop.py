@@ -29,6 +29,10 @@ its worker's metrics); null on CPU. Other `key=value` arguments go to the job an
 loop's model and sizes too (`model.*`, `generation.*`). Arms run in the order `arms=` names them; each
 finished arm's row is printed as a JSON line and `vs_loop.json` (under `out`) rewritten, so a
 table cut short keeps its finished arms. Prints a markdown table at the end.
+`lanes=2` (a machine with two GPUs) runs the job's arms on the first GPU and the loops' on the
+second at the same time, as two child processes of this command: one table in about half the time.
+A loop's `call_items_per_s` is its rate without the serial write (pipe calls only: outputs kept as
+arrays), for a peer whose loop would not write files.
 """
 
 from __future__ import annotations
@@ -51,13 +55,17 @@ LOOPS = {"loop": "eager", "loop_compile": "torch.compile", "cachedit": "cache-di
 
 
 USAGE = (f"python -m runner.bench.vs_loop job=NAME [prompts=N] [modes=none,O3] "
-         f"[arms={','.join(ARMS)}] [out=DIR] [key=value ...]")
+         f"[arms={','.join(ARMS)}] [lanes=1|2] [out=DIR] [key=value ...]")
 
 
 def _args(argv: list[str]) -> tuple[dict, list[str]]:
     opts, rest = parse_args(argv, {"job": None, "prompts": "40", "modes": "none,O3",
-                                   "arms": ",".join(ARMS), "out": "vs_loop"}, USAGE, passthrough=True)
+                                   "arms": ",".join(ARMS), "out": "vs_loop",
+                                   "lanes": "1", "record": "vs_loop.json"}, USAGE, passthrough=True)
     bad = set(opts["arms"].split(",")) - set(ARMS)
+    if opts["lanes"] not in ("1", "2"):
+        raise SystemExit(f"lanes={opts['lanes']!r}: 1 (every arm on one GPU, one after another) or 2 "
+                         "(the job's arms on the first GPU, the loops' on the second, at once)")
     if not opts["job"] or bad:
         raise SystemExit(f"usage: {USAGE}" + (f"\nunknown arms {sorted(bad)}" if bad else ""))
     return opts, rest
@@ -111,14 +119,16 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
         runner = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
     os.makedirs(out, exist_ok=True)
     util = UtilSampler.start(spec.device.startswith("cuda"))
-    ends = []
+    ends, calls = [], []   # end of each item (written); seconds of each pipe call alone
     for p in prompts:
         if spec.family.image:
             with open(os.path.join(os.path.dirname(out), p["image"]), "rb") as f:
                 extra["image"] = images.fit(f.read(), g.width, g.height)
+        t_call = time.perf_counter()
         result = runner(prompt=p["prompt"], height=g.height, width=g.width,
                         num_inference_steps=g.num_inference_steps, guidance_scale=g.guidance_scale,
                         generator=torch.Generator(spec.device).manual_seed(p["seed"]), **extra)
+        calls.append(time.perf_counter() - t_call)
         if video:
             export_to_video(result.frames[0], os.path.join(out, f"{p['id']}.mp4"), fps=8)
         else:
@@ -131,6 +141,8 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
                 items_per_s=(len(ends) - 1) / (window[1] - window[0]) if window else None,
                 gpu_util=util.mean(*window) if util and window else None,
+                # the rate without the loop's serial write (outputs kept as arrays): pipe calls only
+                call_items_per_s=(len(calls) - 1) / sum(calls[1:]) if len(calls) > 1 else None,
                 computed_steps=sum(mask) if mask else None)
 
 
@@ -238,6 +250,34 @@ def _compare(out: str, rows: list[dict], arms: list[str], modes: list[str]) -> N
             r.update(compare_outputs(out, r["mode"], ref))
 
 
+def _two_lanes(argv: list[str], out: str, arms: list[str]) -> list[dict]:
+    """`lanes=2`: this command's arms as two child processes at once, the job's on the first GPU
+    this process may use and the loops' on the second (each arm alone on its GPU; they share the
+    host); their rows, in the order `arms=` names them (the PSNRs are the parent's)."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"lanes=2 needs two GPUs, this machine has {torch.cuda.device_count()}: "
+                         "leave lanes out (one GPU, one arm after another)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",")] if visible else ["0", "1"]
+    lanes = [[a for a in arms if a == "job"], [a for a in arms if a != "job"]]
+    procs = []
+    for gpu, lane in zip(ids, lanes):
+        if lane:
+            cmd = [sys.executable, "-m", "runner.bench.vs_loop",
+                   *[a for a in argv if not a.startswith(("arms=", "lanes=", "record="))],
+                   f"arms={','.join(lane)}", f"record=lane-{lane[0]}.json"]
+            print("$", f"CUDA_VISIBLE_DEVICES={gpu}", *cmd, flush=True)
+            procs.append((lane, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})))
+    failed = [f"{','.join(lane)}: exit status {p.wait()}" for lane, p in procs if p.wait() != 0]
+    rows = [r for lane, _ in procs if os.path.exists(os.path.join(out, f"lane-{lane[0]}.json"))
+            for r in json.load(open(os.path.join(out, f"lane-{lane[0]}.json")))["rows"]]
+    if failed:
+        print("lanes failed (their finished arms are kept):", "; ".join(failed), flush=True)
+    order = {a: i for i, a in enumerate(dict.fromkeys(arms))}
+    return sorted(rows, key=lambda r: order[r["arm"]])   # stable: the job's modes keep their order
+
+
 def main(argv: list[str]) -> list[dict]:
     from omegaconf import OmegaConf
 
@@ -247,7 +287,9 @@ def main(argv: list[str]) -> list[dict]:
     # The job's config decides the loop's model and sizes; its prompts are the generated ones.
     cfg = load_config([f"job={opts['job']}", *rest, "prompts.path=generated"])
     job = split(cfg)
-    path = _write_prompts(opts["out"], int(opts["prompts"]), images=bool(job["model"].family.image))
+    path = os.path.join(opts["out"], "prompts.parquet")
+    if opts["record"] == "vs_loop.json" or not os.path.exists(path):   # a lane's parent wrote them
+        path = _write_prompts(opts["out"], int(opts["prompts"]), images=bool(job["model"].family.image))
     prompts = pq.read_table(path).to_pylist()
     arms = opts["arms"].split(",")
     rows = []
@@ -258,10 +300,14 @@ def main(argv: list[str]) -> list[dict]:
         rows.append(row)
         _compare(opts["out"], rows, arms, modes)   # PSNRs as soon as both sides exist
         print(json.dumps(row, default=str), flush=True)
-        write_json(os.path.join(opts["out"], "vs_loop.json"), dict(argv=argv, rows=rows, partial=True))
+        write_json(os.path.join(opts["out"], opts["record"]), dict(argv=argv, rows=rows, partial=True))
 
     modes = opts["modes"].split(",")
     computed = sum(reuse_plan(job["step_cache"], job["generation"].num_inference_steps))
+    if opts["lanes"] == "2":
+        for row in _two_lanes(argv, opts["out"], arms):
+            done(row)
+        arms = []
     for arm in dict.fromkeys(arms):   # in the order given (a table cut short keeps the first)
         if arm in LOOPS:
             done(dict(arm=arm, mode=LOOPS[arm], **run_loop(job, prompts, os.path.join(opts["out"], arm), arm)))
@@ -278,7 +324,7 @@ def main(argv: list[str]) -> list[dict]:
     for r in rows:   # step reuse: the speed-up over the same mode without it
         plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
-    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "it_s", "ready_s", "recompiles",
+    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "call_items_per_s", "it_s", "ready_s", "recompiles",
                               "gpu_util", "computed_steps", *[f"x_{a}" for a in base],
                               "x_same_mode", "psnr_ref", "psnr_median_db", "psnr_min_db"]))
     return rows
