@@ -63,12 +63,12 @@ elif [ "$phase" = d ]; then
 elif [ "$phase" = e ]; then
   # e: the Wan 33-frame table in one command on nvidia-h100-x2: the job's arms on GPU 0, the loops'
   # on GPU 1 at once (vs_loop lanes=2; they share the host's 32 cores); then the VAE gpu test
-  timeout 480 python3 -m runner.bench.vs_loop job=wan_batch model.source=random prompts=4 \
+  timeout 480 python3 -m runner.bench.vs_loop job=wan_batch model.source=random prompts=${PROMPTS:-8} \
       arms=loop,cachedit,job modes=O3,O3+residual lanes=2 step_cache.compute_ratio=0.75 \
       step_cache.first_blocks=1 out=/tmp/wan33 > "$out/gpu0.log" 2>&1 &
   wait
   cp /tmp/wan33/*.json "$out/"
-  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider \
+  [ "${VAE:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_video_vae.py -k full_size > "$out/gpu1.log" 2>&1
 else
   # c: the PixArt-a table alone on one GPU (its cachedit arm compiled past 6 minutes in (a), beside

@@ -23,6 +23,7 @@ def test_loops_and_job_on_the_same_prompts(tmp_path):
     assert [(x["arm"], x["mode"], x["items"]) for x in rows] == [("loop", "eager", 3), ("job", "none", 3)]
     assert all(x["items_per_s"] > 0 for x in rows)
     assert rows[0]["call_items_per_s"] >= rows[0]["items_per_s"]     # the write left out
+    assert rows[0]["ends_items_per_s"] == rows[0]["items_per_s"] and rows[1]["ends_items_per_s"] > 0
     assert rows[0]["x_loop"] == 1.0 and rows[1]["x_loop"] > 0        # ratios against the loop
     assert rows[1]["time_s"]["denoise"] > 0 and rows[0]["gpu_util"] is None   # CPU: no GPU figures
     assert sorted(os.listdir(tmp_path / "loop")) == ["v00000.png", "v00001.png", "v00002.png"]

@@ -31,7 +31,9 @@ finished arm's row is printed as a JSON line and `vs_loop.json` (under `out`) re
 table cut short keeps its finished arms. Prints a markdown table at the end.
 `lanes=2` (a machine with two GPUs) runs the job's arms on the first GPU and the loops' on the
 second at the same time, as two child processes of this command: one table in about half the time.
-A loop's `call_items_per_s` is its rate without the serial write (pipe calls only: outputs kept as
+`ends_items_per_s`: every arm's rate from its first output written to its last (the loops'
+`items_per_s`; for the job, from results.parquet, next to its steady figure, which also counts the
+first item's fill and the last write). A loop's `call_items_per_s` is its rate without the serial write (pipe calls only: outputs kept as
 arrays), for a peer whose loop would not write files.
 """
 
@@ -138,8 +140,9 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     if spec.device.startswith("cuda"):
         torch.cuda.empty_cache()
     window = (ends[0], ends[-1]) if len(ends) > 1 else None
+    rate = (len(ends) - 1) / (window[1] - window[0]) if window else None
     return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
-                items_per_s=(len(ends) - 1) / (window[1] - window[0]) if window else None,
+                items_per_s=rate, ends_items_per_s=rate,
                 gpu_util=util.mean(*window) if util and window else None,
                 # the rate without the loop's serial write (outputs kept as arrays): pipe calls only
                 call_items_per_s=(len(calls) - 1) / sum(calls[1:]) if len(calls) > 1 else None,
@@ -187,7 +190,11 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
     s = json.load(open(os.path.join(job_dir, "summary.json")))
     ms = [json.load(open(p)) for p in glob.glob(os.path.join(job_dir, "metrics", "*.json"))]
     m = ms[0] if ms else {}
+    rows = pq.read_table(os.path.join(job_dir, "results.parquet")).to_pylist()
+    ends = sorted(r["started_at"] + r["e2e_s"] for r in rows if r.get("e2e_s"))   # each written
     return dict(items=s["ok"], items_per_s=s.get("steady_items_per_s") or s["items_per_s"],
+                # as the loops' figure: from the first output written to the last
+                ends_items_per_s=(len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None,
                 ready_s=(m["model_load_s"] + m["warmup_s"]) if "warmup_s" in m else None,
                 # Dynamo's recompile warnings in the job's log (there should be none)
                 recompiles=r.stderr.count("torch._dynamo hit config.recompile_limit")
@@ -324,7 +331,7 @@ def main(argv: list[str]) -> list[dict]:
     for r in rows:   # step reuse: the speed-up over the same mode without it
         plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
-    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "call_items_per_s", "it_s", "ready_s", "recompiles",
+    print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ends_items_per_s", "call_items_per_s", "it_s", "ready_s", "recompiles",
                               "gpu_util", "computed_steps", *[f"x_{a}" for a in base],
                               "x_same_mode", "psnr_ref", "psnr_median_db", "psnr_min_db"]))
     return rows
