@@ -9,9 +9,10 @@ Contract: `Ending()` lives from before the job's lock is taken to the process's 
   or once the deadline has passed, every later step is skipped, and each is named in
   `not_written` with the cause, so the summary printed to the terminal says what is missing.
 - `lock_budget()` is the lock's `release_s` (`lock.job_lock`): the time left, once stopping.
-- `abandoned`: a call on the store was left running (a `StoreTimeout` cannot cancel it, a
-  snapshot or listing that did not finish in time). pyarrow's exit waits for abandoned S3
-  requests (33 s measured after a stalled write), so then the process ends at once
+- `abandoned`: a call on the store may still be running (a `StoreTimeout` cannot cancel it; a
+  snapshot or listing did not finish in time; on an object store (`remote`), any failure: the
+  lock's heartbeat and release are requests too). pyarrow's exit waits for S3 requests in
+  flight (33 s measured after a stalled write), so then the process ends at once
   (`python -m runner`, see `runner.job.EXIT_AT_ONCE`).
 
 Why one deadline: a stalled store (no answer, not refused) made each step wait for its own
@@ -37,8 +38,8 @@ def first_line(e: BaseException) -> str:
 
 
 class Ending:
-    def __init__(self, clock=time.monotonic):
-        self.clock = clock
+    def __init__(self, remote: bool = False, clock=time.monotonic):
+        self.remote, self.clock = remote, clock
         self.deadline: float | None = None     # on `clock`, once stopping
         self.failed: str | None = None         # the first failed step's cause
         self.failed_step: str | None = None
@@ -65,8 +66,8 @@ class Ending:
 
     def saw(self, e: BaseException) -> None:
         """A store error seen outside `write` (the record, a snapshot): a timeout leaves its call
-        running."""
-        if isinstance(e, StoreTimeout):
+        running, and so may any error of an object store."""
+        if isinstance(e, StoreTimeout) or self.remote:
             self.abandoned = True
 
     def fail(self, step: str, cause: str) -> None:
@@ -74,6 +75,7 @@ class Ending:
         if self.failed is None:
             self.failed, self.failed_step = cause, step
             self.begin()                       # what is left (the lock's release) is bounded
+        self.abandoned |= self.remote
         self.not_written.setdefault(step, cause)
 
     def skip(self, step: str) -> bool:

@@ -27,6 +27,7 @@ metrics of what was done are written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -164,11 +165,38 @@ def _configure_logging() -> None:
 
 
 def exit_now(status: int) -> None:
-    """The end of the process with `status`, not waiting for threads left behind (EXIT_AT_ONCE)."""
+    """The end of the process with `status`, not waiting for threads left behind (EXIT_AT_ONCE).
+    The processes it started go first: a local Ray abandoned mid-start dies with this process
+    (Ray ties its processes to ours), but not the agents its raylet started (seen alive after
+    a minute)."""
+    _kill_descendants()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL to every process this one started, and theirs (Linux's /proc; elsewhere nothing:
+    Ray's reaper process is left to do it)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:   # "pid (comm) state ppid ..."
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):   # gone meanwhile
+                    continue
+                children.setdefault(ppid, []).append(int(name))
+    todo, found = [os.getpid()], []
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def exit_within(status: int, timeout_s: float = 30.0) -> None:
@@ -205,13 +233,14 @@ def run(argv: list[str], start_pool: StartPool | None = None,
     _check_output_dir(job["output"].job_dir, create=not job["run"].dry_run)
     if job["run"].dry_run:
         return _dry_run(cfg, job, checked.items)
-    ending = Ending()      # once stopping, the end (the lock's release included) has one deadline
+    store = _store(job["output"].job_dir)
+    ending = Ending(remote=not store.local)   # once stopping, one deadline (the lock's included)
     try:
-        with job_lock(_store(job["output"].job_dir), release_s=ending.lock_budget):  # one driver
+        with job_lock(store, release_s=ending.lock_budget):       # one driver per job directory
             return _run_locked(cfg, job, checked, start_pool or start_ray_pool, clock, ending)
     finally:
         if ending.abandoned:
-            EXIT_AT_ONCE.append("a call on a stalled store was left running")
+            EXIT_AT_ONCE.append("calls on a failed store may still be running")
 
 
 def check_input(job: dict) -> Checked:
@@ -442,15 +471,15 @@ class JobRun:
         summary = summarize(self.head, len(self.items), table, self.slots, metrics,
                             len(self.plan.done), self.stopped is not None, self._timing(),
                             self.plan, self.clock())
+        self._write_results(table)                # first: what a rerun reads
         if self.ending.stopping:
             summary["unrecorded_media"] = self._unrecorded_media()
-        self._write_results(table)
-        for m in metrics:
-            self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
-                              f"metrics/worker-{m['rank']}.json", json_text(m))
         text = summary_text(summary, metrics, self.plan, table)
         self.ending.write("summary.json", self.store.write_text, "summary.json", json_text(summary))
         self.ending.write("summary.txt", self.store.write_text, "summary.txt", text)
+        for m in metrics:
+            self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
+                              f"metrics/worker-{m['rank']}.json", json_text(m))
         self._write_report(table, summary, metrics, text)
         self._print(summary, text)
         if self.stopped is not None:

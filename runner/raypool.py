@@ -127,10 +127,20 @@ class RayPool:
         ray.shutdown()
 
 
+class _StartedOffTheMainThread(logging.Filter):
+    """Ray's start runs on a thread of its own (`runner.job` watches for Ctrl-C meanwhile), so
+    `ray.init` warns that it sets no SIGTERM handler: the job installs its own, the user has
+    nothing to do about it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is not the main thread" not in record.getMessage()
+
+
 def connect(opts: RayOptions) -> None:
     """The cluster at `opts.address` or RAY_ADDRESS, else a new embedded local Ray."""
     if ray.is_initialized():
         return
+    logging.getLogger("ray._private.worker").addFilter(_StartedOffTheMainThread())
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
         log.info("connecting to the Ray cluster at %s", address)

@@ -494,3 +494,58 @@ def test_a_worker_not_ready_when_the_job_ends_is_listed_not_lost(prompts, tmp_pa
     assert line in (d / "summary.txt").read_text()
     assert "Not ready when the job ended:</p><ul><li>worker 1: still starting after 17 s; served " \
            "nothing</li>" in (d / "report.html").read_text()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (mounting needs root, as CI runs) and `fill()`, which fills it to ENOSPC;
+    `free()` empties what `fill` wrote."""
+    import subprocess
+    from types import SimpleNamespace
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+
+    def fill():
+        fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)     # unbuffered: nothing left to flush
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
+    try:
+        yield SimpleNamespace(path=d, fill=fill, free=lambda: (d / "filler").unlink())
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(
+        prompts, small_disk, monkeypatch, capsys):
+    """The job exited 0 with report.html missing and 93 "no thumbnail" lines (issue 37). Now its
+    last line says so; summary.txt too once it can be rewritten; every output is complete, so
+    the status stays 0 (the report is made again by `python -m runner.report DIR`)."""
+    from runner import report
+    real = report.write_report
+
+    def disk_fills_then_report(*args, **kw):      # a real ENOSPC inside the report's writes
+        small_disk.fill()
+        try:
+            return real(*args, **kw)
+        finally:
+            small_disk.free()                      # summary.txt can take the note after
+    monkeypatch.setattr(report, "write_report", disk_fills_then_report)
+    c = Cluster()
+    # no background snapshot (it draws the report too): the final report is the one that fails
+    assert c.main(job_args(prompts, small_disk.path, "output.results_every_s=100000")) == 0
+    d = small_disk.path / "j"
+    assert_complete(d) and summary(d)["ok"] == 12
+    assert not (d / "report.html").exists()
+    note = (f"report.html not written (OSError: [Errno 28] No space left on device); every output "
+            f"is complete: `python -m runner.report {d}` makes it once the cause is fixed")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1] == f"note: {note}"
+    assert (d / "summary.txt").read_text().endswith(f"\nnote: {note}\n")
