@@ -160,6 +160,8 @@ def _configure_logging() -> None:
     user asked for them (`python -W ...`, PYTHONWARNINGS)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
+    # matplotlib (report.html's plots) says "building the font cache" at WARNING on a first run
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     if not sys.warnoptions:
         warnings.simplefilter("ignore")
 

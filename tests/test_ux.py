@@ -380,3 +380,26 @@ def test_ctrl_c_while_ray_starts_exits_130_at_once_leaving_no_process(tmp_path):
     assert lines[-1] == ("interrupted: Ray was still starting: no worker ran; rerun the same "
                          "command to resume"), lines
     assert session() == []
+
+
+def test_the_terminal_shows_the_runners_lines_not_the_libraries():
+    """`main`'s logging: the runner's INFO lines; libraries' INFO lines, matplotlib's font-cache
+    notice and Python warnings of libraries (a matplotlib UserWarning from report.py, issue 37)
+    stay off the terminal, unless the user asks for warnings (-W)."""
+    import subprocess
+    import sys
+    code = ("import logging, warnings; from runner import job; job._configure_logging(); "
+            "logging.getLogger('runner').info('runner line'); "
+            "logging.getLogger('ray').info('library info'); "
+            "logging.getLogger('matplotlib.font_manager').warning('Matplotlib is building the font cache'); "
+            "logging.getLogger('pyarrow').warning('library warning line'); "
+            "warnings.warn('a library UserWarning', UserWarning)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == ["runner: runner line",
+                                                         "pyarrow: library warning line"], lines
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert "UserWarning: a library UserWarning" in r.stderr
