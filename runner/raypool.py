@@ -140,7 +140,9 @@ def connect(opts: RayOptions) -> None:
     """The cluster at `opts.address` or RAY_ADDRESS, else a new embedded local Ray."""
     if ray.is_initialized():
         return
-    logging.getLogger("ray._private.worker").addFilter(_StartedOffTheMainThread())
+    ray_worker_log = logging.getLogger("ray._private.worker")
+    if not any(isinstance(f, _StartedOffTheMainThread) for f in ray_worker_log.filters):
+        ray_worker_log.addFilter(_StartedOffTheMainThread())
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
         log.info("connecting to the Ray cluster at %s", address)
