@@ -295,7 +295,7 @@ def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the
     # phases before progress, in order; progress as plain lines (stderr is a pipe, not a terminal)
     lines = err.splitlines()
     at = {key: next(i for i, l in enumerate(lines) if key in l)
-          for key in ("worker 0: starting, then loading model", "worker 0: warming up", "worker 0: ready in",
+          for key in ("worker 0: starting, then loading model", "worker 0: warming up", "worker 0: ready at",
                       "generating: 8/8 items")}
     assert list(at.values()) == sorted(at.values()), err
     assert "\r" not in err and "%|" not in err
