@@ -1,9 +1,11 @@
 """`python -m runner job=NAME [key=value ...]`: see runner/job.py."""
 import sys
 
-from .job import exit_within, main
+from . import job
 
-status = main()
+status = job.main()
+if job.EXIT_AT_ONCE:     # a thread left on a stalled store or Ray's start: the exit must not wait
+    job.exit_now(status)
 sys.stdout.flush()
-exit_within(status)      # everything is written: an exit that hangs must not hold the job
+job.exit_within(status)  # everything is written: an exit that hangs must not hold the job
 sys.exit(status)

@@ -32,8 +32,8 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
 These rules live in `Dispatcher`, which reaches its workers only through a `Pool` (start a worker
 and its warm-up, submit a shard, wait for futures, read a result as a value, `TaskError` or
 `WorkerLost`, kill a worker; and for the rest of the driver: phases, metrics, stop and wait until
-dead): `runner.raypool.RayPool` is the Ray one (the driver's only Ray code), tests drive the same
-rules with in-memory pools, and `runner.bench.simulate` with a simulated cluster. A worker is
+dead, close): `runner.raypool.RayPool` is the Ray one (the driver's only Ray code), tests drive the
+same rules with in-memory pools, and `runner.bench.simulate` with a simulated cluster. A worker is
 anything with the methods of `runner.worker.WorkerContract`. This module imports no Ray.
 """
 
@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from .prompts import Item, Shard
-from .results import failed_row
+from .results import error_cause, failed_row
+from .storage import StoreTimeout
 
 log = logging.getLogger("runner")
 
@@ -58,10 +59,22 @@ class DispatchError(RuntimeError):
 class PersistentFault(DispatchError):
     """The same error on `FAULT_ROWS` different shards in a row, none finished in between (a full
     disk, an unreachable store): retrying every row would only burn GPU time on outputs that
-    cannot be written."""
+    cannot be written. A store that did not answer (`StoreTimeout`) counts after
+    `FAULT_ROWS_STALLED`: each of its failures took the store's whole timeout (20 s), and four
+    in a row took the job 80 s before it could even begin to stop."""
 
 
 FAULT_ROWS = 4   # distinct failing shards (or rows) with one cause and no success in between
+FAULT_ROWS_STALLED = 2   # the same, for a store that did not answer in time
+
+
+def fault_cause(shard: Shard, error: str) -> str:
+    """`error` as a cause that shards share: its first line with the shard's own ids masked (as
+    `results.error_cause` does for a row), so the same store error naming each row's file counts
+    as one cause."""
+    for it in shard.items:
+        error = error_cause({"id": it.id, "error": error})
+    return error
 
 
 class TaskError(Exception):
@@ -108,6 +121,10 @@ class Pool(Protocol):
     def stop(self, workers: list, timeout_s: float) -> int:
         """Kill `workers` and return once each is gone (no file of theirs can land after), or
         after `timeout_s`: the number still running then."""
+
+    def close(self) -> None:
+        """The job is done with the pool (its workers stopped): nothing of it may print after
+        the job's last lines (Ray: errors of calls never read, workers' log lines)."""
 
 
 def cause(e: BaseException) -> str:
@@ -272,15 +289,17 @@ class Dispatcher:
         if slot.state == "ready":
             self.hungry[slot] = None
 
-    def _count_fault(self, shard: Shard, cause: str) -> None:
-        """PersistentFault once `FAULT_ROWS` distinct shards failed of `cause` since a success."""
-        failed = self.streak.setdefault(cause, set())
+    def _count_fault(self, shard: Shard, error: str) -> None:
+        """PersistentFault once `FAULT_ROWS` distinct shards failed of one cause (`fault_cause`)
+        since a success; `FAULT_ROWS_STALLED` for a store that did not answer."""
+        failed = self.streak.setdefault(fault_cause(shard, error), set())
         failed.add(shard.index)
-        if len(failed) >= FAULT_ROWS:
+        if len(failed) >= (FAULT_ROWS_STALLED if error.startswith(f"{StoreTimeout.__name__}:")
+                           else FAULT_ROWS):
             raise PersistentFault(
                 f"the same error on {len(failed)} shards in a row, nothing written since: "
-                f"{cause}. Finished outputs are kept: fix the cause (disk space, storage access) "
-                f"and rerun the same command to resume.")
+                f"{error.splitlines()[0]}. Finished outputs are kept: fix the cause (disk space, "
+                f"storage access) and rerun the same command to resume.")
 
     def retry(self, shard: Shard, error: str, count: bool = True) -> None:
         """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -47,14 +48,15 @@ from . import step_cache
 from .config import (ConfigError, OutputOptions, RayOptions, WorkerConfig, help_text, load_config,
                      split)
 from .dispatch import DispatchError, Dispatcher, PersistentFault, Pool
+from .ending import Ending, first_line
 from .images import fill_hashes
 from .lock import LockedError, job_lock, holder as lock_holder
 from .progress import PhasePrinter, Progress
 from .prompts import Constraints, Item, PromptError, Shard, check_prompts, plan_shards
 from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fingerprint,
-                      remove_temp_files, settings_id, start_fresh)
-from .storage import Store, resolve
-from .summary import json_text, work_after, write_summary
+                      remove_temp_files, settings_id, start_fresh, write_parquet)
+from .storage import Store, StoreTimeout, resolve
+from .summary import json_text, summarize, summary_text, work_after
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
@@ -99,6 +101,21 @@ def _terminated() -> bool:
     return bool(STOPS) and STOPS[0] == signal.SIGTERM
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal's end of the run; `kept` says what the terminal is told was kept."""
+
+    def __init__(self, signame: str, kept: str):
+        super().__init__(signame)
+        self.kept = kept
+
+
+# Why the process must end as soon as `main` returns, if it must (`python -m runner` then flushes
+# and calls os._exit): a thread left behind that the interpreter's exit would wait for (Ray's
+# start abandoned on Ctrl-C; a call on a stalled store, which pyarrow's S3 finalization waits
+# for: 33 s measured). Everything the job writes is written, or named as not written, by then.
+EXIT_AT_ONCE: list[str] = []
+
+
 StartPool = Callable[[dict, Constraints], Pool]   # (the job's typed config, limits) -> its pool
 
 
@@ -109,17 +126,18 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
     if any(a in ("-h", "--help") for a in argv) or not argv:
         print(help_text(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    _configure_logging()
     _handle_stop_signals()
     try:
         summary = run(argv, start_pool, clock)
     except (ConfigError, PromptError, JobError, LockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # a second signal stops at once: the summary may not have been written
         kept = ("finished outputs are kept (a second signal: the summary may be missing)"
-                if len(STOPS) > 1 else "finished outputs and the summary so far are written")
+                if len(STOPS) > 1 else getattr(e, "kept", None)
+                or "finished outputs and the summary so far are written")
         if _terminated():
             print(f"terminated (SIGTERM): {kept}; rerun the same command to resume", file=sys.stderr)
             return 143
@@ -128,8 +146,59 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
     if summary.get("aborted"):   # 3: stopped early on a persistent fault (summary.txt says which)
         print(f"error: {summary['aborted']}", file=sys.stderr)
         return 3
-    # 1: some items failed (see summary.txt); the others are complete.
+    for line in summary.get("notes") or ():   # the report not written (a full disk): said last
+        print(f"note: {line}", file=sys.stderr)
+    # 1: some items failed (see summary.txt); the others are complete. Every output complete with
+    # only the report missing is still 0: the report is a view of the outputs, made again by
+    # `python -m runner.report DIR`, and a pipeline must not redo a finished job for it.
     return 0 if summary["failed"] == 0 else 1
+
+
+def _configure_logging() -> None:
+    """The runner's own lines at INFO; libraries' at WARNING (matplotlib's font-cache notice and
+    the like stay off), and no Python warnings of libraries on the user's terminal, unless the
+    user asked for them (`python -W ...`, PYTHONWARNINGS)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    # matplotlib (report.html's plots) says "building the font cache" at WARNING on a first run
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+
+
+def exit_now(status: int) -> None:
+    """The end of the process with `status`, not waiting for threads left behind (EXIT_AT_ONCE).
+    The processes it started go first: a local Ray abandoned mid-start dies with this process
+    (Ray ties its processes to ours), but not the agents its raylet started (seen alive after
+    a minute)."""
+    _kill_descendants()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL to every process this one started, and theirs (Linux's /proc; elsewhere nothing:
+    Ray's reaper process is left to do it)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:   # "pid (comm) state ppid ..."
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):   # gone meanwhile
+                    continue
+                children.setdefault(ppid, []).append(int(name))
+    todo, found = [os.getpid()], []
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def exit_within(status: int, timeout_s: float = 30.0) -> None:
@@ -166,8 +235,14 @@ def run(argv: list[str], start_pool: StartPool | None = None,
     _check_output_dir(job["output"].job_dir, create=not job["run"].dry_run)
     if job["run"].dry_run:
         return _dry_run(cfg, job, checked.items)
-    with job_lock(_store(job["output"].job_dir)):                  # one driver per job directory
-        return _run_locked(cfg, job, checked, start_pool or start_ray_pool, clock)
+    store = _store(job["output"].job_dir)
+    ending = Ending(remote=not store.local)   # once stopping, one deadline (the lock's included)
+    try:
+        with job_lock(store, release_s=ending.lock_budget):       # one driver per job directory
+            return _run_locked(cfg, job, checked, start_pool or start_ray_pool, clock, ending)
+    finally:
+        if ending.abandoned:
+            EXIT_AT_ONCE.append("calls on a failed store may still be running")
 
 
 def check_input(job: dict) -> Checked:
@@ -182,7 +257,8 @@ def check_input(job: dict) -> Checked:
     return Checked(limits, files, items, skipped)
 
 
-def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock) -> dict:
+def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
+                ending: Ending) -> dict:
     # 3. Plan: what is already done (made from exactly these parameters), shards of the rest.
     out, items = job["output"], checked.items
     results = _open_results(cfg, out)
@@ -195,8 +271,9 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock) 
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(checked.files), len(plan.done), len(shards), out.job_dir)
     _log_plan(plan, out.job_dir)
+    _retire(results, plan)      # no old output stays under a changed row's name, whatever follows
     # 4. Workers and stream: shards handed out, rows recorded as they arrive.
-    run = JobRun(results, items, plan, out, _head(job), checked.skipped, clock)
+    run = JobRun(results, items, plan, out, _head(job), checked.skipped, clock, ending)
     if shards:
         run.serve(start_pool(job, checked.limits), shards, job["run"].max_shard_retries, job["ray"])
     # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
@@ -204,14 +281,61 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock) 
 
 
 def start_ray_pool(job: dict, limits: Constraints) -> Pool:
-    """The job's workers as Ray actors: one per GPU, or `ray.*`'s count (`raypool.py`)."""
-    from .raypool import RayPool, RayStartError
+    """The job's workers as Ray actors: one per GPU, or `ray.*`'s count (`raypool.py`). Ray's
+    start (seconds: importing Ray, a local cluster's processes) can be interrupted."""
+    def open_pool() -> Pool:
+        from .raypool import RayPool, RayStartError
+        try:
+            return RayPool.open(job["ray"], gpu=job["model"].device != "cpu",
+                                worker_config=functools.partial(worker_config, job, limits),
+                                shared_cache=job["compile"].options.has("cache"), inflight=INFLIGHT)
+        except RayStartError as e:
+            raise JobError(str(e)) from e
+    return _interruptible(open_pool, "ray-start")
+
+
+def _interruptible(fn: Callable[[], Pool], name: str) -> Pool:
+    """`fn()` on a thread of its own while the main thread checks for a stop signal every 0.1 s:
+    Ctrl-C during Ray's start (seconds in calls that do not return to Python: Ctrl-C was seen
+    after 8.7 s) ends the job at once, the start abandoned (EXIT_AT_ONCE: a local Ray's
+    processes die with this one). The thread stays until the process ends, done or not: Ray ties
+    the processes it starts to the thread that started them (Linux's PR_SET_PDEATHSIG), so a
+    thread that ended would take the local Ray down with it."""
+    box: dict = {}
+    done = threading.Event()
+
+    def start():
+        try:
+            box["pool"] = fn()
+        except BaseException as e:                   # handed to the main thread
+            box["error"] = e
+        finally:
+            done.set()
+        threading.Event().wait()                     # see the docstring
+
+    threading.Thread(target=start, name=name, daemon=True).start()
+    while not done.wait(0.1):
+        if STOPS:
+            EXIT_AT_ONCE.append("Ray's start abandoned")
+            raise Stopped(signal.Signals(STOPS[0]).name,
+                          "Ray was still starting: no worker ran")
+    if "error" in box:
+        raise box["error"]
+    return box["pool"]
+
+
+def _retire(results: Results, plan: Plan) -> None:
+    """Changed rows' old outputs removed, and recorded so (`Results.retire`), before any shard
+    runs: if a regeneration fails or never runs, no file made from old inputs stays under the
+    row's name (issue 37 D3)."""
     try:
-        return RayPool.open(job["ray"], gpu=job["model"].device != "cpu",
-                            worker_config=functools.partial(worker_config, job, limits),
-                            shared_cache=job["compile"].options.has("cache"), inflight=INFLIGHT)
-    except RayStartError as e:
-        raise JobError(str(e)) from e
+        retired = results.retire(plan)
+    except OSError as e:       # a store that refuses: before any GPU time
+        raise JobError(f"cannot remove the old outputs of changed rows ({first_line(e)}); fix "
+                       f"access to output.dir, then rerun") from e
+    if retired:
+        log.info("removed the old outputs of %d changed rows before regenerating them: %s",
+                 len(retired), _few(retired, 5))
 
 
 def _head(job: dict) -> dict:
@@ -223,12 +347,13 @@ def _head(job: dict) -> dict:
 class JobRun:
     """One run of the job: `serve` its shards on a pool (every row recorded as it arrives, the
     results table and report rewritten in the background), then `finish`: the summary. Its state
-    is its own; the dispatcher calls back into its methods (`on_rows`, `on_ready`, `on_tick`)."""
+    is its own; the dispatcher calls back into its methods (`on_rows`, `on_ready`, `on_tick`).
+    Once it stops (a signal, a persistent fault), its end has one deadline (`ending.Ending`)."""
 
     def __init__(self, results: Results, items: list[Item], plan: Plan, out: OutputOptions,
-                 head: dict, skipped: int, clock: Callable[[], float]):
+                 head: dict, skipped: int, clock: Callable[[], float], ending: Ending):
         self.results, self.items, self.plan, self.out = results, items, plan, out
-        self.head, self.skipped, self.clock = head, skipped, clock
+        self.head, self.skipped, self.clock, self.ending = head, skipped, clock, ending
         self.store = _store(out.job_dir)
         self.ids = [it.id for it in items]      # the rows results.parquet keeps, in prompt order
         self.pool: Pool | None = None
@@ -260,20 +385,21 @@ class JobRun:
                 dispatcher.run()
         except KeyboardInterrupt as e:           # Ctrl-C or SIGTERM (_check_stop)
             self.stopped = e
+            self.ending.begin()
             log.warning("%s: stopping workers; finished outputs are kept, rerun to resume",
                         "terminated" if _terminated() else "interrupted")
         except PersistentFault as e:             # the same error on every output: stop, summarize
             self.aborted = str(e)
+            self.ending.begin()
             log.error("stopping: %s", e)
         except DispatchError as e:               # every worker gone
-            self.results.write_table(self.ids)
-            self.results.compact()
-            remove_temp_files(self.store)
+            self._close_pool()
+            self._write_results(self._table())
+            self.ending.write("removing temporary files", remove_temp_files, self.store)
             raise JobError(str(e)) from e
         finally:
             self.progress.close()
-            _settle(self.pending)         # a stale snapshot must not land after the final write
-            self.snapshots.shutdown()
+            self._settle_snapshot()       # a stale snapshot must not land after the final write
         self.t_done = self.clock()
 
     def on_rows(self, rows: list[dict]) -> None:
@@ -282,9 +408,10 @@ class JobRun:
         try:
             self.results.add(rows)
         except OSError as e:     # the record cannot be written: nothing further can count
-            raise PersistentFault(f"the job's record could not be written ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:300]}). Finished outputs are "
-                                  f"kept: fix the storage and rerun the same command to resume.")
+            self.ending.saw(e)
+            raise PersistentFault(f"the job's record could not be written ({first_line(e)}). "
+                                  f"Finished outputs are kept: fix the storage and rerun the "
+                                  f"same command to resume.")
         self.progress.update(len(rows))
         now = self.clock()
         n_ok, n_failed = self.timeline[-1][1:] if self.timeline else (0, 0)
@@ -304,14 +431,25 @@ class JobRun:
                 dict(job=self.head["job"], items=len(self.items)), timeline=list(self.timeline),
                 thumb_budget_s=5)
 
+    def _settle_snapshot(self) -> None:
+        """The background snapshot done before the final writes; once stopping, within the time
+        left: one that does not finish by then (a stalled store) is left behind, and the final
+        writes are skipped, so that it cannot land after them."""
+        if self.pending is not None:
+            self.ending.within("the last background snapshot", self.pending.exception)
+        self.snapshots.shutdown(wait=not self.ending.abandoned)
+
     def on_ready(self, slot) -> None:
         self.phases.poll(self.slots, flush=slot)
-        log.info("worker %d: ready in %.1f s", slot.rank, self.clock() - slot.started)
+        now = self.clock()
+        # the summary's clock (seconds since the job started); the worker's own start-up beside
+        log.info("worker %d: ready at %.1f s (%.1f s after it was started)", slot.rank,
+                 now - self.t_start, now - slot.started)
         self.progress.start()     # the bar's rate counts generation from the first ready worker
-        self.t_ready = self.t_ready or self.clock()
+        self.t_ready = self.t_ready or now
         self.ready_ranks.add(slot.rank)
         if len(self.ready_ranks) == self.pool.size and self.t_all_ready is None:
-            self.t_all_ready = self.clock()
+            self.t_all_ready = now
 
     def on_tick(self) -> None:
         """About once a second: a stop signal raises here; start-up phases, progress lines."""
@@ -322,35 +460,97 @@ class JobRun:
     # -- 5. summary ------------------------------------------------------------------------------
 
     def finish(self) -> dict:
-        """The summary; a stop is raised again once it is written. A store that fails under it
-        (results, record, summary): every finished output is recorded already; stopped, the exit
-        status stays the stop's, else exit 3 naming the cause."""
-        try:
-            return self._summarize()
-        except OSError as e:
-            cause = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            log.error("the summary could not be written: %s", cause)
-            if self.stopped is not None:
-                raise self.stopped from None
-            return dict(aborted=self.aborted or f"the results or summary could not be written "
-                                                f"({cause}); finished outputs are recorded: fix the "
-                                                f"store and rerun the same command to write the "
-                                                f"results table", failed=0)
-
-    def _summarize(self) -> dict:
-        metrics = self._metrics(timeout_s=60.0 if self.stopped is None else 30.0)
-        if self.stopped is not None:   # stopped: no file may land after the summary
-            self._stop_workers()
-        table = self.results.write_table(self.ids)
-        self.results.compact()
-        summary = write_summary(self.store, self.head, len(self.items), table, self.slots, metrics,
-                                len(self.plan.done), self.stopped is not None, self._timing(),
-                                self.plan)
-        _report(self.out.job_dir, table, summary, metrics, timeline=self.timeline or None)
-        if self.stopped is not None:
-            raise self.stopped
+        """The summary. The workers are stopped first (no file lands after it; their output ends
+        before the job's last lines), then the results table, the record's compaction, metrics,
+        summary and report are written through `self.ending`: after the first that fails, the
+        rest are skipped, and the summary printed to the terminal says which. A stop is raised
+        again at the end. A store that failed under the end of a run that was not stopped is
+        exit 3 naming it (every finished output is recorded already)."""
+        metrics = self._metrics()
         self._stop_workers()
+        self._close_pool()
+        table = self._table()
+        summary = summarize(self.head, len(self.items), table, self.slots, metrics,
+                            len(self.plan.done), self.stopped is not None, self._timing(),
+                            self.plan, self.clock())
+        self._write_results(table)                # first: what a rerun reads
+        if self.ending.stopping:
+            summary["unrecorded_media"] = self._unrecorded_media()
+        text = summary_text(summary, metrics, self.plan, table)
+        self.ending.write("summary.json", self.store.write_text, "summary.json", json_text(summary))
+        self.ending.write("summary.txt", self.store.write_text, "summary.txt", text)
+        for m in metrics:
+            self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
+                              f"metrics/worker-{m['rank']}.json", json_text(m))
+        self._write_report(table, summary, metrics, text)
+        self._print(summary, text)
+        if self.stopped is not None:
+            raise Stopped(str(self.stopped), "finished outputs and the summary so far are written"
+                          if "summary.txt" not in self.ending.not_written else
+                          "finished outputs are kept; the summary (above) could not be written "
+                          "to the store") from None
+        if self.ending.failed_step not in (None, "report.html") and not self.aborted:
+            summary["aborted"] = (f"the results or summary could not be written "
+                                  f"({self.ending.failed}); finished outputs are recorded: fix "
+                                  f"the store and rerun the same command to write them")
         return summary
+
+    def _table(self) -> list[dict]:
+        """results.parquet's rows: one per id of the input that has a row in the record (the
+        record's own dicts: read, never change them)."""
+        rows = self.results.rows
+        return [rows[i] for i in self.ids if i in rows]
+
+    def _write_results(self, table: list[dict]) -> None:
+        """results.parquet, then the record compacted (both from the record in memory)."""
+        self.ending.write("results.parquet", write_parquet, self.store, "results.parquet", table)
+        self.ending.write("the record's compaction", self.results.compact)
+
+    def _write_report(self, table, summary: dict, metrics, text: str) -> None:
+        """report.html last: it is a view of the rest (`python -m runner.report DIR` makes it
+        again). Its failure (a full disk at the report stage) is said at the end, and in
+        summary.txt when that can be rewritten; it never changes the exit status."""
+        if self.ending.skip("report.html"):
+            return
+        try:
+            from .report import write_report
+            write_report(self.out.job_dir, table, summary, metrics,
+                         timeline=self.timeline or None)
+            return
+        except Exception as e:     # a full disk, a stalled store, a plot that cannot be drawn
+            cause = first_line(e)
+            if isinstance(e, StoreTimeout):      # stalled: nothing more is tried
+                self.ending.saw(e)
+                self.ending.fail("report.html", cause)
+            else:
+                self.ending.not_written["report.html"] = cause
+        done = "every output is complete" if summary["ok"] == summary["items"] else "the rest is written"
+        note = (f"report.html not written ({cause}); {done}: `python -m runner.report "
+                f"{self.store.uri()}` makes it once the cause is fixed")
+        summary["notes"] = [note]
+        if not self.ending.not_written.keys() - {"report.html"}:
+            self.ending.write("summary.txt (the note on report.html)", self.store.write_text,
+                              "summary.txt", f"{text}\nnote: {note}\n")
+
+    def _print(self, summary: dict, text: str) -> None:
+        """The summary on the terminal, with what of it could not be written to the store (a
+        report not written alone: said last by `main`, once)."""
+        summary["not_written"] = dict(self.ending.not_written)
+        said_by_main = list(self.ending.not_written) == ["report.html"] and not (
+            self.stopped or self.aborted)
+        missing = [] if said_by_main else self.ending.summary_lines()
+        print("\n" + text + "".join(f"\n{line}\n" for line in missing), flush=True)
+
+    def _unrecorded_media(self) -> int | None:
+        """Files in media/ without an ok row in the record: written after the last record update
+        (the driver stopped before their shard's rows came back). One listing; None if it could
+        not be made in the time left."""
+        names = self.ending.within("the media listing", self.store.list, "media")
+        if names is None:
+            return None
+        recorded = {(r.get("output") or "").replace(os.sep, "/")
+                    for r in self.results.rows.values() if r.get("status") == "ok"}
+        return sum(f"media/{n}" not in recorded for n in names)
 
     def _timing(self) -> dict:
         t0 = self.t_start
@@ -366,10 +566,11 @@ class JobRun:
         timing["skipped_empty"] = self.skipped   # rows never run: empty prompts, on_empty=skip
         return timing
 
-    def _metrics(self, timeout_s: float) -> list[dict]:
-        """Every ready worker's metrics, asked at once, waited for `timeout_s` in all (after an
-        interrupt a worker answers once its running shard is done; SIGTERM's grace period is
-        short), each written to `metrics/worker-<rank>.json`."""
+    def _metrics(self) -> list[dict]:
+        """Every ready worker's metrics, asked at once, waited for 60 s in all, or once stopping
+        30 s within the time left (after an interrupt a worker answers once its running shard is
+        done; SIGTERM's grace period is short). Written by `finish`."""
+        timeout_s = min(30.0, self.ending.left()) if self.ending.stopping else 60.0
         asked = {self.pool.metrics(s.actor): s for s in self.slots if s.state == "ready"}
         deadline, metrics = self.clock() + timeout_s, []
         while asked:
@@ -384,7 +585,6 @@ class JobRun:
                     log.warning("no metrics from worker %d: %s", s.rank, e)
                     continue
                 m["restarts"] = s.restarts
-                self.store.write_text(f"metrics/worker-{m['rank']}.json", json_text(m))
                 metrics.append(m)
         for s in asked.values():
             log.warning("no metrics from worker %d within %.0f s", s.rank, timeout_s)
@@ -396,10 +596,17 @@ class JobRun:
         requeued, or is not recorded): removed."""
         if not self.slots:
             return
-        left = self.pool.stop([s.actor for s in self.slots], timeout_s=15.0)
+        wait_s = min(15.0, max(1.0, self.ending.left(default=15.0)))
+        left = self.pool.stop([s.actor for s in self.slots], timeout_s=wait_s)
         if left:
-            log.warning("%d stopped worker(s) still running after 15 s", left)
-        remove_temp_files(self.store)
+            log.warning("%d stopped worker(s) still running after %.0f s", left, wait_s)
+        self.ending.write("removing temporary files", remove_temp_files, self.store)
+
+    def _close_pool(self) -> None:
+        """No more output from the pool (Ray: unread errors of abandoned calls, workers' log lines)
+        once the job's own last lines are due."""
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _write_config(cfg, job_dir: str) -> None:
@@ -414,13 +621,6 @@ def _write_config(cfg, job_dir: str) -> None:
 def _store(job_dir: str) -> Store:
     """The job directory as a Store (one per location and process: an S3 client is not free)."""
     return resolve(job_dir)
-
-
-def _settle(future) -> None:
-    """Waits for a background snapshot (its errors are logged by `_report`)."""
-    if future is not None:
-        with contextlib.suppress(Exception):
-            future.result()
 
 
 def _report(job_dir: str, *args, **kw) -> None:
@@ -458,9 +658,12 @@ def _dry_run(cfg, job, items) -> dict:
     workers = r.num_workers or f"one per GPU ({r.cpu_workers} without GPUs)"
     changed = f": {plan.changed_by_file()}" if plan.changed else ""
     gone = f": {_few(plan.gone)}" if plan.gone else ""
+    stale = sum(map(len, plan.stale.values()))     # old outputs of changed rows, removed first
     lines = [f"dry run of {out.job_dir}"
              + (" (output.overwrite=true: everything regenerated)" if cfg.output.overwrite else "") + ":",
              f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed{changed})",
+             *([f"  {stale} old outputs of changed rows would be removed before they run: "
+                f"{_few(sorted(plan.stale), 5)}"] if stale else []),
              f"  {len(plan.done)} already done",
              f"  {len(plan.gone)} no longer in the input (kept){gone}",
              f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
@@ -470,7 +673,8 @@ def _dry_run(cfg, job, items) -> dict:
                      f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
     print("\n".join(lines))
     return dict(dry_run=True, items=len(items), to_run=len(items) - len(plan.done),
-                done=len(plan.done), changed=len(plan.changed), not_in_input=len(plan.gone),
+                done=len(plan.done), changed=len(plan.changed), stale_outputs=stale,
+                not_in_input=len(plan.gone),
                 shards=len(shards), failed=0)
 
 

@@ -8,7 +8,7 @@ Contract:
   `worker_config(on_gpu)`, spread over nodes, never restarted by Ray itself (the dispatcher decides).
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
 - The Pool calls map one to one onto actor calls (`warmup`, `start_shard` + `finish_shard`,
-  `phases`, `metrics`); `result` turns Ray's errors into `TaskError` (our code raised in the worker:
+  `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into `TaskError` (our code raised in the worker:
   its cause, `Type: message`) or `WorkerLost` (the actor or its node is gone); `stop` kills and
   waits until each actor's process is gone, so nothing it writes lands after the caller goes on.
 - Only this module (and the worker's side: `runner.worker`, `runner.compile_cache`) imports Ray:
@@ -117,11 +117,32 @@ class RayPool:
                 time.sleep(0.2)
         return len(alive)
 
+    def close(self) -> None:
+        """Nothing more from Ray on the terminal once the job's last lines are due (issue 37 D5:
+        36-57 lines printed after the runner's `error:` line). Errors of calls nobody will read
+        (the shards in flight when the job stopped: "Unhandled error ... finish_shard()") are
+        not printed, and the connection is closed now: Ray prints the workers' last log lines,
+        and the repeats it held back, when it disconnects, which was at the process's exit."""
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"     # read when such an error is dropped
+        ray.shutdown()
+
+
+class _StartedOffTheMainThread(logging.Filter):
+    """Ray's start runs on a thread of its own (`runner.job` watches for Ctrl-C meanwhile), so
+    `ray.init` warns that it sets no SIGTERM handler: the job installs its own, the user has
+    nothing to do about it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is not the main thread" not in record.getMessage()
+
 
 def connect(opts: RayOptions) -> None:
     """The cluster at `opts.address` or RAY_ADDRESS, else a new embedded local Ray."""
     if ray.is_initialized():
         return
+    ray_worker_log = logging.getLogger("ray._private.worker")
+    if not any(isinstance(f, _StartedOffTheMainThread) for f in ray_worker_log.filters):
+        ray_worker_log.addFilter(_StartedOffTheMainThread())
     address = opts.address or os.environ.get("RAY_ADDRESS")
     if address:
         log.info("connecting to the Ray cluster at %s", address)

@@ -44,6 +44,7 @@ import numpy as np
 
 from .outputs import atomic_path, write_json
 from .results import group_errors
+from .summary import not_ready_text
 from .storage import Store, resolve
 
 log = logging.getLogger("runner")
@@ -76,7 +77,8 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         css=CSS, header=_header(rows, summary or {}, metrics), files=_files(store),
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
-        workers=_workers_table(metrics), failures=_failure_list(rows),
+        workers=_workers_table(metrics, (summary or {}).get("workers_not_ready") or ()),
+        failures=_failure_list(rows),
         gallery="\n".join(_entry(job_dir, r, deadline, store, no_thumb) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
@@ -358,7 +360,7 @@ def _url(rel: str) -> str:
 
 def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
     ok = sum(1 for r in rows if r.get("status") == "ok")
-    failed = len(rows) - ok
+    failed = sum(1 for r in rows if r.get("status") == "failed")   # `changed`: not run
     total = s.get("items") or len(rows)
     running = "generate_s" not in s
     state = ("running" if running else "interrupted" if s.get("interrupted")
@@ -368,7 +370,7 @@ def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
         s.get("compile_mode") and f"compile {s['compile_mode']}",
         time.strftime("updated %Y-%m-%d %H:%M UTC", time.gmtime())) if x)
     stats = [("outputs ok", f"{ok} / {total}"), ("failed", failed),
-             ("not run", s.get("not_run", total - len(rows))),
+             ("not run", s.get("not_run", total - ok - failed)),
              ("workers", s.get("workers", len(metrics)) or "-")]
     if not running:
         stats += [("ready after", _secs(s.get("startup_s"))),
@@ -403,12 +405,16 @@ def _secs(v) -> str:
             else f"{v / 3600:.1f} h")
 
 
-def _workers_table(metrics: list[dict]) -> str:
+def _workers_table(metrics: list[dict], not_ready=()) -> str:
+    """The workers' figures, and the workers that were not ready when the job ended (listed, so
+    that every worker asked for is accounted for)."""
+    late = "".join(f"<li>worker {w['rank']}: {html.escape(not_ready_text(w))}</li>" for w in not_ready)
+    late = f"<p class='note'>Not ready when the job ended:</p><ul>{late}</ul>" if late else ""
     cols = ["rank", "host", "gpu_name", "items", "failed", "restarts", "model_load_s", "warmup_s",
             "steady_it_s", "e2e_mean_s", "e2e_p95_s", "peak_mem_gb", "busy_fraction", "gpu_util",
             "gpu_ms_text", "gpu_ms_denoise", "gpu_ms_decode"]
     if not metrics:
-        return ""
+        return f"<h2>Workers</h2>{late}" if late else ""
     # per item GPU milliseconds of each model stage (CPU workers: none)
     metrics = [{**m, **{f"gpu_ms_{k.split('_')[0]}": v
                         for k, v in (m.get("gpu_ms_per_item") or {}).items()}} for m in metrics]
@@ -416,7 +422,7 @@ def _workers_table(metrics: list[dict]) -> str:
     head = "".join(f"<th>{c}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(m.get(c)))}</td>" for c in cols) + "</tr>"
                    for m in sorted(metrics, key=lambda m: m.get("rank", 0)))
-    return f"<h2>Workers</h2><div class='scroll'><table><tr>{head}</tr>{body}</table></div>"
+    return f"<h2>Workers</h2><div class='scroll'><table><tr>{head}</tr>{body}</table></div>{late}"
 
 
 def _cell(v) -> str:
@@ -426,7 +432,7 @@ def _cell(v) -> str:
 
 
 def _failure_list(rows: list[dict]) -> str:
-    groups = group_errors(rows)
+    groups = group_errors(r for r in rows if r.get("status") == "failed")   # not `changed` ones
     if not groups:
         return ""
     items = "".join(f"<li><b>{len(ids)} &times;</b> <code>{html.escape(cause)}</code>: "

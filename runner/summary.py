@@ -1,11 +1,16 @@
 """The job's summary: `summary.json` (every figure) and `summary.txt` (the table the job prints).
 
-Contract: `write_summary(store, head, n_items, table, slots, metrics, resumed, interrupted, timing,
-plan)` writes both into the job's store and prints the text; returns the summary dict. `head`
-names the job (job, model, source, compile_mode); `table` is results.parquet's rows of this input;
-`slots` the dispatcher's worker slots; `metrics` the workers' `metrics()` that came back; `timing`
-the run's figures (startup_s, generate_s, and all_ready_s / steady_items_per_s when every worker
-served; aborted, skipped_empty). `work_after` is the steady-rate rule (see its docstring).
+Contract: `summarize(head, n_items, table, slots, metrics, resumed, interrupted, timing, plan)` is
+the summary dict, `summary_text(summary, metrics, plan, table)` its text; `runner.job` writes both
+into the job's store and prints the text. `head` names the job (job, model, source,
+compile_mode); `table` is results.parquet's rows of this input; `slots` the dispatcher's worker
+slots; `metrics` the workers' `metrics()` that came back; `timing` the run's figures (startup_s,
+generate_s, and all_ready_s / steady_items_per_s when every worker served; aborted,
+skipped_empty). Every time "at X s" is seconds since the job started (`JobRun`'s start, after the
+input checks), the clock of the log's "worker k: ready at X s". A row is ok, failed, or not run:
+never generated, or `changed` (its old output removed, its regeneration not run). Failures are
+grouped by cause (`results.group_errors`). `work_after` is the steady-rate rule (see its
+docstring).
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ import json
 import textwrap
 
 from .outputs import format_table
+from .results import format_errors, group_errors
 
-# Printed under the per-worker table: the columns' units and what steady_it_s measures.
-LEGEND = ("model_load_s, warmup_s: seconds to load the model / to compile (or load the compile cache) "
+MAX_IDS = 10    # ids listed per failure cause (summary.txt, summary.json's error_ids)
+# Printed under the per-worker table: the clock of "at X s", the columns' units and what
+# steady_it_s measures.
+LEGEND = ("\"ready at X s\", \"all ready at\": seconds since the job started (after the input "
+          "checks; Ray's start and each worker's model load and warm-up included), the clock of "
+          "the log's \"worker k: ready at X s\". model_load_s, warmup_s: seconds to load the model / to compile (or load the compile cache) "
           "and warm up; steady_it_s: denoising steps/s, from the end of step 1 of each call (its "
           "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), from its "
           "start to its last file written, mean / 95th percentile; peak_mem_gb: peak GPU memory while "
@@ -67,19 +77,39 @@ def served(slots, metrics) -> int:
     return len({s.rank for s in slots if s.ready_info is not None} | {m["rank"] for m in metrics})
 
 
-def write_summary(store, head: dict, n_items: int, table: list[dict], slots, metrics: list[dict],
-                  resumed: int, interrupted: bool, timing: dict, plan) -> dict:
+def not_ready(slots, metrics, now: float) -> list[dict]:
+    """Worker slots that never became ready and gave no metrics: still starting when the last item
+    finished (or when the job stopped). Listed, not left out: the summary must account for every
+    worker asked for. `now` on the slots' clock."""
+    served = {m["rank"] for m in metrics}
+    return [dict(rank=s.rank, restarts=s.restarts, starting_s=round(now - s.started, 1),
+                 last_error=s.last_error)
+            for s in slots if s.ready_info is None and s.rank not in served]
+
+
+def not_ready_text(w: dict) -> str:
+    """Why a worker of `workers_not_ready` served nothing (summary.txt, report.html)."""
+    why = (f"given up: {w['last_error'].splitlines()[0][:200]}" if w.get("last_error")
+           else f"still starting after {w['starting_s']:.0f} s")
+    if w.get("restarts"):
+        return f"its replacement no. {w['restarts']}: {why}"
+    return f"{why}; served nothing"
+
+
+def summarize(head: dict, n_items: int, table: list[dict], slots, metrics: list[dict],
+              resumed: int, interrupted: bool, timing: dict, plan, now: float) -> dict:
+    """Every figure of the run (summary.json). `now`: the end, on the slots' clock."""
     ok = sum(r["status"] == "ok" for r in table)
-    errors: dict[str, int] = {}
-    for r in table:
-        if r["status"] != "ok":
-            key = (r["error"] or "?").splitlines()[0][:160]
-            errors[key] = errors.get(key, 0) + 1
+    groups = group_errors(failed_rows(table))
+    failed = sum(len(ids) for _, ids in groups)
     gen_s = timing["generate_s"]
-    summary = dict(
-        **head, workers=served(slots, metrics), items=n_items, ok=ok, failed=len(table) - ok,
-        not_run=n_items - len(table), resumed=resumed,
-        worker_restarts=sum(s.restarts for s in slots), interrupted=interrupted, errors=errors,
+    return dict(
+        **head, workers=served(slots, metrics), items=n_items, ok=ok, failed=failed,
+        not_run=n_items - ok - failed, resumed=resumed,
+        changed_not_run=sum(r["status"] == "changed" for r in table),
+        worker_restarts=sum(s.restarts for s in slots), interrupted=interrupted,
+        errors={cause: len(ids) for cause, ids in groups},        # by cause, largest first
+        error_ids={cause: ids[:MAX_IDS] for cause, ids in groups},
         **timing,
         regenerated=len(plan.changed),          # rows whose parameters had changed
         not_in_input=len(plan.gone),            # outputs kept of ids no longer in the input
@@ -87,25 +117,28 @@ def write_summary(store, head: dict, n_items: int, table: list[dict], slots, met
         items_per_s=(ok - resumed) / gen_s if gen_s else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
         workers_detail=[worker_detail(m) for m in metrics],
+        workers_not_ready=not_ready(slots, metrics, now),
     )
-    store.write_text("summary.json", json_text(summary))
-    text = summary_text(summary, metrics, plan)
-    store.write_text("summary.txt", text)
-    print("\n" + text)
-    return summary
 
 
-def summary_text(s: dict, metrics: list[dict], plan) -> str:
+def failed_rows(table: list[dict]) -> list[dict]:
+    """The rows that failed (a `changed` row not regenerated is not run, not failed)."""
+    return [r for r in table if r["status"] == "failed"]
+
+
+def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
     table_txt = format_table(s["workers_detail"], COLUMNS) + "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{s['items_per_s']:.3g} items/s" if s["items_per_s"] else "-"
     text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed"
             f", {s['not_run']} not run ({s['resumed']} done by an earlier run)"
             f"{', INTERRUPTED' if s['interrupted'] else ''}; model {s['model']} "
             f"({s['source']}), compile {s['compile_mode']}\n"
-            f"{s['workers']} workers ({s['worker_restarts']} restarts) ready in "
+            f"{s['workers']} workers ({s['worker_restarts']} restarts), first ready at "
             f"{s['startup_s']:.1f} s; generated in {s['generate_s']:.1f} s = {rate}"
             + (f"; all ready at {s['all_ready_s']:.1f} s, then {s['steady_items_per_s']:.3g} items/s"
                if "steady_items_per_s" in s else "") + f"\n\n{table_txt}\n")
+    for w in s.get("workers_not_ready") or ():
+        text += f"worker {w['rank']}: not ready when the job ended ({not_ready_text(w)})\n"
     if metrics:   # where each worker's serving seconds went
         stages = list(metrics[0]["time_s"])
         text += "\nseconds per stage:\n" + format_table(
@@ -113,10 +146,18 @@ def summary_text(s: dict, metrics: list[dict], plan) -> str:
     if plan.gone:
         text += (f"\n{len(plan.gone)} outputs of ids no longer in the input (kept): "
                  f"{', '.join(plan.gone)}\n")
-    if s["errors"]:
-        text += "\nfailures:\n" + "\n".join(f"  {n} x {e}" for e, n in s["errors"].items()) + "\n"
+    if s.get("changed_not_run"):
+        text += (f"\n{s['changed_not_run']} rows changed since their outputs were made: the old "
+                 f"outputs were removed, their regeneration did not run (not run above)\n")
     if s.get("skipped_empty"):
         text += f"\n{s['skipped_empty']} rows with an empty prompt skipped (prompts.on_empty=skip)\n"
+    if s.get("unrecorded_media"):
+        text += (f"\n{s['unrecorded_media']} files in media/ were written after the last record "
+                 f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
+    failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
+    if failures:   # last: what the user acts on (the console's last lines)
+        text += ("\nfailures by cause (a rerun retries them):\n"
+                 + "\n".join(f"  {line}" for line in failures) + "\n")
     return text

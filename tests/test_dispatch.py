@@ -9,6 +9,7 @@ times, None: every time):
     dies_after={id: n}    its worker dies right after that shard's rows are in
     warmups={rank: [...]} the outcomes of that slot's warm-ups in turn (then "ok"): "ok", "hang",
                           "lost", or the text of an exception it raises
+    error                 what a raising shard raises: a text, or a function of its row ids
 The clock moves only when no call can make progress: `timeout` seconds per wait, as a real wait.
 """
 
@@ -23,8 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.dispatch import (FAULT_ROWS, DispatchError, Dispatcher, PersistentFault, TaskError,
-                             WorkerLost)
+from runner.dispatch import (FAULT_ROWS, FAULT_ROWS_STALLED, DispatchError, Dispatcher,
+                             PersistentFault, TaskError, WorkerLost)
 from runner.prompts import Item, plan_shards
 
 BAD_ROW = "ValueError: bad row"
@@ -144,7 +145,7 @@ class FakePool:
             return self._die(f.worker, "actor died writing its files")
         if self._fires("raises", f.sub):
             self.errors += 1
-            self._resolve(f, "error", self.error)
+            self._resolve(f, "error", self.error(f.sub.ids) if callable(self.error) else self.error)
         else:
             self._resolve(f, "ok", [{"id": i, "status": "ok"} for i in f.sub.ids])
         f.sub.over = True
@@ -264,6 +265,30 @@ def test_the_same_error_on_distinct_shards_is_a_persistent_fault():
                                               f"nothing written since: OSError: disk full"):
         Job(pool, n=30, workers=2, shard_size=3).run()
     assert pool.errors == FAULT_ROWS
+
+
+def test_the_same_error_naming_each_rows_file_is_one_cause():
+    """A full disk names the file it could not write: each shard's own ids differ, the cause is
+    the same (issue 37: ids inside messages defeated the grouping)."""
+    pool = FakePool(raises={f"p{i:02d}": None for i in range(30)},
+                    error=lambda ids: f"OSError: [Errno 28] No space left on device: "
+                                      f"'/j/media/.tmp-{hash(ids) & 0xffffffff:08x}-{ids[0]}.png'")
+    with pytest.raises(PersistentFault, match=r"the same error on 4 shards in a row, nothing "
+                                              r"written since: OSError: \[Errno 28\] No space"):
+        Job(pool, n=30, workers=2, shard_size=3).run()
+    assert pool.errors == FAULT_ROWS
+
+
+def test_a_store_that_does_not_answer_is_a_persistent_fault_after_two_shards():
+    """Each failure of a stalled store took the store's whole timeout: two in a row suffice."""
+    stalled = ("StoreTimeout: the store s3://b/j did not answer a write in time (20 s, plus 1 s "
+               "per MiB written): it is stalled or unreachable")
+    pool = FakePool(raises={f"p{i:02d}": None for i in range(30)}, error=stalled)
+    with pytest.raises(PersistentFault, match=f"the same error on {FAULT_ROWS_STALLED} shards in "
+                                              f"a row, nothing written since: StoreTimeout: the "
+                                              f"store s3://b/j did not answer"):
+        Job(pool, n=30, workers=2, shard_size=3).run()
+    assert pool.errors == FAULT_ROWS_STALLED
 
 
 def test_the_same_error_with_successes_in_between_is_no_persistent_fault():

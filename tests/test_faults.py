@@ -90,10 +90,46 @@ def test_worker_process_killed_from_outside(job):
     assert_complete(job["dir"])
 
 
+def test_a_disk_filling_mid_job_is_exit_3_with_the_error_last(tmp_path, write_prompts):
+    """A real full disk (a tmpfs, filled once 2 rows are recorded) under two workers: the same
+    ENOSPC on every shard stops the job (exit 3), and the runner's `error:` line is the last thing
+    printed (issue 37 D5: Ray's "Unhandled error ... WorkerActor.finish_shard()" for the shards
+    in flight, with their tracebacks, printed after it). Two workers and fast items: shards are
+    in flight and failing when the job stops, which is what printed them."""
+    ids = [f"f{i:02d}" for i in range(60)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(60)], "id": ids})
+    out = tmp_path / "small"
+    out.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(out)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        args = ["job=demo_image", f"prompts.path={p}", f"output.dir={out}", "job.name=j",
+                "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+                "run.shard_size=2", "run.batch_size=1", "ray.cpu_workers=2"]
+        proc = cli(args, faults="slow:0.02", wait=False)
+        wait_for_journal(out / "j", 2)
+        fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"x" * 4096)
+        os.close(fd)
+        stdout, err = proc.communicate(timeout=GUARD_S)
+    finally:
+        subprocess.run(["umount", str(out)], capture_output=True)
+    assert proc.returncode == 3, err[-4000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "No space left on device" in lines[-1], err[-4000:]
+    assert "Unhandled error" not in err and "Traceback" not in err, err[-4000:]
+    # the summary, printed though it could not be written, says what is missing
+    assert "\nnot written: " in stdout and "summary.txt" in stdout.split("not written: ")[1]
+
+
 # Moved to test_jobrun.py (the same rules on a simulated pool, without Ray; a Ray error's cause and
 # kind: test_dispatch.py's test_ray_pool_maps_ray_errors): a worker crash mid-job, poison prompts
 # and a NaN output (the NaN check itself: test_worker.py), a worker killed while writing, every
 # worker gone, a rerun that skips done work / a config change refused / overwrite, Ctrl-C, hostile
-# ids and empty prompts, a full disk (the worker's write error: test_worker.py), a repeated
+# ids and empty prompts, a full disk's error (the worker's write error: test_worker.py), a repeated
 # warm-up error, a store failing as the run ends. A driver SIGKILL and resume: test_s3_jobs.py and
 # test_gcs_jobs.py (the local lock's stale-pid takeover: test_record.py).

@@ -98,11 +98,12 @@ def mtimes(job_dir, ids) -> dict:
 # -- a whole job --------------------------------------------------------------------------------
 
 def test_a_job_records_every_output_once_and_summarizes_timeline_and_steady_rate(prompts, tmp_path,
-                                                                                capsys):
+                                                                                capsys, caplog):
     """Two workers ready at 5 s, 1 s per item, shards of 3: each runs two shards (6 s of work);
     the last rows land at 11.05 s (0.05 s of writing). Every figure follows from that."""
     c = Cluster()
-    assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2")) == 0
+    with caplog.at_level(logging.INFO, logger="runner"):
+        assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2")) == 0
     d = tmp_path / "j"
     assert_complete(d)
     s = summary(d)
@@ -124,6 +125,11 @@ def test_a_job_records_every_output_once_and_summarizes_timeline_and_steady_rate
     out = capsys.readouterr().out
     assert "job j: 12/12 ok, 0 failed, 0 not run" in out and "then 1.98 items/s" in out
     assert not (d / ".lock").exists()
+    # "ready": one clock, seconds since the job started, in the log and the summary (issue 37:
+    # "ready in 19.9 s" vs "worker ready in 12.6 s"), and the legend says which
+    assert "worker 0: ready at 5.0 s (5.0 s after it was started)" in caplog.text
+    assert "2 workers (0 restarts), first ready at 5.0 s;" in out and "all ready at 5.0 s" in out
+    assert 'seconds since the job started' in " ".join(out.split()) and s["workers_not_ready"] == []
 
 
 def test_a_worker_dying_mid_job_loses_nothing_and_is_replaced(prompts, tmp_path, caplog):
@@ -220,6 +226,8 @@ def test_a_stop_signal_writes_the_summary_of_what_was_done_and_a_rerun_resumes(
     def fate(item):
         if item.id == "p07" and not sent:      # handed out once 4 rows are in (shards of 1)
             sent.append(signum)
+            # its worker writes its file before the stop, its rows never come back
+            (tmp_path / "j" / "media" / "p07.png").write_bytes(b"written after the record")
             os.kill(os.getpid(), signum)       # lands in the handler; the dispatch loop raises
         return "ok"
     c = Cluster(fate)
@@ -229,11 +237,19 @@ def test_a_stop_signal_writes_the_summary_of_what_was_done_and_a_rerun_resumes(
     d = tmp_path / "j"
     s = summary(d)
     assert s["interrupted"] and 4 <= s["ok"] < 12 and s["workers"] == 2
+    # files without a record are explained (issue 37: 46 ok, media/ held 51 files): p07's, and
+    # those of shards whose rows were not read once the stop began
+    unrecorded = len(os.listdir(d / "media")) - s["ok"]
+    assert s["unrecorded_media"] == unrecorded >= 1
+    assert (f"{unrecorded} files in media/ were written after the last record update (the "
+            f"workers' item counts include them): a rerun regenerates them"
+            ) in (d / "summary.txt").read_text()
     assert len(os.listdir(d / "metrics")) == s["workers"]
     done = [r["id"] for r in rows(d)]
     assert len(done) == s["ok"] and all(r["status"] == "ok" for r in rows(d))
     media = {f.name: f.stat().st_mtime_ns for f in os.scandir(d / "media")}
     assert {f"{i}.png" for i in done} <= set(media)       # what is recorded is there
+    assert "p07" not in done and "p07.png" in media
     assert max(media.values()) <= (d / "summary.json").stat().st_mtime_ns   # nothing after it
     assert all(w.dead_at is not None for w in c.pools[0].workers)   # stopped before the summary
     assert not (d / ".lock").exists()
@@ -375,3 +391,161 @@ def test_the_job_imports_no_ray_when_its_pool_is_not_rays(prompts, tmp_path):
             f"assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# -- issue 37: what the summary says ------------------------------------------------------------
+
+def test_failures_are_grouped_by_cause_with_their_ids(tmp_path, write_prompts, capsys):
+    """D2: 400 rows failing alike printed 400 lines, each message naming its own id. Now one line
+    per cause with the ids (summary.txt, the terminal's last lines), counts and ids in
+    summary.json."""
+    ids = [f"m{i:02d}" for i in range(14)]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(14)], "id": ids})
+    nan = "FloatingPointError: non-finite values in the output of '{}'"
+    fates = {i: f"fail:{nan.format(i)}" for i in ids[:12]}
+    fates["m13"] = "fail:ValueError: something else"
+    c = Cluster(lambda it: fates.get(it.id, "ok"))
+    assert c.main(job_args(p, tmp_path, "ray.cpu_workers=2")) == 1
+    d = tmp_path / "j"
+    cause = nan.format("<id>")
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["not_run"]) == (1, 13, 0)
+    assert s["errors"] == {cause: 12, "ValueError: something else": 1}
+    assert s["error_ids"] == {cause: ids[:10], "ValueError: something else": ["m13"]}
+    text = (d / "summary.txt").read_text()
+    listed = f"  12 x {cause}: {', '.join(ids[:10])}, ... (2 more)"
+    assert f"failures by cause (a rerun retries them):\n{listed}\n" \
+           f"  1 x ValueError: something else: m13\n" in text
+    out = capsys.readouterr().out.rstrip("\n").splitlines()
+    assert out[-2:] == [listed, "  1 x ValueError: something else: m13"]   # the console's last
+
+
+def test_a_changed_rows_old_output_never_stays_under_its_name(prompts, tmp_path, write_prompts,
+                                                               capsys, caplog):
+    """D3: an edited row whose regeneration failed kept the old media/<id>.png made from the old
+    inputs while the table said failed. The old outputs of changed rows are removed before any
+    shard runs and recorded `changed`: not run when their regeneration never ran (a stop), then
+    failed when it fails (a NaN output), never with the old file."""
+    c = Cluster()
+    args = job_args(prompts, tmp_path, "run.shard_size=1")
+    assert c.main(args) == 0
+    d = tmp_path / "j"
+    edited = [f"prompt number {i}" if i not in (3, 10) else f"edited {i}" for i in range(12)]
+    write_prompts({"prompt": edited, "id": IDS})
+    capsys.readouterr()
+    assert c.main(args + ["run.dry_run=true"]) == 0
+    assert "2 old outputs of changed rows would be removed before they run: p03, p10" in \
+        capsys.readouterr().out
+    assert (d / "media" / "p03.png").exists()                    # a dry run removes nothing
+
+    def stop_at_once(item):                  # the first row handed out: Ctrl-C, nothing comes back
+        os.kill(os.getpid(), signal.SIGINT)
+        return "fail:never delivered"
+    c.fate = stop_at_once
+    with caplog.at_level(logging.INFO, logger="runner"):
+        assert c.main(args) == 130
+    assert "removed the old outputs of 2 changed rows before regenerating them: p03, p10" in caplog.text
+    assert not (d / "media" / "p03.png").exists() and not (d / "media" / "p10.png").exists()
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["not_run"], s["changed_not_run"]) == (10, 0, 2, 2)
+    assert s["errors"] == {}
+    table = {r["id"]: r for r in rows(d)}
+    assert table["p03"]["status"] == "changed" and table["p03"]["prompt"] == "edited 3"
+    assert "old outputs were removed, their regeneration did not run" in (d / "summary.txt").read_text()
+
+    job.STOPS.clear()                         # a new process, as a rerun is
+    nan = "fail:FloatingPointError: non-finite values (NaN or inf) in the output"
+    c.fate = lambda it: nan if it.id == "p03" else "ok"
+    assert c.main(args) == 1
+    assert not (d / "media" / "p03.png").exists() and (d / "media" / "p10.png").exists()
+    table = {r["id"]: r for r in rows(d)}
+    assert table["p03"]["status"] == "failed" and table["p10"]["status"] == "ok"
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["not_run"], s["changed_not_run"]) == (11, 1, 0, 0)
+    assert "1 x FloatingPointError: non-finite values (NaN or inf) in the output: p03" in \
+        (d / "summary.txt").read_text()
+
+
+class SlowSecondWorker(Cluster):
+    """Worker 1 takes 500 s to start: the 12 items are done by worker 0 long before."""
+
+    def __call__(self, j, limits):
+        pool = super().__call__(j, limits)
+        start = pool.start
+
+        def start_slow(rank):
+            pool.startup_s = (500.0, 500.0) if rank == 1 else self.startup_s
+            return start(rank)
+        pool.start = start_slow
+        return pool
+
+
+def test_a_worker_not_ready_when_the_job_ends_is_listed_not_lost(prompts, tmp_path):
+    """A worker still warming up when the last item finished vanished from the summary and the
+    report (issue 37). Now both list it, with how long it had been starting."""
+    c = SlowSecondWorker()
+    assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2")) == 0
+    d = tmp_path / "j"
+    s = summary(d)
+    assert s["workers"] == 1 and [w["rank"] for w in s["workers_detail"]] == [0]
+    assert s["workers_not_ready"] == [dict(rank=1, restarts=0, starting_s=pytest.approx(17, abs=0.2),
+                                              last_error=None)]
+    line = "worker 1: not ready when the job ended (still starting after 17 s; served nothing)"
+    assert line in (d / "summary.txt").read_text()
+    assert "Not ready when the job ended:</p><ul><li>worker 1: still starting after 17 s; served " \
+           "nothing</li>" in (d / "report.html").read_text()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (mounting needs root, as CI runs) and `fill()`, which fills it to ENOSPC;
+    `free()` empties what `fill` wrote."""
+    import subprocess
+    from types import SimpleNamespace
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+
+    def fill():
+        fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)     # unbuffered: nothing left to flush
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(fd, b"x" * 4096)
+        finally:
+            os.close(fd)
+    try:
+        yield SimpleNamespace(path=d, fill=fill, free=lambda: (d / "filler").unlink())
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(
+        prompts, small_disk, monkeypatch, capsys):
+    """The job exited 0 with report.html missing and 93 "no thumbnail" lines (issue 37). Now its
+    last line says so; summary.txt too once it can be rewritten; every output is complete, so
+    the status stays 0 (the report is made again by `python -m runner.report DIR`)."""
+    from runner import report
+    real = report.write_report
+
+    def disk_fills_then_report(*args, **kw):      # a real ENOSPC inside the report's writes
+        small_disk.fill()
+        try:
+            return real(*args, **kw)
+        finally:
+            small_disk.free()                      # summary.txt can take the note after
+    monkeypatch.setattr(report, "write_report", disk_fills_then_report)
+    c = Cluster()
+    # no background snapshot (it draws the report too): the final report is the one that fails
+    assert c.main(job_args(prompts, small_disk.path, "output.results_every_s=100000")) == 0
+    d = small_disk.path / "j"
+    assert_complete(d) and summary(d)["ok"] == 12
+    assert not (d / "report.html").exists()
+    note = (f"report.html not written (OSError: [Errno 28] No space left on device); every output "
+            f"is complete: `python -m runner.report {d}` makes it once the cause is fixed")
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1] == f"note: {note}"
+    assert (d / "summary.txt").read_text().endswith(f"\nnote: {note}\n")

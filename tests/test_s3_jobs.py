@@ -184,6 +184,8 @@ def test_s3_server_killed_mid_job_ends_the_job_naming_the_error(write_prompts, m
     # stopped as a persistent fault (the same upload error on several shards, or the record
     # itself unwritable), with the connection error named
     assert "Could not connect to server" in err.split("error:")[-1], err[-3000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("error: "), err[-3000:]      # nothing of Ray's or the workers' after it
 
 
 def test_dry_run_against_a_missing_bucket_is_exit_2_like_the_real_run(s3_bucket):
@@ -203,3 +205,37 @@ def test_sigterm_while_the_store_is_down_is_still_143(write_prompts, monkeypatch
         out, err = p.communicate(timeout=GUARD_S)
     assert p.returncode == 143, err[-4000:]
     assert "Traceback" not in err, err[-4000:]
+
+
+def test_a_stalled_store_ends_the_job_within_120_s_naming_it(write_prompts, monkeypatch):
+    """The store stops answering (its server SIGSTOPped: connections accepted, no reply) mid-job,
+    at the production timeouts (runner.storage.OP_TIMEOUT_S = 20 s): the job stops on it, and its
+    end (results, summary, lock) has one deadline, not a timeout each; the exit does not wait for
+    the requests left in flight. Measured before: 166 s, the lock left unnamed."""
+    from s3server import moto_server
+    ids = [f"s{i:02d}" for i in range(40)]
+    local = write_prompts({"prompt": [f"prompt {i}" for i in range(40)], "id": ids})
+    with moto_server() as server:                    # its own server: the test pauses it
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        server.create_bucket("stalling")
+        a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://stalling/out",
+             "job.name=j", "generation.num_inference_steps=2", "generation.height=64",
+             "generation.width=64", "run.shard_size=2", "run.batch_size=1", "ray.cpu_workers=1"]
+        p = cli(a, faults="slow:0.5", wait=False)
+        wait_for_records(p, resolve("s3://stalling/out/j"), 2)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        t_stall = time.time()
+        try:
+            out, err = p.communicate(timeout=GUARD_S)
+            took = time.time() - t_stall
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    assert p.returncode == 3, err[-4000:]
+    assert took <= 120, took
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("error: ") and "did not answer" in last and "stalled" in last, err[-3000:]
+    assert "s3://stalling/out/j" in last                           # the store, named
+    assert "\nnot written: " in out                                # the summary says what is missing
+    # the lock: released if the store answered in time, else named (it did not: it is stopped)
+    assert "could not remove the lock s3://stalling/out/j/.lock" in err, err[-3000:]

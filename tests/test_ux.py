@@ -2,6 +2,7 @@
 a quiet embedded Ray, the summary's legend; and the two structural rules behind them: one config
 schema, and `compiler` independent of `runner`."""
 import ast
+import contextlib
 import os
 import pathlib
 
@@ -297,7 +298,7 @@ def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the
     # phases before progress, in order; progress as plain lines (stderr is a pipe, not a terminal)
     lines = err.splitlines()
     at = {key: next(i for i, l in enumerate(lines) if key in l)
-          for key in ("worker 0: starting, then loading model", "worker 0: warming up", "worker 0: ready in",
+          for key in ("worker 0: starting, then loading model", "worker 0: warming up", "worker 0: ready at",
                       "generating: 8/8 items")}
     assert list(at.values()) == sorted(at.values()), err
     assert "\r" not in err and "%|" not in err
@@ -331,3 +332,77 @@ def test_help_and_key_list_from_the_command_line():
     r = subprocess.run([sys.executable, "-m", "runner.config"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "run.batch_size" in r.stdout and "compile.options" in r.stdout
+
+
+@pytest.mark.e2e
+def test_ctrl_c_while_ray_starts_exits_130_at_once_leaving_no_process(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the process group) while the job's local Ray
+    starts: exit 130 within 2 s (issue 37: acknowledged after 8.7 s), saying nothing ran, and no
+    process of Ray's left behind (the abandoned start's raylet agents outlived it at first)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import psutil
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}    # its own local Ray
+    p = subprocess.Popen([sys.executable, "-m", "runner", "job=demo_image",
+                          f"output.dir={tmp_path}", "ray.cpu_workers=1"], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines = []
+    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in p.stderr),
+                     daemon=True).start()
+
+    def session(name=""):
+        """Its session's live processes (Ray's own included) whose command line holds `name`."""
+        found = []
+        for q in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                cmd = " ".join(q.info["cmdline"] or [])
+                if os.getsid(q.pid) == p.pid and q.status() != psutil.STATUS_ZOMBIE and name in cmd:
+                    found.append(cmd)
+        return found
+    try:
+        # mid-start, Ray's processes running: its raylet is up (it starts agents of its own),
+        # and ray.init still waits for it to register
+        t0 = time.monotonic()
+        while not session("raylet"):
+            assert p.poll() is None and time.monotonic() - t0 < GUARD_S, lines
+            time.sleep(0.05)
+        t = time.monotonic()
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert p.returncode == 130 and took <= 2.0, (p.returncode, took, lines)
+    assert lines[-1] == ("interrupted: Ray was still starting: no worker ran; rerun the same "
+                         "command to resume"), lines
+    assert session() == []
+
+
+def test_the_terminal_shows_the_runners_lines_not_the_libraries():
+    """`main`'s logging: the runner's INFO lines; libraries' INFO lines, matplotlib's font-cache
+    notice and Python warnings of libraries (a matplotlib UserWarning from report.py, issue 37)
+    stay off the terminal, unless the user asks for warnings (-W)."""
+    import subprocess
+    import sys
+    code = ("import logging, warnings; from runner import job; job._configure_logging(); "
+            "logging.getLogger('runner').info('runner line'); "
+            "logging.getLogger('ray').info('library info'); "
+            "logging.getLogger('matplotlib.font_manager').warning('Matplotlib is building the font cache'); "
+            "logging.getLogger('pyarrow').warning('library warning line'); "
+            "warnings.warn('a library UserWarning', UserWarning)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == ["runner: runner line",
+                                                         "pyarrow: library warning line"], lines
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert "UserWarning: a library UserWarning" in r.stderr

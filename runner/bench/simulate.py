@@ -236,6 +236,9 @@ class SimPool:
             self.kill(w)
         return 0
 
+    def close(self) -> None:
+        pass
+
     # -- the workers -------------------------------------------------------------------------
 
     def _future(self, w: SimWorker, t: float, action) -> SimFuture:
