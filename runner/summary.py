@@ -4,8 +4,17 @@ Contract: `write_summary(store, head, n_items, table, slots, metrics, resumed, i
 plan)` writes both into the job's store and prints the text; returns the summary dict. `head`
 names the job (job, model, source, compile_mode); `table` is results.parquet's rows of this input;
 `slots` the dispatcher's worker slots; `metrics` the workers' `metrics()` that came back; `timing`
-the run's figures (startup_s, generate_s, and all_ready_s / steady_items_per_s when every worker
-served; aborted, skipped_empty). `work_after` is the steady-rate rule (see its docstring).
+the run's figures (startup_s, generate_s, span_s, driver_cpu_s, driver_startup_cpu_s, shards, and
+all_ready_s / steady_items_per_s when every worker served; aborted, skipped_empty). `work_after`
+is the steady-rate rule (see its docstring).
+
+Times are from the driver's start of the run (`JobRun`: after the config, prompt checks and resume
+plan, before the pool and Ray start) to the dispatch loop's end (the last rows in): `startup_s` to
+the first worker ready, `generate_s` from then, `span_s` both (start-up included); `items_per_s`
+is over `generate_s`, `span_items_per_s` over `span_s`. `driver_cpu_s`: the driver process's CPU
+seconds (user+sys, every thread) over `span_s`, `driver_startup_cpu_s` its part in `startup_s`
+(starting Ray and the pool); `shards`: shards handed to workers (retries and split shards
+included).
 """
 
 from __future__ import annotations
@@ -85,6 +94,7 @@ def write_summary(store, head: dict, n_items: int, table: list[dict], slots, met
         not_in_input=len(plan.gone),            # outputs kept of ids no longer in the input
         not_in_input_ids=plan.gone,
         items_per_s=(ok - resumed) / gen_s if gen_s else None,
+        span_items_per_s=(ok - resumed) / timing["span_s"] if timing["span_s"] else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
         workers_detail=[worker_detail(m) for m in metrics],
     )
