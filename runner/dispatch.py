@@ -176,6 +176,7 @@ class Dispatcher:
         self.suspects: set[int] = set()         # shard indices that run isolated
         self.streak: dict[str, set] = {}        # cause -> shards failed of it since a success
         self.startup_errors: dict[str, int] = {}   # start-up exceptions seen, by cause
+        self.submitted = 0                      # shards handed to workers, retries and splits too
 
     def run(self) -> list[Slot]:
         """Until every shard is done (its rows to `on_rows`); returns the slots."""
@@ -236,6 +237,7 @@ class Dispatcher:
             shard = self.queue.popleft()
             started, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
+            self.submitted += 1
             slot.running.append(finished)
             self.futures[finished] = (slot, shard, started)
         if slot.state == "ready" and len(slot.running) < self.inflight:

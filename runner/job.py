@@ -361,6 +361,11 @@ class JobRun:
         self.timeline: list[tuple] = []         # (s since start, ok, failed) of this run: report.html
         self.progress = self.phases = None
         self.t_start, self.t_ready, self.t_done, self.t_all_ready = clock(), None, None, None
+        # The driver's own cost (user+sys of every thread of this process, Ray's client threads
+        # too) from here, before the pool starts, to the dispatch loop's end, and its part until the
+        # first worker is ready (Ray's start): the rest is what serving the shards costs it.
+        self.cpu_start, self.driver_cpu_s, self.startup_cpu_s = time.process_time(), None, None
+        self.shards = 0                         # shards handed to workers (the dispatcher's count)
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.steady_items = 0.0                 # items' worth of work done once all were ready
         self.stopped: KeyboardInterrupt | None = None
@@ -400,7 +405,9 @@ class JobRun:
         finally:
             self.progress.close()
             self._settle_snapshot()       # a stale snapshot must not land after the final write
+            self.shards = dispatcher.submitted
         self.t_done = self.clock()
+        self.driver_cpu_s = time.process_time() - self.cpu_start
 
     def on_rows(self, rows: list[dict]) -> None:
         """A shard's rows: recorded (one object), counted, and a snapshot started when one is due
@@ -446,7 +453,8 @@ class JobRun:
         log.info("worker %d: ready at %.1f s (%.1f s after it was started)", slot.rank,
                  now - self.t_start, now - slot.started)
         self.progress.start()     # the bar's rate counts generation from the first ready worker
-        self.t_ready = self.t_ready or now
+        if self.t_ready is None:
+            self.t_ready, self.startup_cpu_s = now, time.process_time() - self.cpu_start
         self.ready_ranks.add(slot.rank)
         if len(self.ready_ranks) == self.pool.size and self.t_all_ready is None:
             self.t_all_ready = now
@@ -555,7 +563,10 @@ class JobRun:
     def _timing(self) -> dict:
         t0 = self.t_start
         ready = self.t_ready or t0
-        timing = dict(startup_s=ready - t0, generate_s=(self.t_done or t0) - ready)
+        timing = dict(startup_s=ready - t0, generate_s=(self.t_done or t0) - ready,
+                      span_s=(self.t_done or t0) - t0,   # start-up included: the job's length
+                      driver_cpu_s=self.driver_cpu_s, driver_startup_cpu_s=self.startup_cpu_s,
+                      shards=self.shards)
         if self.t_all_ready is not None and self.t_done is not None and self.t_done > self.t_all_ready:
             # Throughput once every worker serves: the figure that scales with workers (the ramp
             # while later workers load and warm is in generate_s). Items in flight when the last

@@ -5,12 +5,21 @@ the summary dict, `summary_text(summary, metrics, plan, table)` its text; `runne
 into the job's store and prints the text. `head` names the job (job, model, source,
 compile_mode); `table` is results.parquet's rows of this input; `slots` the dispatcher's worker
 slots; `metrics` the workers' `metrics()` that came back; `timing` the run's figures (startup_s,
-generate_s, and all_ready_s / steady_items_per_s when every worker served; aborted,
-skipped_empty). Every time "at X s" is seconds since the job started (`JobRun`'s start, after the
-input checks), the clock of the log's "worker k: ready at X s". A row is ok, failed, or not run:
+generate_s, span_s, driver_cpu_s, driver_startup_cpu_s, shards, and all_ready_s /
+steady_items_per_s when every worker served; aborted, skipped_empty). Every time "at X s" is
+seconds since the job started (`JobRun`'s start, after the input checks), the clock of the log's
+"worker k: ready at X s". A row is ok, failed, or not run:
 never generated, or `changed` (its old output removed, its regeneration not run). Failures are
 grouped by cause (`results.group_errors`). `work_after` is the steady-rate rule (see its
 docstring).
+
+Times run from the driver's start of the run (`JobRun`: after the config, prompt checks and resume
+plan, before the pool and Ray start) to the dispatch loop's end (the last rows in): `startup_s` to
+the first worker ready, `generate_s` from then, `span_s` both (start-up included); `items_per_s`
+is over `generate_s`, `span_items_per_s` over `span_s`. `driver_cpu_s`: the driver process's CPU
+seconds (user+sys, every thread) over `span_s`, `driver_startup_cpu_s` its part in `startup_s`
+(starting Ray and the pool); `shards`: shards handed to workers (retries and split shards
+included).
 """
 
 from __future__ import annotations
@@ -115,6 +124,7 @@ def summarize(head: dict, n_items: int, table: list[dict], slots, metrics: list[
         not_in_input=len(plan.gone),            # outputs kept of ids no longer in the input
         not_in_input_ids=plan.gone,
         items_per_s=(ok - resumed) / gen_s if gen_s else None,
+        span_items_per_s=(ok - resumed) / timing["span_s"] if timing["span_s"] else None,
         steps_per_s=sum(m["steps"] for m in metrics) / gen_s if gen_s else None,
         workers_detail=[worker_detail(m) for m in metrics],
         workers_not_ready=not_ready(slots, metrics, now),

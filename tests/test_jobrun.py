@@ -112,6 +112,11 @@ def test_a_job_records_every_output_once_and_summarizes_timeline_and_steady_rate
     assert s["generate_s"] == pytest.approx(6.05)
     assert s["items_per_s"] == pytest.approx(12 / 6.05)
     assert s["steady_items_per_s"] == pytest.approx(12 / 6.05)     # every item after all ready
+    # the whole span, start-up included; the driver's CPU over it and the shards it handed out
+    assert s["span_s"] == pytest.approx(11.05)
+    assert s["span_items_per_s"] == pytest.approx(12 / 11.05)
+    assert s["shards"] == 4 and s["driver_cpu_s"] >= s["driver_startup_cpu_s"] >= 0
+    assert s["driver_cpu_s"] > 0
     assert sorted(os.listdir(d / "metrics")) == ["worker-0.json", "worker-1.json"]
     assert [w["items"] for w in s["workers_detail"]] == [6, 6]
     # the report's timeline: one point per shard, counts rising to 12 ok, 0 failed
@@ -165,6 +170,7 @@ def test_poison_rows_are_recorded_failed_and_their_neighbours_succeed(prompts, t
     assert "non-finite" in error["p02"]
     s = summary(tmp_path / "j")
     assert s["failed"] == 3 and s["ok"] == 9
+    assert s["shards"] > 4      # the 4 planned, then the split and retried ones: every hand-out
     assert "2 x failed 2 times" not in (tmp_path / "j" / "summary.txt").read_text()
     assert "1 x failed 2 times: actor died" in (tmp_path / "j" / "summary.txt").read_text()
     # bounded: its shard (its worker's death with two shards in flight charges neither), then

@@ -33,6 +33,20 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     assert [(x["workers"], x["prompts"], x["ok"], x["alongside"]) for x in rows] == [
         (1, 3, 3, [2]), (2, 6, 6, [1])]
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
+    # the whole span, start-up included: the job's length and its rate against N x one worker's
+    assert rows[0]["span_efficiency"] == 1.0 and rows[1]["span_efficiency"] > 0
+    for x in rows:
+        assert x["span_s"] >= x["generate_s"] > 0 and x["span_s"] >= x["first_ready_s"]
+        assert x["span_items_per_s"] == pytest.approx(x["ok"] / x["span_s"])
+        assert x["span_items_per_s"] <= x["items_per_s"]
+        # NVML utilisation per rank: null off a GPU
+        assert x["gpu_util"] == [None] * x["workers"] and len(x["worker_it_s"]) == x["workers"]
+        # the driver's CPU per shard handed out (demo_image's shards: 2 rows)
+        assert x["shards"] >= -(-x["prompts"] // 2)
+        assert x["driver_cpu_s"] > 0 and x["driver_cpu_s_per_shard"] == pytest.approx(
+            x["driver_cpu_s"] / x["shards"])
+        assert 0 <= x["serve_cpu_s_per_shard"] <= x["driver_cpu_s_per_shard"]
+        assert (x["compiled"], x["loaded"]) == (0, 0)   # demo_image runs eager: neither
     assert rows[0]["ready_ratio"] == 1.0 and all(x["base_workers"] == 1 for x in rows)
     # (the 2-worker run's ready_ratio needs both workers ready before its last item: timing-bound)
     assert rows[1].get("ready_ratio") is None or rows[1]["ready_ratio"] > 0
@@ -51,6 +65,9 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     assert r2.returncode == 0 and (out / "scaling.txt").exists() and "steady_efficiency" in r2.stdout
     header = [l for l in r.stdout.splitlines() if l.startswith("workers ")][-1]
     assert "efficiency" in header and "warmup_with_cache_s" in header
+    for col in ("span_s", "span_items_per_s", "span_efficiency", "gpu_util", "shards",
+                "driver_cpu_s_per_shard", "serve_cpu_s_per_shard"):
+        assert col in header.split()
 
 
 def test_prompt_list_must_match_worker_counts(tmp_path):
@@ -83,7 +100,15 @@ def test_plots_survive_runs_without_throughput(tmp_path):
     _summarize(rows, [], str(tmp_path))          # every item failed: nothing to divide by
     assert (tmp_path / "scaling.svg").exists() and (tmp_path / "scaling.png").exists()
     assert "efficiency" not in rows[1]
-    rows[0].update(items_per_s=1.0, all_ready_s=4.0)
-    rows[1].update(items_per_s=1.5)
+    rows[0].update(items_per_s=1.0, all_ready_s=4.0, span_items_per_s=0.5)
+    rows[1].update(items_per_s=1.5, span_items_per_s=0.6)
     _summarize(rows, [], str(tmp_path))
     assert rows[1]["efficiency"] == 0.75 and rows[1]["ready_ratio"] == 1.25
+    assert rows[1]["span_efficiency"] == pytest.approx(0.6)
+
+
+def test_a_scaling_json_from_before_the_span_gets_it_from_its_parts():
+    from runner.bench.scaling import _backfill_span
+    old = {"workers": 2, "ok": 8, "first_ready_s": 3.0, "generate_s": 1.0}
+    _backfill_span(old)
+    assert old["span_s"] == 4.0 and old["span_items_per_s"] == 2.0

@@ -17,11 +17,29 @@ per-worker it/s (`worker_it_s` in scaling.json) shows whether that slowed any of
 `alongside` names them. Each run starts from nothing (its output and compile-cache directories
 under `out` are removed first) and with its own local Ray (RAY_ADDRESS is not passed on).
 
-Throughput figures per run: `items_per_s` from the first worker ready to the last item (includes
-the ramp while later workers wait for the compile artifact and warm up) and `steady_items_per_s`
-once every worker is serving (items in flight at that moment count by their part after it).
-Efficiency is against the run with the fewest workers (`base_workers`, normally 1) of the same
-figure; `ready_ratio` is the time to all workers ready against that run's.
+Figures per run (a row of `scaling.json` and of the table), from the run's summary.json and
+metrics/*.json; the job's times run from the driver's start of the run (after the config, prompt
+checks and resume plan, the same for every worker count; before Ray and the workers start) to the
+dispatch loop's end, the last item in (`wall_s`, the whole command, adds the interpreter start and
+Ray's shutdown):
+- `span_s`: the job's length, start-up included; `span_items_per_s` over it: the whole-span rate,
+  what a user waits for;
+- `items_per_s` from the first worker ready (`first_ready_s`) to the last item (includes the ramp
+  while later workers wait for the compile artifact and warm up); `steady_items_per_s` once every
+  worker serves (`all_ready_s`; items in flight at that moment count by their part after it);
+- `compiled` / `loaded`: workers that compiled / loaded the shared compile artifact (their
+  metrics' `cache_hit`: false / true; neither without compile);
+- `gpu_util`: each worker's NVML utilisation over its serving window (0-1, by rank; None on CPU);
+  `worker_it_s`: each worker's steady denoising steps/s, by rank;
+- `driver_cpu_s`: the driver process's CPU seconds (user+sys, every thread) over `span_s`;
+  `shards` handed to workers (retries included); `driver_cpu_s_per_shard` the one over the other,
+  `serve_cpu_s_per_shard` the same without the driver's CPU until the first worker was ready
+  (starting Ray and the pool: on a short run most of it, and not a cost per shard).
+Speed-up and efficiency are against the run with the fewest workers (`base_workers`, normally 1) of
+the same figure: `span_efficiency` = span_items_per_s / (workers / base_workers x the base's),
+likewise `efficiency` and `steady_efficiency` (with `prompts_per_worker`, the runs' prompt counts
+differ: the rates still compare); `ready_ratio` is the time to all workers ready against that run's.
+The plots draw the whole-span (start-up included) and steady rates.
 `python -m runner.bench.scaling replot=DIR` prints the table and rewrites the plots from DIR/scaling.json.
 """
 
@@ -42,6 +60,7 @@ from ..outputs import atomic_path, format_table, write_json, write_text
 from . import parse_args
 
 
+SPAN_LABEL = "whole span, start-up included"
 USAGE = ("python -m runner.bench.scaling job=NAME [workers=1,2,4,8] [prompts=N | prompts_per_worker=N] "
          "[out=DIR] [key=value ...]\n"
          "       python -m runner.bench.scaling replot=DIR   (table and plots again from DIR/scaling.json)")
@@ -56,16 +75,24 @@ def _args(argv):
     return opts, rest
 
 
+COLUMNS = ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
+           "all_ready_s", "ready_ratio", "generate_s", "span_s", "span_items_per_s", "span_speedup",
+           "span_efficiency", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
+           "steady_speedup", "steady_efficiency", "gpu_util", "shards", "driver_cpu_s",
+           "driver_cpu_s_per_shard", "serve_cpu_s_per_shard", "warmup_with_compile_s",
+           "warmup_with_cache_s"]
+
+
 def _plot(rows, out):
-    """Throughput against workers (once all serve, and over the whole span) with the linear line
-    from the first run, and the efficiency of both: `scaling.svg` and `scaling.png`."""
+    """Throughput against workers (once all serve, and over the whole span, start-up included)
+    with the linear line from the first run, and the efficiency of both: `scaling.svg`, `.png`."""
     from matplotlib.figure import Figure   # no pyplot: no global backend or state
     xs = [r["workers"] for r in rows]
     ys, span = [_steady(r) for r in rows], [_span(r) for r in rows]
     fig = Figure(figsize=(9, 3.6), dpi=120, layout="constrained")
     ax, ax_eff = fig.subplots(1, 2, width_ratios=[3, 2])
     ax.plot(xs, [ys[0] * x / xs[0] for x in xs], color="gray", ls="--", lw=1, label="linear from the first run")
-    ax.plot(xs, span, "s-", color="tab:orange", lw=2, label="whole span")
+    ax.plot(xs, span, "s-", color="tab:orange", lw=2, label=SPAN_LABEL)
     ax.plot(xs, ys, "o-", color="tab:blue", lw=2, label="once all workers serve")
     for x, y in zip(xs, ys):
         ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
@@ -77,13 +104,14 @@ def _plot(rows, out):
     ax.margins(x=0.08)
     ax.legend(fontsize=8, frameon=False)
     for key, style, color, label in (("steady_efficiency", "o-", "tab:blue", "once all workers serve"),
-                                     ("efficiency", "s-", "tab:orange", "whole span")):
+                                     ("span_efficiency", "s-", "tab:orange", SPAN_LABEL)):
         pts = [(r["workers"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             ax_eff.plot(*zip(*pts), style, color=color, lw=2, label=label)
     ax_eff.axhline(1.0, color="gray", ls="--", lw=1, label="linear")
     ax_eff.set(xlabel="workers", ylabel="efficiency (vs linear)", title="Scaling efficiency")
-    ax_eff.set_ylim(0, max([1.1] + [r.get(k) or 0 for r in rows for k in ("efficiency", "steady_efficiency")]) * 1.05)
+    ax_eff.set_ylim(0, max([1.1] + [r.get(k) or 0 for r in rows
+                                    for k in ("span_efficiency", "steady_efficiency")]) * 1.05)
     ax_eff.legend(fontsize=8, frameon=False)
     for ext in ("svg", "png"):
         with atomic_path(os.path.join(out, f"scaling.{ext}")) as tmp:
@@ -121,8 +149,8 @@ def _gpu_slices(group: list[int], cpu: bool = False) -> list[str | None]:
 
 
 def _span(r: dict) -> float:
-    """A run's items/s over the whole span, for the plots (0 when it has none)."""
-    return r.get("items_per_s") or 0.0
+    """A run's items/s over the whole span, start-up included, for the plots (0 if it has none)."""
+    return r.get("span_items_per_s") or 0.0
 
 
 def _steady(r: dict) -> float:
@@ -135,7 +163,8 @@ def _text_plot(rows) -> str:
     base = _steady(rows[0])
     ideal = {r["workers"]: base * r["workers"] / rows[0]["workers"] for r in rows}
     top = max([f(r) for r in rows for f in (_steady, _span)] + list(ideal.values())) or 1.0
-    lines = ["items/s once all workers serve (#), whole span (=), linear from the first run (|)"]
+    lines = [("items/s once all workers serve (#), whole span with start-up (=), linear from the "
+              "first run (|)")]
     for r in rows:
         for mark, v in (("#", _steady(r)), ("=", _span(r))):
             bar = list(mark * round(50 * v / top) + " " * 52)
@@ -163,6 +192,8 @@ def main(argv: list[str]) -> list[dict]:
             raise SystemExit(f"replot={opts['replot']!r}: no scaling.json there (give the out=... "
                              "directory of a scaling run)")
         d = json.load(open(path))
+        for r in d["rows"]:
+            _backfill_span(r)
         _summarize(d["rows"], d["argv"], os.path.abspath(opts["replot"]))
         return d["rows"]
     out = os.path.abspath(opts["out"])
@@ -206,6 +237,14 @@ def main(argv: list[str]) -> list[dict]:
     return rows
 
 
+def _backfill_span(r: dict) -> None:
+    """A row of a scaling.json from before `span_s`: the span from its parts (a fresh run from
+    nothing: every ok item is this run's)."""
+    if "span_s" not in r and r.get("generate_s") is not None:
+        r["span_s"] = r["first_ready_s"] + r["generate_s"]
+        r["span_items_per_s"] = r["ok"] / r["span_s"] if r["span_s"] else None
+
+
 def _write_prompts(out: str, k: int, n: int) -> str:
     """`n` generated prompts for the run with `k` workers; returns the Parquet path."""
     words = "cat dog robot castle river forest city ocean mountain flower".split()
@@ -231,24 +270,46 @@ def _row(out: str, k: int, n: int, wall: float, alongside: list[int]) -> dict:
     return dict(
         workers=k, prompts=n, alongside=alongside, ok=s["ok"], failed=s["failed"], wall_s=wall,
         first_ready_s=s["startup_s"], all_ready_s=s.get("all_ready_s"), generate_s=s["generate_s"],
+        span_s=s["span_s"], span_items_per_s=s["span_items_per_s"],
         items_per_s=s["items_per_s"], steady_items_per_s=s.get("steady_items_per_s"),
-        compiled=sum(1 for m in ms if m.get("cache_hit") is False),
-        loaded=sum(1 for m in ms if m.get("cache_hit") is True),
-        warmup_with_compile_s=max((m["warmup_with_compile_s"] for m in ms
-                                   if "warmup_with_compile_s" in m), default=None),
-        warmup_with_cache_s=max((m["warmup_with_cache_s"] for m in ms
-                                 if "warmup_with_cache_s" in m), default=None),
-        worker_it_s=[round(m["steady_it_s"] or 0, 2) for m in sorted(ms, key=lambda m: m["rank"])],
-        gpus=sorted({m.get("gpu_name") or "cpu" for m in ms}))
+        **_driver(s), **_workers(ms))
+
+
+def _driver(s: dict) -> dict:
+    """The driver's CPU seconds over the job, per shard it handed out, and per shard without its
+    start-up part (Ray's and the pool's start: a fixed cost)."""
+    cpu, startup, shards = s["driver_cpu_s"], s["driver_startup_cpu_s"], s["shards"]
+    ok = cpu is not None and shards
+    serve = cpu - startup if ok and startup is not None else None
+    return {"driver_cpu_s": cpu, "shards": shards,
+            "driver_cpu_s_per_shard": cpu / shards if ok else None,
+            "serve_cpu_s_per_shard": serve / shards if serve is not None else None}
+
+
+def _workers(ms: list[dict]) -> dict:
+    """The workers' figures from their metrics: who compiled and who loaded the shared artifact
+    (`cache_hit` false / true; absent without compile), per-rank lists, warm-ups (the slowest)."""
+    ms = sorted(ms, key=lambda m: m["rank"])
+    return {
+        "compiled": sum(1 for m in ms if m.get("cache_hit") is False),
+        "loaded": sum(1 for m in ms if m.get("cache_hit") is True),
+        "warmup_with_compile_s": max((m["warmup_with_compile_s"] for m in ms
+                                      if "warmup_with_compile_s" in m), default=None),
+        "warmup_with_cache_s": max((m["warmup_with_cache_s"] for m in ms
+                                    if "warmup_with_cache_s" in m), default=None),
+        "worker_it_s": [round(m["steady_it_s"] or 0, 2) for m in ms],
+        "gpu_util": [None if m.get("gpu_util") is None else round(m["gpu_util"], 3) for m in ms],
+        "gpus": sorted({m.get("gpu_name") or "cpu" for m in ms})}
 
 
 def _summarize(rows, argv, out):
     base = rows[0]   # the fewest workers that ran (normally 1): what speed-up and efficiency are against
     for r in rows:
-        for key in ("speedup", "efficiency", "steady_speedup", "steady_efficiency", "ready_ratio"):
+        for key in ("speedup", "efficiency", "steady_speedup", "steady_efficiency", "span_speedup",
+                    "span_efficiency", "ready_ratio"):
             r.pop(key, None)   # recomputed against the current base
         r["base_workers"] = base["workers"]
-        for key in ("items_per_s", "steady_items_per_s"):
+        for key in ("items_per_s", "steady_items_per_s", "span_items_per_s"):
             if r.get(key) and base.get(key):
                 r[key.replace("items_per_s", "speedup")] = r[key] / base[key]
                 r[key.replace("items_per_s", "efficiency")] = (r[key] / base[key]) / (r["workers"] / base["workers"])
@@ -259,10 +320,7 @@ def _summarize(rows, argv, out):
     plot = _text_plot(rows)
     write_text(os.path.join(out, "scaling.txt"), plot)
     print(plot)
-    print(format_table(rows, ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
-                              "all_ready_s", "ready_ratio", "generate_s", "items_per_s", "speedup",
-                              "efficiency", "steady_items_per_s", "steady_speedup", "steady_efficiency",
-                              "warmup_with_compile_s", "warmup_with_cache_s"]), flush=True)
+    print(format_table(rows, COLUMNS), flush=True)
 
 
 if __name__ == "__main__":
