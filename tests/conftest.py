@@ -25,6 +25,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+# A suite started in the background of a non-interactive shell (`cmd &`, as a CI wrapper may) begins
+# with SIGINT ignored, and the runner, as Python does, then leaves Ctrl-C alone (`nohup` semantics):
+# the tests that send SIGINT to a job in this process would see nothing happen. Give them Python's
+# default, as a terminal-started suite has.
+import signal  # noqa: E402
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never touch the network
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
