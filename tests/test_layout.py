@@ -158,3 +158,18 @@ def test_the_driver_keeps_its_state_in_objects_and_the_job_reads_as_a_short_reci
     tree = ast.parse((ROOT / "runner" / "job.py").read_text())
     (recipe,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_run_locked"]
     assert recipe.end_lineno - recipe.lineno + 1 <= 50
+
+
+def test_every_module_is_in_the_readme_code_map():
+    """The README's one-line-per-file map names every module of the two packages."""
+    import glob
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    files = [os.path.relpath(f, ROOT) for pkg in ("runner", "compiler")
+             for f in glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True)]
+    lines = readme.splitlines()
+
+    def named(f):   # its path, or its name on a row of its directory's files (`dir/a.py`, `b.py`)
+        d, name = os.path.split(f)
+        return f"`{f}`" in readme or any(f"`{d}/" in line and f"`{name}`" in line for line in lines)
+    missing = [f for f in files if not f.endswith("__init__.py") and not named(f)]
+    assert not missing, f"add to the README's code map: {missing}"
