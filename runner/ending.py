@@ -23,10 +23,9 @@ gets what is left, and the exit does not wait.
 
 from __future__ import annotations
 
-import threading
 import time
 
-from .storage import StoreTimeout
+from .storage import StoreTimeout, call_within
 
 STOP_S = 30.0    # a stopping job's end (results, summary, report, lock), in all: Kubernetes'
                  # default grace after SIGTERM, and more than one store timeout (20 s)
@@ -106,29 +105,17 @@ class Ending:
         left runs out: for calls the store does not bound (a listing) and a snapshot in flight."""
         if self.skip(step):
             return None
-        box: dict = {}
-        done = threading.Event()
-
-        def call():
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:       # handed to the caller's thread
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name=f"end-{step}", daemon=True).start()
-        if not done.wait(self.left(default=None)):
+        try:
+            finished, value = call_within(self.left(default=None), f"end-{step}", fn, *args)
+        except OSError as e:
+            self.saw(e)
+            self.fail(step, first_line(e))
+            return None
+        if not finished:
             self.abandoned = True
             self.fail(step, f"not finished within the stop's deadline ({STOP_S:.0f} s)")
             return None
-        if isinstance(box.get("error"), OSError):
-            self.saw(box["error"])
-            self.fail(step, first_line(box["error"]))
-            return None
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+        return value
 
     def summary_lines(self) -> list[str]:
         """What the terminal is told after the summary: each step not written, and why."""

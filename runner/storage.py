@@ -106,6 +106,30 @@ S3_CONNECT_TIMEOUT_S = 3.0
 S3_REQUEST_TIMEOUT_S = 3.0
 
 
+
+def call_within(limit: float | None, name: str, fn, *args) -> tuple[bool, object]:
+    """`fn(*args)` on a daemon thread named `name`, waited for up to `limit` seconds (None: no
+    limit). (True, its value) when it returned, its exception raised in the caller's thread; (False,
+    None) when it was still running: a call on a stalled store cannot be cancelled, so it is left
+    to finish (or not) on its own."""
+    box: dict = {}
+    done = threading.Event()
+
+    def call():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:      # handed to the caller's thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name=name, daemon=True).start()
+    if not done.wait(limit):
+        return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box.get("value")
+
 class StoreTimeout(TimeoutError):       # TimeoutError is an OSError: handled as a store failure
     pass
 
@@ -142,26 +166,13 @@ class Store:
         if self.local:
             return fn(*args)
         limit = OP_TIMEOUT_S + nbytes / MIN_WRITE_RATE
-        out: dict = {}
-        done = threading.Event()
-
-        def call():
-            try:
-                out["value"] = fn(*args)
-            except BaseException as e:      # handed to the caller's thread
-                out["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name=f"store-{what}", daemon=True).start()
-        if not done.wait(limit):
+        finished, value = call_within(limit, f"store-{what}", fn, *args)
+        if not finished:
             raise StoreTimeout(
                 f"the store {self.uri()} did not answer a {what} in time ({OP_TIMEOUT_S:.0f} s, plus "
                 f"1 s per MiB written): it is stalled or unreachable\n"
                 f"{what} of {self.uri(rel)}: no answer after {limit:.0f} s")
-        if "error" in out:
-            raise out["error"]
-        return out.get("value")
+        return value
 
     def join(self, *parts: str) -> "Store":
         """The Store rooted at base/parts (e.g. the job's directory under output.dir)."""
