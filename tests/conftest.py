@@ -113,25 +113,42 @@ _SESSION: dict = {}
 
 
 @contextlib.contextmanager
-def full_disk(path, size: str = "4k"):
-    """`path` (an existing empty directory) as a real full disk: a tmpfs of `size` mounted there
-    and filled, so every write raises ENOSPC; unmounted after. Mounting needs root (CI runs as
-    root); elsewhere the test is skipped, with the reason shown."""
+def tmpfs(path, size: str):
+    """`path` (an existing empty directory) as a real disk of `size` (a tmpfs mounted there),
+    unmounted after. Mounting needs root (CI runs as root); elsewhere the test is skipped, with
+    the reason shown."""
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
-        fd = os.open(os.path.join(path, ".filler"), os.O_WRONLY | os.O_CREAT)
-        try:
-            with pytest.raises(OSError):
-                while True:
-                    os.write(fd, b"x" * 4096)
-        finally:
-            os.close(fd)
         yield path
     finally:
         subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def fill_disk(path, name: str = ".filler") -> str:
+    """Fills the disk under `path` until a write raises ENOSPC (unbuffered: nothing is left to
+    flush); returns the filler file's path (removing it frees the disk)."""
+    filler = os.path.join(path, name)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"x" * 4096)
+    finally:
+        os.close(fd)
+    return filler
+
+
+@contextlib.contextmanager
+def full_disk(path, size: str = "4k"):
+    """`path` (an existing empty directory) as a real full disk: a tmpfs of `size` mounted there
+    and filled, so every write raises ENOSPC; unmounted after (skipped where mounting needs root
+    this process lacks)."""
+    with tmpfs(path, size):
+        fill_disk(path)
+        yield path
 
 
 def compile_cache() -> str:

@@ -506,27 +506,13 @@ def test_a_worker_not_ready_when_the_job_ends_is_listed_not_lost(prompts, tmp_pa
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (mounting needs root, as CI runs) and `fill()`, which fills it to ENOSPC;
     `free()` empties what `fill` wrote."""
-    import subprocess
     from types import SimpleNamespace
+    from conftest import fill_disk, tmpfs
     d = tmp_path / "disk"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-
-    def fill():
-        fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)     # unbuffered: nothing left to flush
-        try:
-            with pytest.raises(OSError, match="No space left"):
-                while True:
-                    os.write(fd, b"x" * 4096)
-        finally:
-            os.close(fd)
-    try:
-        yield SimpleNamespace(path=d, fill=fill, free=lambda: (d / "filler").unlink())
-    finally:
-        subprocess.run(["umount", str(d)], capture_output=True)
+    with tmpfs(d, "1m"):
+        yield SimpleNamespace(path=d, fill=lambda: fill_disk(d, "filler"),
+                              free=lambda: (d / "filler").unlink())
 
 
 def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(

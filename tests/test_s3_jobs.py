@@ -153,21 +153,31 @@ def test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir(ray_cluster, s3_buc
 
 
 @contextlib.contextmanager
-def job_on_a_dying_server(write_prompts, monkeypatch, slow: float, records: int):
-    """A demo job writing to its own S3 server, which is killed once the job has recorded
-    `records` rows. Yields the running driver process, after the kill."""
+def job_on_its_own_server(write_prompts, monkeypatch, bucket: str, n: int, slow: float,
+                          records: int):
+    """A demo job of `n` prompts writing to s3://`bucket`/out on its own S3 server (the test may
+    kill or pause it). Yields (the running driver process, the server) once the job has recorded
+    `records` rows."""
     from s3server import moto_server
-    ids = [f"d{i:02d}" for i in range(12)]
-    local = write_prompts({"prompt": [f"prompt {i}" for i in range(12)], "id": ids})
-    with moto_server() as server:                    # its own server: the test kills it
+    ids = [f"{bucket[0]}{i:02d}" for i in range(n)]
+    local = write_prompts({"prompt": [f"prompt {i}" for i in range(n)], "id": ids})
+    with moto_server() as server:
         for k, v in server.env.items():
             monkeypatch.setenv(k, v)
-        server.create_bucket("dying")
-        a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://dying/out", "job.name=j",
+        server.create_bucket(bucket)
+        a = ["job=demo_image", f"prompts.path={local}", f"output.dir=s3://{bucket}/out", "job.name=j",
              "generation.num_inference_steps=2", "generation.height=64", "generation.width=64",
              "run.shard_size=2", "run.batch_size=1", "ray.cpu_workers=1"]
         p = cli(a, faults=f"slow:{slow}", wait=False)
-        wait_for_records(p, resolve("s3://dying/out/j"), records)
+        wait_for_records(p, resolve(f"s3://{bucket}/out/j"), records)
+        yield p, server
+
+
+@contextlib.contextmanager
+def job_on_a_dying_server(write_prompts, monkeypatch, slow: float, records: int):
+    """A demo job writing to its own S3 server, which is killed once the job has recorded
+    `records` rows. Yields the running driver process, after the kill."""
+    with job_on_its_own_server(write_prompts, monkeypatch, "dying", 12, slow, records) as (p, server):
         server.proc.kill()
         yield p
 
@@ -212,18 +222,7 @@ def test_a_stalled_store_ends_the_job_within_120_s_naming_it(write_prompts, monk
     at the production timeouts (runner.storage.OP_TIMEOUT_S = 20 s): the job stops on it, and its
     end (results, summary, lock) has one deadline, not a timeout each; the exit does not wait for
     the requests left in flight. Measured before: 166 s, the lock left unnamed."""
-    from s3server import moto_server
-    ids = [f"s{i:02d}" for i in range(40)]
-    local = write_prompts({"prompt": [f"prompt {i}" for i in range(40)], "id": ids})
-    with moto_server() as server:                    # its own server: the test pauses it
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
-        server.create_bucket("stalling")
-        a = ["job=demo_image", f"prompts.path={local}", "output.dir=s3://stalling/out",
-             "job.name=j", "generation.num_inference_steps=2", "generation.height=64",
-             "generation.width=64", "run.shard_size=2", "run.batch_size=1", "ray.cpu_workers=1"]
-        p = cli(a, faults="slow:0.5", wait=False)
-        wait_for_records(p, resolve("s3://stalling/out/j"), 2)
+    with job_on_its_own_server(write_prompts, monkeypatch, "stalling", 40, 0.5, 2) as (p, server):
         os.kill(server.proc.pid, signal.SIGSTOP)
         t_stall = time.time()
         try:
