@@ -276,7 +276,8 @@ def _two_lanes(argv: list[str], out: str, arms: list[str]) -> list[dict]:
                    f"arms={','.join(lane)}", f"record=lane-{lane[0]}.json"]
             print("$", f"CUDA_VISIBLE_DEVICES={gpu}", *cmd, flush=True)
             procs.append((lane, subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu})))
-    failed = [f"{','.join(lane)}: exit status {p.wait()}" for lane, p in procs if p.wait() != 0]
+    status = [(lane, p.wait()) for lane, p in procs]
+    failed = [f"{','.join(lane)}: exit status {rc}" for lane, rc in status if rc != 0]
     rows = [r for lane, _ in procs if os.path.exists(os.path.join(out, f"lane-{lane[0]}.json"))
             for r in json.load(open(os.path.join(out, f"lane-{lane[0]}.json")))["rows"]]
     if failed:
