@@ -106,7 +106,6 @@ S3_CONNECT_TIMEOUT_S = 3.0
 S3_REQUEST_TIMEOUT_S = 3.0
 
 
-
 def call_within(limit: float | None, name: str, fn, *args) -> tuple[bool, object]:
     """`fn(*args)` on a daemon thread named `name`, waited for up to `limit` seconds (None: no
     limit). (True, its value) when it returned, its exception raised in the caller's thread; (False,
@@ -129,6 +128,7 @@ def call_within(limit: float | None, name: str, fn, *args) -> tuple[bool, object
     if "error" in box:
         raise box["error"]
     return True, box.get("value")
+
 
 class StoreTimeout(TimeoutError):       # TimeoutError is an OSError: handled as a store failure
     pass

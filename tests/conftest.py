@@ -24,9 +24,10 @@ import uuid
 # workers, at once. Left at the defaults, each in-process torch spins 2 OpenMP threads (spin-waiting
 # burns CPU when the cores are oversubscribed) and each compiling process starts Inductor's pool of
 # 2 compile subprocesses (each importing torch). One thread and compiles in-process there: the
-# suite's CPU 628 -> 499 s and its wall 447 -> 383 s on the 2-core machine, same tests. Set before
-# torch (and its OpenMP runtime) loads; inherited by every process the session starts. A machine
-# with 8+ cores (the GPU box) keeps the defaults; set either variable yourself to override.
+# suite's CPU 628 -> 499 s and its wall 447 -> 383 s on the 2-core machine, same tests (one run
+# each; later runs of the same code gave 479-567 CPU-s and 354-426 s: that machine varies). Set
+# before torch (and its OpenMP runtime) loads; inherited by every process the session starts. A
+# machine with 8+ cores (the GPU box) keeps the defaults; set either variable yourself to override.
 if (os.cpu_count() or 1) < 8:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
