@@ -114,7 +114,7 @@ def prepare(job: dict) -> None:
     the step graph from `job["compile"]` when a step cache is on (one log line, on the driver)."""
     sc = job["step_cache"]
     check(sc, job["model"].family)
-    check_first_blocks(sc, job["model"].resolved())
+    check_first_blocks(sc, job["model"])
     options = compile_options(job["compile"].options, sc)
     if options is not job["compile"].options:
         job["compile"] = dataclasses.replace(job["compile"], options=options, mode=options.mode)

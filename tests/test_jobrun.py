@@ -387,14 +387,17 @@ def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts,
 
 
 def test_the_job_imports_no_ray_when_its_pool_is_not_rays(prompts, tmp_path):
-    """The whole driver path on a pool that is not Ray's: Ray is never imported."""
+    """The whole driver path on a pool that is not Ray's: Ray is never imported. Nor torch, on any
+    pool: the driver never needs it (a job's driver imported it to resolve `model.device=auto`,
+    which it did not use: ~2 CPU-s per job on the machine that also runs the workers)."""
     import subprocess
     import sys
     code = (f"import sys; from runner import job; from runner.bench.simulate import SimPool, VirtualClock\n"
             f"clock = VirtualClock()\n"
             f"pool = lambda j, limits: SimPool(1, 1.0, clock, startup_s=(1, 1))\n"
             f"assert job.main({job_args(prompts, tmp_path)!r}, start_pool=pool, clock=clock.time) == 0\n"
-            f"assert 'ray' not in sys.modules, 'ray imported'")
+            f"assert 'ray' not in sys.modules, 'ray imported'\n"
+            f"assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
 
