@@ -386,10 +386,10 @@ def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts,
     assert_complete(d)
 
 
-def test_the_job_imports_no_ray_when_its_pool_is_not_rays(prompts, tmp_path):
-    """The whole driver path on a pool that is not Ray's: Ray is never imported. Nor torch, on any
-    pool: the driver never needs it (a job's driver imported it to resolve `model.device=auto`,
-    which it did not use: ~2 CPU-s per job on the machine that also runs the workers)."""
+def test_the_driver_imports_no_torch_and_no_ray_when_its_pool_is_not_rays(prompts, tmp_path):
+    """The whole driver path on a pool that is not Ray's: Ray is never imported. Nor torch: the
+    driver never needs it (it imported it to resolve `model.device=auto`, which it did not use:
+    ~1.5 CPU-s per job, dry runs included, on the machine that also runs the workers)."""
     import subprocess
     import sys
     code = (f"import sys; from runner import job; from runner.bench.simulate import SimPool, VirtualClock\n"
