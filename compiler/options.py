@@ -25,10 +25,11 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
 | `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
 | `low-precision` | lossy, denoiser blocks: their Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only; the projections feeding attention add their bias in the GEMM and write the model dtype, so q/k/v reach the attention kernel as views without a copy), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
+| `int8-attention` | lossy, compiled, CUDA Hopper (sm90): Wan's self-attention over >= 16,384 tokens (the published video sizes) in INT8 (QK; Q and K Hadamard-rotated first, so outlier channels keep their precision) and FP8 (PV) with FP32 accumulation (`compiler/int8_attention.py`: SageAttention 2's kernel, built once per machine with nvcc, our quantisation): 1.40x cuDNN at 480x832 x 81 frames on an H100, output cosine >= 0.999 also with outlier channels; where it cannot run (another GPU, no nvcc), one log line and cuDNN's attention |
 | `cache-all` | Inductor `fx_graph_cache` and `autotune_local_cache` on (in `compiler.cache`'s directory), and portable artifacts packed by `compiler.cache` |
 | `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
 | `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
-| `O3` (preset) | `O2` + `max-optimize:low-precision`: fastest, not bit-faithful (the benchmark states its error) |
+| `O3` (preset) | `O2` + `max-optimize:low-precision:int8-attention`: fastest, not bit-faithful (the benchmark states its error) |
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
 | key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
@@ -75,6 +76,7 @@ FLAGS: dict[str, dict] = {
     "cudagraphs": {"cudagraphs": True},
     "freezing": {"inductor": {"freezing": True}},
     "low-precision": {"low_precision": True, "denoiser_only": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},
+    "int8-attention": {"int8_attention": True, "denoiser_only": True},
     "cache-all": {"cache": True, "inductor": {"fx_graph_cache": True, "autotune_local_cache": True}},
     "benchmark": {"cudnn_benchmark": True, "inductor": {"benchmark_fusion": True}},
 }
@@ -82,10 +84,10 @@ FLAGS: dict[str, dict] = {
 # Presets expand to plain flags (O2 lossless, O3 adds lossy speed).
 PRESETS: dict[str, tuple[str, ...]] = {
     "O2": ("cudagraphs", "cache-all"),
-    "O3": ("cudagraphs", "cache-all", "max-optimize", "low-precision"),
+    "O3": ("cudagraphs", "cache-all", "max-optimize", "low-precision", "int8-attention"),
 }
 
-LOSSY_FLAGS = frozenset({"low-precision"})
+LOSSY_FLAGS = frozenset({"low-precision", "int8-attention"})
 MEMORY_FORMATS = (None, "channels_last", "contiguous")
 # The boolean keys' defaults are CompileOptions' field defaults.
 BOOL_KEYS = ("dynamic", "fuse_qkv", "sdpa_priority", "fuse_gelu", "short_attention", "short_cross_attention",

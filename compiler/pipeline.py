@@ -10,7 +10,7 @@ import threading
 import torch
 
 from .options import FLAGS, CompileOptions, parse_options
-from . import block_pairs, quant, transforms, video_vae
+from . import block_pairs, int8_attention, quant, transforms, video_vae
 from .cudagraph import StepGraph, wrap_step
 from .cross_attention import use_short_cross_attention
 from .short_attention import use_short_attention
@@ -129,6 +129,14 @@ def _gpu_transforms(den, opts: CompileOptions, fused: bool, report: dict) -> Non
         add("short_attention", use_short_attention(den))
     if opts.short_cross_attention and fused:
         add("short_cross_attention", use_short_cross_attention(den))
+    if opts.has("int8_attention") and int8_attention.has_long_attention(den):
+        why = int8_attention.unavailable()
+        if why:   # said once per process; the attention stays cuDNN's
+            if "int8_attention_off" not in report:
+                log.warning("int8 attention off, Wan self-attention stays on cuDNN: %s", why)
+            report["int8_attention_off"] = why
+        else:
+            add("int8_attention", int8_attention.use_int8_attention(den))
 
 
 def _add_counts(counts) -> dict[str, int]:

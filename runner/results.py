@@ -64,9 +64,20 @@ def lossy(mode) -> bool:
     return not compiler.parse_options(str(mode)).lossless
 
 
+def int8_attention(mode, preset: str) -> bool:
+    """Whether compile flag `int8-attention` is on and changes this model's outputs."""
+    import compiler
+    from .families import PRESETS
+    return compiler.parse_options(str(mode)).has("int8_attention") and PRESETS[preset].long_attention
+
+
 def _output_settings(cfg: DictConfig) -> dict:
     out = {k: OmegaConf.select(cfg, k) for k in OUTPUT_KEYS}
     out["lossy"] = lossy(cfg.compile.mode)
+    # INT8/FP8 attention changes a Wan video; absent where it does not apply, so directories made
+    # before the flag existed (or of other families) keep their settings id
+    if int8_attention(cfg.compile.mode, cfg.model.preset):
+        out["int8_attention"] = True
     # Step reuse changes every output; absent when off, so directories made before it existed
     # (whose config.yaml has no step_cache) keep their settings id.
     sc = OmegaConf.select(cfg, "step_cache")

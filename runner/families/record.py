@@ -72,6 +72,9 @@ class Family:
     # guidance-distilled model (FLUX.1-dev: guidance_scale is an embedding, no second pass), whose
     # rows' negative_prompt is not encoded
     negative_prompt: bool = True
+    # the denoiser's self-attention is what compile flag `int8-attention` takes (Wan's, at video
+    # sizes): its outputs then change, so the flag is part of the job's output settings
+    long_attention: bool = False
     # the pipeline attribute of the tokenizer whose length is `max_tokens` (FLUX: `tokenizer_2`,
     # the T5's; its `tokenizer` is CLIP's 77)
     tokenizer: str = "tokenizer"

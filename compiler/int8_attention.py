@@ -1,0 +1,280 @@
+"""8-bit self-attention for long sequences (video DiTs): SageAttention 2's Hopper kernel
+(vendored in `csrc/sage_sm90`, built once per machine) fed by our own quantisation, which rotates
+Q and K first so that channel outliers cannot eat the INT8 range.
+
+Contract:
+- `attention8(q, k, v) -> o`: q, k, v of shape (B, N, H, D), D in `HEAD_DIMS`, fp16/bf16 on CUDA;
+  o like q, softmax(q k^T / sqrt(D)) v. A custom op (`diffcompiler::attention8`, opaque to Dynamo,
+  captured by CUDA graphs: every launch on the current stream, no host sync). On the CPU it is
+  exact SDPA (tests of the logic).
+- `unavailable() -> str | None`: why the kernel cannot run in this process (no CUDA, a GPU other
+  than sm90, no nvcc to build it and no build in `build_dir()`), or None once it is loaded.
+- `use_int8_attention(denoiser, min_tokens=MIN_TOKENS) -> int`: every Wan self-attention
+  (`WanAttention` without cross-attention) gets `LongSelfAttnProcessor`: calls of at least
+  `min_tokens` tokens (per sample) go through `attention8`, all others (shorter sequences, masks,
+  fp32, CPU) through diffusers' own processor. Returns how many attentions got it.
+
+Arithmetic (what is lossy, and why it survives outliers):
+- Q and K multiplied by one fixed orthogonal matrix R (a Hadamard matrix with random signs, seed 0,
+  / sqrt(D)): (qR)(kR)^T = q k^T exactly, but an outlier channel's energy is spread over all D
+  channels, so the INT8 scales are no longer set by a few channels ~20x the others (QuaRot's and
+  FlashAttention-3's incoherent processing): output cosine 0.9987 -> 0.9993 with offsets of 20-50x
+  the std on 4 channels, 0.9969 -> 0.9994 with 4 channels 20x larger (H200, 2 x 12 x 32,760 x 128;
+  benchmarks/2026-11-26-int8-attention.md). Done inside the quantisation kernel (a (64|128, D) x
+  (D, D) tile product), so it costs no extra pass over memory.
+- QK^T in INT8 with SageAttention's per-thread scales (2 query rows / 32 key rows per scale), K
+  smoothed first (its mean over tokens subtracted: exact under softmax);
+- P V in FP8 (e4m3, V scaled per channel) with FP32 accumulation, output in the input dtype.
+- Only long sequences pay: the kernel is ~1.3x cuDNN at 32,760 tokens but slower below ~12k
+  tokens (H100/H200), hence `MIN_TOKENS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MIN_TOKENS = 16384     # below this cuDNN's BF16/FP16 kernel is faster (H100, head dim 128)
+
+
+SRC = Path(__file__).parent / "csrc" / "sage_sm90"
+HEAD_DIMS = (64, 128)   # the kernel's; Wan's is 128
+
+
+def _digest() -> str:
+    """What the built extension depends on: its sources, torch and CUDA versions."""
+    h = hashlib.sha256(f"{torch.__version__}|{torch.version.cuda}".encode())
+    for f in sorted(SRC.rglob("*")):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Beside the compile cache (`compiler.cache.configure_cache_dir` sets TORCHINDUCTOR_CACHE_DIR
+    to <cache>/inductor), else torch's extension directory: built once per machine and cache."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:
+        return Path(inductor).parent / "ext" / f"sage_sm90-{_digest()}"
+    from torch.utils.cpp_extension import _get_build_directory
+    return Path(_get_build_directory(f"sage_sm90_{_digest()}", verbose=False))
+
+
+@functools.cache
+def extension():
+    """The sm90 kernel's module: loaded from `build_dir()` when a worker built it already (no
+    compiler needed), else built there with nvcc (~1-2 min; torch's file lock makes concurrent
+    workers wait for one build)."""
+    import importlib.machinery
+    import importlib.util
+    name = f"diffcompiler_sage_sm90_{_digest()}"
+    d = build_dir()
+    built = d / f"{name}.so"
+    if not built.exists():
+        from torch.utils.cpp_extension import load
+        d.mkdir(parents=True, exist_ok=True)
+        flags = ["-O3", "-std=c++17", "-DENABLE_BF16", "-DSAGE_SLIM"]
+        load(name=name, sources=[str(SRC / "qattn" / "qk_int_sv_f8_cuda_sm90.cu")], build_directory=str(d),
+             extra_cflags=flags, extra_ldflags=["-lcuda"], verbose=False,
+             extra_cuda_cflags=flags + ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                                        "--use_fast_math", "--threads=4", "-diag-suppress=174,177,549",
+                                        "-gencode", "arch=compute_90a,code=sm_90a"])
+    spec = importlib.util.spec_from_file_location(name, built,
+                                                  loader=importlib.machinery.ExtensionFileLoader(name, str(built)))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """None when the kernel can run here (building it if needed), else the reason in one line."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cc = torch.cuda.get_device_capability()
+    if cc != (9, 0):
+        return f"the INT8/FP8 attention kernel is built for Hopper (sm90); this GPU is sm{cc[0]}{cc[1]}"
+    try:
+        extension()
+    except Exception as e:   # no nvcc/ninja, a failed build: the message says which
+        return f"its CUDA kernel could not be built or loaded ({type(e).__name__}: {str(e).strip()[-300:]})"
+    return None
+
+
+@functools.cache
+def signed_hadamard(d: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """(d, d) with entries +-1 (exact in fp16/bf16): random signs (seed 0) times Sylvester's
+    Hadamard matrix; divided by sqrt(d) it is orthogonal. d a power of two."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(0)
+    signs = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+    return (signs[:, None] * h).to(device=device, dtype=dtype)
+
+
+@functools.cache
+def _kernels():
+    """The Triton quantisation kernels (built on first use: CPU installs have no Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rotate_quant(x, mean, r, out, scale, N, sxb, sxn, sxh, sob, son, soh, ssb, ssh, smb, smh,
+                     inv_sqrt_d, D: tl.constexpr, KEY: tl.constexpr):
+        """One (b, h) and ROWS tokens: (x - mean) R / sqrt(D) in INT8 with the kernel's per-thread
+        scales. Q (KEY=0): 64 rows, rows r and r + 8 of each 16-row tile share a scale (8 per
+        tile). K (KEY=1): 128 rows, rows 8i + 2t + j (j = 0, 1; i = 0..15) share scale t (4)."""
+        ROWS: tl.constexpr = 128 if KEY else 64
+        blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, D)
+        inb = rows[:, None] < N
+        t = tl.load(x + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :], mask=inb, other=0.0)
+        if KEY:   # K smoothed: its mean over tokens subtracted (softmax ignores it); padding stays 0
+            mu = tl.load(mean + b * smb + h * smh + cols)
+            t = tl.where(inb, t - mu[None, :], 0.0).to(mu.dtype)
+        y = tl.dot(t, tl.load(r + cols[:, None] * D + cols[None, :])) * inv_sqrt_d     # (ROWS, D) fp32
+        amax = tl.max(tl.abs(y), axis=1)                                             # (ROWS,)
+        if KEY:
+            s = tl.max(tl.max(tl.reshape(amax, (16, 4, 2)), axis=2), axis=0) / 127.0 + 1e-7   # (4,)
+            srow = tl.reshape(tl.broadcast_to(s[None, :, None], (16, 4, 2)), (ROWS,))
+            tl.store(scale + b * ssb + h * ssh + blk * 4 + tl.arange(0, 4), s)
+        else:
+            s = tl.max(tl.reshape(amax, (4, 2, 8)), axis=1) / 127.0 + 1e-7                   # (4, 8)
+            srow = tl.reshape(tl.broadcast_to(s[:, None, :], (4, 2, 8)), (ROWS,))
+            tl.store(scale + b * ssb + h * ssh + blk * 32 + tl.reshape(
+                tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :], (32,)), tl.reshape(s, (32,)))
+        qv = y / srow[:, None]
+        qv = qv + tl.where(qv >= 0, 0.5, -0.5)       # round half away from zero, as SageAttention
+        tl.store(out + b * sob + h * soh + rows[:, None] * son + cols[None, :], qv.to(tl.int8), mask=inb)
+
+    @triton.jit
+    def v_fp8(v, vscale, out, N, NP, svb, svn, svh, ssb, ssh, sob, soh,
+              D: tl.constexpr):
+        """One (b, h) and 128 tokens of V: / its per-channel scale, FP8 e4m3, transposed to
+        (D, tokens) with the tokens of every 16 permuted as the kernel's FP8 MMA reads them
+        (position p holds token (p // 2 % 2) * 8 + (p // 4) * 2 + p % 2); padding is 0."""
+        blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p = tl.arange(0, 128)
+        q = p % 16
+        tok = blk * 128 + p // 16 * 16 + (q // 2 % 2) * 8 + (q // 4) * 2 + q % 2
+        cols = tl.arange(0, D)
+        t = tl.load(v + b * svb + h * svh + tok[:, None] * svn + cols[None, :], mask=tok[:, None] < N,
+                    other=0.0).to(tl.float32)
+        s = tl.load(vscale + b * ssb + h * ssh + cols)
+        t = tl.minimum(tl.maximum(t / s[None, :], -448.0), 448.0)
+        tl.store(out + b * sob + h * soh + cols[:, None] * NP + (blk * 128 + p)[None, :],
+                 tl.trans(t.to(tl.float8e4nv)))
+
+    return rotate_quant, v_fp8
+
+
+def quantize(q, k, v):
+    """(B, N, H, D) x3 -> what the sm90 kernel takes: q8, k8 (B, N, H, D) int8 with their scales
+    (B, H, ceil(N/64)*32) and (B, H, ceil(N/128)*4), v8 (B, H, D, N padded to 128) fp8 with its
+    per-channel scales (B, H, D)."""
+    rotate_quant, v_fp8 = _kernels()
+    b, n, h, d = q.shape
+    r = signed_hadamard(d, str(q.device), q.dtype)
+    km = k.mean(dim=1)                                                       # (B, H, D)
+    q8, k8 = torch.empty(q.shape, dtype=torch.int8, device=q.device), torch.empty(k.shape, dtype=torch.int8, device=q.device)
+    qs = torch.empty(b, h, (n + 63) // 64 * 32, dtype=torch.float32, device=q.device)
+    ks = torch.empty(b, h, (n + 127) // 128 * 4, dtype=torch.float32, device=q.device)
+    for x, mean, out, sc, rows, key in ((q, km, q8, qs, 64, False), (k, km, k8, ks, 128, True)):
+        rotate_quant[((n + rows - 1) // rows, h, b)](
+            x, mean, r, out, sc, n, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+            out.stride(2), sc.stride(0), sc.stride(1), km.stride(0), km.stride(1), d ** -0.5, D=d, KEY=key,
+            num_warps=4 if key else 2)
+    np_ = (n + 127) // 128 * 128
+    vs = (v.abs().amax(dim=1).float() / 448.0).clamp_min(1e-12)             # (B, H, D)
+    v8 = torch.empty(b, h, d, np_, dtype=torch.float8_e4m3fn, device=q.device)
+    v_fp8[(np_ // 128, h, b)](v, vs, v8, n, np_, v.stride(0), v.stride(1), v.stride(2), vs.stride(0),
+                              vs.stride(1), v8.stride(0), v8.stride(1), D=d, num_warps=8)
+    return q8, qs, k8, ks, v8, vs
+
+
+@torch.library.custom_op("diffcompiler::attention8", mutates_args=())
+def attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, N, H, D) x3 -> (B, N, H, D): softmax(q k^T / sqrt(D)) v, INT8 QK / FP8 PV on sm90."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2)).transpose(1, 2).contiguous()
+    q8, qs, k8, ks, v8, vs = quantize(q, k, v)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # v8 as (B, D, H, N): the kernel's NHD layout reads V's strides that way
+    extension().qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+        q8, k8, v8.permute(0, 2, 1, 3), o, qs, ks, vs, 0, 0, 3, q.shape[-1] ** -0.5, 0)
+    return o
+
+
+@attention8.register_fake
+def _(q, k, v):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on (B, N, H, D), as diffusers' WanAttnProcessor applies it."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def self_attention_qkv(attn, hidden_states: torch.Tensor, rotary_emb=None):
+    """Wan self-attention's q, k, v, each (B, N, H, D), as diffusers' WanAttnProcessor makes them:
+    the (fused) projection, RMS norms across heads, the rotary embedding."""
+    from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+    q, k, v = _get_qkv_projections(attn, hidden_states, None)       # 3 x (B, N, H*D)
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))   # 3 x (B, N, H, D)
+    if rotary_emb is not None:
+        q, k = _rope(q, *rotary_emb), _rope(k, *rotary_emb)
+    return q, k, v
+
+
+class LongSelfAttnProcessor:
+    """Wan self-attention of >= `min_tokens` tokens through `attention8`; every other call goes to
+    diffusers' `WanAttnProcessor` unchanged. The choice is made per call shape (static under
+    Dynamo: one graph per shape)."""
+
+    def __init__(self, min_tokens: int = MIN_TOKENS):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+        self.fallback = WanAttnProcessor()
+        self.min_tokens = min_tokens
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        if (encoder_hidden_states is not None or attention_mask is not None
+                or hidden_states.shape[1] < self.min_tokens
+                or hidden_states.dtype not in (torch.float16, torch.bfloat16)
+                or attn.inner_dim // attn.heads not in HEAD_DIMS):
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        q, k, v = self_attention_qkv(attn, hidden_states, rotary_emb)
+        out = attention8(q, k, v).flatten(2, 3).type_as(q)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def has_long_attention(module: torch.nn.Module) -> bool:
+    """Whether `module` has self-attentions this processor takes (Wan's), without building anything."""
+    from diffusers.models.transformers.transformer_wan import WanAttention
+    return any(isinstance(m, WanAttention) and not m.is_cross_attention for m in module.modules())
+
+
+def use_int8_attention(module: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> int:
+    """Give every Wan self-attention of `module` the processor (one shared instance, so Dynamo
+    sees the same object in every block)."""
+    from diffusers.models.transformers.transformer_wan import WanAttention
+    proc, n = LongSelfAttnProcessor(min_tokens), 0
+    for attn in module.modules():
+        if isinstance(attn, WanAttention) and not attn.is_cross_attention:
+            attn.set_processor(proc)
+            n += 1
+    return n
