@@ -8,6 +8,9 @@
 # c: the PixArt-a table alone (one GPU)
 # d: both tables at once on nvidia-h100-x2, each alone on its GPU with half the host's cores
 #    (taskset, 16 of 32: what a 1-GPU machine has), arms in one command each; then the VAE test
+# f: issue 46's unconditional-branch reuse on one GPU: Wan 2.1 1.3B 81 frames x 50 steps, LeMiCa
+#    B=25, O3+residual against O3+residual+cfg (s/video, PSNR of the decoded frames against the
+#    job without cfg_reuse), then its gpu test (full-size O3 + residual + cfg_reuse)
 set -u
 phase=$1; out=$2; mkdir -p "$out"
 python3 -c "import torch, triton, diffusers, cache_dit; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'cache-dit', cache_dit.__version__)"
@@ -70,6 +73,16 @@ elif [ "$phase" = e ]; then
   cp /tmp/wan33/*.json "$out/"
   [ "${VAE:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_video_vae.py -k full_size > "$out/gpu1.log" 2>&1
+elif [ "$phase" = f ]; then
+  (
+    timeout 590 python3 -m runner.bench.vs_loop job=wan_batch model.source=random prompts=${PROMPTS:-3} \
+        arms=job modes=O3+residual,O3+residual+cfg generation.num_frames=81 \
+        generation.num_inference_steps=50 "step_cache.compute_steps=$LEMICA25" \
+        step_cache.first_blocks=1 out=/tmp/wan81cfg
+    cp /tmp/wan81cfg/vs_loop.json "$out/wan81_cfg_vs_loop.json"
+    cp /tmp/wan81cfg/job-O3-residual-cfg/metrics/*.json "$out/" 2>/dev/null
+    timeout 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_cfg_reuse.py -k full_size
+  ) > "$out/gpu0.log" 2>&1 &
 else
   # c: the PixArt-a table alone on one GPU (its cachedit arm compiled past 6 minutes in (a), beside
   # another table's compiles)

@@ -29,6 +29,12 @@ buffer on every replay. The block lists keep their modules (parameters, state_di
 compilation and FP8 transforms are untouched): only their iteration during such a call changes,
 through a subclass swapped in as their `__class__`. Installed after `compile_pipe`, the argument
 handling goes beneath the step graph (`StepGraph.fn`), so the graph sees the arguments.
+
+`UncondReuse` (below) is the other reuse, across guidance branches rather than steps: for
+pipelines that run the unconditional branch as its own denoiser call, a skipped call's output is
+estimated from this step's conditional output and the branches' difference at their last call
+(FasterCache's CFG-Cache). The caller decides which calls are skipped; a skipped call runs no
+denoiser and no graph, only a few elementwise kernels.
 """
 
 from __future__ import annotations
@@ -209,3 +215,86 @@ def install(denoiser: nn.Module, blocks: str | tuple[str, ...], first: int = 0,
 def installed(denoiser: nn.Module) -> bool:
     """Whether some block list of `denoiser` has `install`'s reuse (tests, the runner's checks)."""
     return any(isinstance(m, ReusableBlocks) for m in denoiser.children())
+
+
+# ---------------------------------------------------------------------------------------------
+# The unconditional guidance branch reused (FasterCache's CFG-Cache, arXiv 2410.19355)
+
+class UncondReuse:
+    """For a pipeline that runs classifier-free guidance as two denoiser calls per step, the
+    conditional one first (diffusers' Wan pipelines): what a skipped unconditional call returns.
+
+    At a step whose two calls both ran, the difference d = uncond - cond (float32, one buffer
+    allocated once per shape and device) is kept; at a later step whose unconditional call is
+    skipped, its output is this step's conditional output plus d, with d's low-frequency part (a
+    disc of radius min(H, W) // 5 around the centre of the shifted 2-D spectrum over the last two
+    dims, H and W, per frame and channel: FasterCache's split) weighted 1 + alpha in the first
+    half of the steps and its high-frequency part weighted 1 + alpha in the second (`late`), as
+    maxdiffusion's Wan CFG cache does. alpha = 0 is the plain difference (no FFT). Everything is
+    elementwise on tensors already on the device: no graph, no host sync. The low-pass of d is
+    computed once per kept difference, at its first use.
+
+    `cond(out, step)` and `uncond(out, step)` note the two calls' outputs (the denoiser's return
+    value: a tensor, a tuple whose first element is the output, or an output object with
+    `sample`); `ready(step)`: a kept difference and this step's conditional output exist;
+    `estimate(late)`: the skipped call's return value, structured like the conditional one's."""
+
+    def __init__(self, alpha: float):
+        self.alpha = float(alpha)
+        self.delta = self.low = None   # (B, C, F, H, W) float32 buffers
+        self.reset()
+
+    def reset(self) -> None:
+        """Before each pipeline call: nothing of an earlier call is reused."""
+        self.out = self.x = self.step = None
+        self.kept = self.low_fresh = False
+
+    def cond(self, out, step: int) -> None:
+        # a reference, not a copy: the denoiser's outputs are fresh tensors (StepGraph clones)
+        self.out, self.x, self.step = out, _sample(out), step
+
+    def uncond(self, out, step: int) -> None:
+        self.kept = self.step == step
+        if not self.kept:               # no conditional output of this step: no difference
+            return
+        u = _sample(out)
+        if self.delta is None or self.delta.shape != u.shape or self.delta.device != u.device:
+            self.delta = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+            self.low = torch.empty_like(self.delta)
+        self.delta.copy_(u).sub_(self.x)
+        self.low_fresh = False
+
+    def ready(self, step: int) -> bool:
+        return self.kept and self.step == step
+
+    def estimate(self, late: bool):
+        d = self.delta
+        if self.alpha:
+            low = self._low_pass()
+            # w_low * low + w_high * (d - low) with (w_low, w_high) = (1 + a, 1), late (1, 1 + a)
+            d = torch.add(d, d - low if late else low, alpha=self.alpha)
+        x = torch.add(self.x, d).to(self.x.dtype)
+        out = self.out
+        if isinstance(out, torch.Tensor):
+            return x
+        if isinstance(out, tuple):
+            return (x, *out[1:])
+        return type(out)(**{**out, "sample": x})
+
+    def _low_pass(self) -> torch.Tensor:
+        if not self.low_fresh:
+            h, w = self.delta.shape[-2:]
+            y = torch.arange(h, device=self.delta.device)[:, None] - h // 2
+            x = torch.arange(w, device=self.delta.device)[None, :] - w // 2
+            # FasterCache's disc on the centred spectrum, moved to the unshifted one
+            mask = torch.fft.ifftshift(y * y + x * x <= (min(h, w) // 5) ** 2)
+            self.low.copy_(torch.fft.ifft2(torch.fft.fft2(self.delta) * mask).real)
+            self.low_fresh = True
+        return self.low
+
+
+def _sample(out) -> torch.Tensor:
+    """The denoiser's output tensor in its return value (tensor, tuple or output object)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return out[0] if isinstance(out, tuple) else out.sample

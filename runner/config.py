@@ -242,6 +242,9 @@ STEP_CACHE_METHODS = ("none", "residual", "fastercache", "pab")
 STEP_CACHE_KEYS = {"none": (), "residual": ("compute_ratio", "compute_steps", "first_blocks"),
                    "fastercache": ("block_skip_range", "timestep_range", "uncond_skip_range"),
                    "pab": ("block_skip_range", "timestep_range")}
+CFG_REUSE = ("none", "fastercache")
+# The keys of the unconditional-branch reuse (`cfg_reuse`), in the settings when it is on.
+CFG_KEYS = ("cfg_reuse", "cfg_window", "cfg_interval", "cfg_alpha", "uncond_steps")
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,23 @@ class StepCacheSection:
                                             "pab [100, 800])")
     uncond_skip_range: int = key(5, "fastercache: the unconditional (CFG) branch computed every N "
                                     "steps, approximated in between (1 = always computed)")
+    cfg_reuse: str = key("none", "none | fastercache: the unconditional (CFG) branch's "
+                                 "denoiser call skipped on a fixed schedule, its output taken as "
+                                 "this step's conditional output plus the cond/uncond difference "
+                                 "of its last call (FasterCache's CFG-Cache); composes with "
+                                 "residual and O2/O3; Wan only; lossy, docs/compiler.md")
+    cfg_window: list = key([0.33, 0.96], "cfg_reuse: [start, end) as fractions of the step "
+                                         "count; the unconditional call is skipped only at steps "
+                                         "inside (at 50 steps: 16-47, maxdiffusion's Wan 2.1 "
+                                         "480p setting)")
+    cfg_interval: int = key(5, "cfg_reuse: inside the window the unconditional call runs every N "
+                               "steps (from the window's first), skipped in between")
+    cfg_alpha: float = key(0.2, "cfg_reuse: the kept difference's low-frequency part weighted "
+                                "1 + alpha in the first half of the steps, its high-frequency part "
+                                "in the second (FasterCache); 0 = the plain difference")
+    uncond_steps: list | None = key(None, "cfg_reuse: the step indices whose unconditional call "
+                                          "runs (0 = first; overrides cfg_window and "
+                                          "cfg_interval); null = the window's schedule")
 
     def __post_init__(self):
         _choice("step_cache.method", self.method, STEP_CACHE_METHODS)
@@ -285,6 +305,7 @@ class StepCacheSection:
                               or len(set(c)) != len(c)):
             raise ConfigError(f"step_cache.compute_steps={list(c)!r} must be distinct step indices "
                               f">= 0 that include 0 (the first step is always computed), or null")
+        self._check_cfg()
         r = self.timestep_range
         if r is not None and (len(r) != 2 or not all(isinstance(v, (int, float)) and
                                                      not isinstance(v, bool) for v in r)
@@ -293,9 +314,43 @@ class StepCacheSection:
                               f"[low, high] with low < high (timesteps run from ~1000 down to 0), "
                               f"or null")
 
-    def settings(self) -> dict:
-        """The method and the keys it reads: what makes its outputs (hashes, cache keys)."""
-        return {"method": self.method, **{k: getattr(self, k) for k in STEP_CACHE_KEYS[self.method]}}
+    def _check_cfg(self) -> None:
+        _choice("step_cache.cfg_reuse", self.cfg_reuse, CFG_REUSE)
+        w = self.cfg_window
+        if not (isinstance(w, (list, tuple)) and len(w) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in w)
+                and 0 <= w[0] < w[1] <= 1):
+            raise ConfigError(f"step_cache.cfg_window={w!r} must be two fractions [start, end) of "
+                              f"the step count with 0 <= start < end <= 1 (e.g. [0.33, 0.96])")
+        if not isinstance(self.cfg_interval, int) or isinstance(self.cfg_interval, bool) \
+                or self.cfg_interval < 1:
+            raise ConfigError(f"step_cache.cfg_interval={self.cfg_interval!r} must be an integer "
+                              f">= 1 (1 = the unconditional call always runs)")
+        if not isinstance(self.cfg_alpha, (int, float)) or isinstance(self.cfg_alpha, bool) \
+                or not 0 <= self.cfg_alpha <= 1:
+            raise ConfigError(f"step_cache.cfg_alpha={self.cfg_alpha!r} must be in [0, 1] "
+                              f"(0 = the plain cond/uncond difference; FasterCache's 0.2 on Wan)")
+        u = self.uncond_steps
+        if u is not None and (not u or not all(isinstance(v, int) and not isinstance(v, bool)
+                                              and v >= 0 for v in u) or 0 not in u
+                              or len(set(u)) != len(u)):
+            raise ConfigError(f"step_cache.uncond_steps={list(u)!r} must be distinct step indices "
+                              f">= 0 that include 0 (the first step has no difference to reuse), "
+                              f"or null")
+
+    def settings(self, cfg: bool = True) -> dict:
+        """The method and the keys it reads, and the unconditional-branch reuse's keys when it is
+        on: what makes its outputs (hashes). `cfg=False`: without them (the compile cache key:
+        the skipped call runs no graph, so the compiled and captured graphs are the same)."""
+        out = {"method": self.method, **{k: getattr(self, k) for k in STEP_CACHE_KEYS[self.method]}}
+        if cfg and self.cfg_reuse != "none":
+            out.update({k: getattr(self, k) for k in CFG_KEYS})
+        return out
+
+    @property
+    def on(self) -> bool:
+        """Anything of step reuse is on (a method, or the unconditional-branch reuse)."""
+        return self.method != "none" or self.cfg_reuse != "none"
 
 
 @dataclass(frozen=True)

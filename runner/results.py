@@ -80,10 +80,13 @@ def _output_settings(cfg: DictConfig) -> dict:
         out["int8_attention"] = True
     # Step reuse changes every output; absent when off, so directories made before it existed
     # (whose config.yaml has no step_cache) keep their settings id.
+    # The unconditional-branch reuse (`cfg_reuse`) likewise: its keys join when it is on.
     sc = OmegaConf.select(cfg, "step_cache")
-    if sc is not None and sc.method != "none":
+    if sc is not None:
         from .config import StepCacheSection
-        out["step_cache"] = StepCacheSection(**OmegaConf.to_container(sc, resolve=True)).settings()
+        sc = StepCacheSection(**OmegaConf.to_container(sc, resolve=True))
+        if sc.on:
+            out["step_cache"] = sc.settings()
     return out
 
 

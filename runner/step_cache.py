@@ -17,14 +17,24 @@ Methods (`step_cache.method`, docs/compiler.md "Step reuse"):
 - `fastercache`, `pab`: diffusers' attention-level hooks (`FasterCacheConfig`,
   `PyramidAttentionBroadcastConfig`), deciding per attention call in Python.
 
+The unconditional branch reused (`step_cache.cfg_reuse=fastercache`, with `residual` or alone):
+for families whose pipeline runs classifier-free guidance as two denoiser calls per step, the
+conditional one first (`Family.cfg_calls`: the Wan pipelines), the unconditional call is skipped on
+a fixed schedule (`uncond_plan`: a step-index window, one call every `cfg_interval` steps inside
+it; FasterCache's CFG-Cache with maxdiffusion's Wan 2.1 setting by default) and its output taken
+as this step's conditional output plus the two branches' difference at their last call, frequency
+weighted (`compiler.step_reuse.UncondReuse`). `Scheduled` decides it with the residual schedule:
+a skipped call runs no denoiser and no captured graph; a call that runs is computed or reused as
+`plan` says. A denoiser's first unconditional call of a pipeline call always runs.
+
 Contract:
-- `check(step_cache, family)` (in `prepare`): the method is offered for this model family,
-  else `ConfigError` naming the families that have it. The parameters themselves are checked by
-  `config.StepCacheSection`; `check_steps(step_cache, items)` (driver, once the prompts are read)
-  checks `compute_steps` against every row's step count.
+- `check(step_cache, family)` (in `prepare`): the method, and `cfg_reuse`, are offered for this
+  model family, else `ConfigError` naming the families that have it. The parameters themselves
+  are checked by `config.StepCacheSection`; `check_steps(step_cache, items)` (driver, once the
+  prompts are read) checks `compute_steps` and `uncond_steps` against every row's step count.
 - `apply(pipe, step_cache)` (worker, after `compiler.compile_pipe`, on the pipeline's device):
-  installs the method on `pipe.transformer` (`residual`: and `pipe.transformer_2`). Returns what it
-  hooked (modules, or the number of denoisers for `residual`).
+  installs the method on `pipe.transformer` (`residual` and `cfg_reuse`: and `pipe.transformer_2`).
+  Returns what it hooked (modules, or the number of denoisers for `residual` and `cfg_reuse`).
 - `reset(pipe, guidance)` (before every pipeline call): per-call state (step counter, cached
   outputs) starts fresh, also after a call that raised, so an output depends on its seed and
   settings only, never on what ran before it. `guidance=False` (a row with guidance_scale <= 1,
@@ -66,13 +76,18 @@ DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffu
 
 def check(sc: StepCacheSection, family) -> None:
     """`family`: the model's `Family` record."""
-    if sc.method == "none":
-        return
-    if sc.method not in family.step_reuse:
-        from .families import FAMILIES
+    from .families import FAMILIES
+    if sc.method != "none" and sc.method not in family.step_reuse:
         offered = [f.name for f in FAMILIES.values() if sc.method in f.step_reuse]
         raise ConfigError(f"step_cache.method={sc.method!r} is not offered for {family.name} models; "
                           f"it is for: {offered} (or step_cache.method=none)")
+    if sc.cfg_reuse != "none" and not family.cfg_calls:
+        offered = [f.name for f in FAMILIES.values() if f.cfg_calls]
+        why = ("it runs no unconditional pass (guidance-distilled)" if not family.negative_prompt
+               else "its pipeline batches both guidance branches into one denoiser call, so no "
+                    "call can be skipped")
+        raise ConfigError(f"step_cache.cfg_reuse={sc.cfg_reuse!r} is not offered for {family.name} "
+                          f"models: {why}; it is for: {offered} (or step_cache.cfg_reuse=none)")
 
 
 def check_first_blocks(sc: StepCacheSection, model) -> None:
@@ -91,21 +106,26 @@ def check_first_blocks(sc: StepCacheSection, model) -> None:
 
 
 def check_steps(sc: StepCacheSection, items) -> None:
-    """Driver, after the prompts are read: `compute_steps` against every row's step count. `plan`
-    ignores an index past a row's last step, so such a schedule would silently not be the one
-    asked for: `ConfigError` naming the rows (file:row) instead."""
-    if sc.method != "residual" or sc.compute_steps is None:
-        return
-    last = max(sc.compute_steps)
+    """Driver, after the prompts are read: `compute_steps` and `uncond_steps` against every row's
+    step count. `plan` and `uncond_plan` ignore an index past a row's last step, so such a
+    schedule would silently not be the one asked for: `ConfigError` naming the rows (file:row)."""
+    if sc.method == "residual" and sc.compute_steps is not None:
+        _check_list("compute_steps", sc.compute_steps, "compute_ratio", items)
+    if sc.cfg_reuse != "none" and sc.uncond_steps is not None:
+        _check_list("uncond_steps", sc.uncond_steps, "cfg_window", items)
+
+
+def _check_list(name: str, steps: list, instead: str, items) -> None:
+    last = max(steps)
     short = [it for it in items if it.num_inference_steps <= last]
     if short:
         rows = ", ".join(f"{it.source} ({it.num_inference_steps} steps)" for it in short[:5])
         raise ConfigError(
-            f"step_cache.compute_steps={list(sc.compute_steps)} names step {last}, past the last "
+            f"step_cache.{name}={list(steps)} names step {last}, past the last "
             f"step of {len(short)} prompt row{'s' if len(short) > 1 else ''} ({rows}"
             f"{', ...' if len(short) > 5 else ''}); step indices run from 0 to "
             f"num_inference_steps - 1 (the column, or generation.num_inference_steps): drop the "
-            f"indices past the end, or use step_cache.compute_ratio (it scales with each row's "
+            f"indices past the end, or use step_cache.{instead} (it scales with each row's "
             f"step count)")
 
 
@@ -167,11 +187,12 @@ def apply(pipe, sc: StepCacheSection, family) -> int:
     replaces `transformer.forward`, which FasterCache's denoiser hook must wrap, not be replaced by;
     and after the pipeline is on its device and dtype: the opaque op finds each module by the
     address of its key buffer, which moving it would change)."""
-    if sc.method == "none":
+    if not sc.on:
         return 0
+    check(sc, family)
     den = pipe.transformer
-    if sc.method == "residual":
-        return _apply_residual(pipe, sc, family)
+    if sc.method in ("residual", "none"):      # "none": cfg_reuse alone
+        return _apply_scheduled(pipe, sc, family)
     den.enable_cache(BUILDERS[sc.method](sc, _timestep_reader(pipe)))
     hooked = [m for name, m in den.named_modules()   # the attention modules with a hook
               if name and getattr(getattr(m, "_diffusers_hook", None), "_hook_order", None)]
@@ -218,6 +239,31 @@ def plan(steps: int, sc: StepCacheSection) -> tuple[bool, ...]:
     return tuple(i == 0 or i in chosen for i in range(steps))
 
 
+def uncond_plan(steps: int, sc: StepCacheSection) -> tuple[bool, ...]:
+    """Which of `steps` steps run the unconditional branch's denoiser call (True) or skip it,
+    estimating its output (False; `cfg_reuse`). `uncond_steps` as given (indices past the end
+    ignored); else every step outside `cfg_window` ([floor(start * steps), floor(end * steps)))
+    and inside it the window's first step and every `cfg_interval`-th after: at 50 steps with the
+    defaults, steps 0-16, 21, 26, 31, 36, 41, 46, 48, 49 run (25 of 50), as maxdiffusion's Wan 2.1
+    480p CFG cache (first third full, then every 5th, the last 2 full). Step 0 always runs."""
+    if sc.uncond_steps is not None:
+        runs = {i for i in sc.uncond_steps if i < steps}
+    else:
+        lo, hi = (int(f * steps + 1e-9) for f in sc.cfg_window)   # 0.96 * 50 is 47.99999...
+        runs = {i for i in range(steps) if not lo <= i < hi or (i - lo) % sc.cfg_interval == 0}
+    return tuple(i == 0 or i in runs for i in range(steps))
+
+
+def computed_calls(steps: int, sc: StepCacheSection) -> dict:
+    """Denoiser calls per pipeline call of a one-denoiser pipeline with two guidance calls a step:
+    `cond` and `uncond` computed in full (the rest reuse a residual or, for uncond, are skipped),
+    and `uncond_skipped` (bench rows, docs: what the schedules save)."""
+    full = plan(steps, sc) if sc.method == "residual" else (True,) * steps
+    runs = uncond_plan(steps, sc) if sc.cfg_reuse != "none" else (True,) * steps
+    return dict(cond=sum(full), uncond=sum(f and r for f, r in zip(full, runs)),
+                uncond_skipped=steps - sum(runs))
+
+
 def warmup_steps(sc: StepCacheSection, steps: int, most: int = 8) -> int:
     """The fewest steps >= `steps` (at most `most`) whose plan reuses a step, so that a warm-up
     call of that length also captures the reuse step's graph (`steps` when none does)."""
@@ -228,7 +274,8 @@ def warmup_steps(sc: StepCacheSection, steps: int, most: int = 8) -> int:
 
 class Scheduled:
     """The denoiser's forward, told for each call whether it computes or reuses, and which kept
-    residual (`branch`) it reads and writes.
+    residual (`branch`) it reads and writes (`residual`); and whether an unconditional call runs
+    at all (`cfg_reuse`).
 
     A step is one denoiser call (PixArt and Latte batch the guidance branches into one call), or
     one call per branch where the pipeline runs them as separate calls inside the denoiser's
@@ -236,11 +283,20 @@ class Scheduled:
     there the branch is the context's name, and the step its `step_index` when given, else a new
     step begins when the first branch comes again. The step count comes from the scheduler when a
     pipeline call's first denoiser call begins. A branch's first call in a pipeline call is always
-    computed (there is nothing of this call to reuse yet: a second expert's first step, say)."""
+    computed (there is nothing of this call to reuse yet: a second expert's first step, say).
+    An "uncond" call that `uncond_plan` skips returns `UncondReuse.estimate` instead of calling the
+    denoiser, once this denoiser has a kept difference and this step's "cond" output; `paused`
+    (the worker's warm-up: `warming`) runs every call, so that warm-up captures the same graphs."""
 
     def __init__(self, inner, sc: StepCacheSection, pipe, den):
         self.inner, self.sc, self.pipe = inner, sc, pipe
-        self.reused = 0
+        self.residual = sc.method == "residual"
+        self.cfg = None
+        if sc.cfg_reuse != "none":
+            from compiler.step_reuse import UncondReuse   # torch: worker side only
+            self.cfg = UncondReuse(sc.cfg_alpha)
+        self.reused = self.uncond_skipped = 0
+        self.paused = False
         self.reset()
         context = getattr(den, "cache_context", None)
         if context is not None:      # diffusers' CacheMixin: names each guidance branch's call
@@ -258,15 +314,31 @@ class Scheduled:
         """Before each pipeline call (`runner.step_cache.reset`)."""
         self.calls, self.step, self.first_branch, self.computed = 0, 0, None, set()
         self.branch = self.step_index = None      # set by the context of each call that has one
+        if self.cfg is not None:
+            self.cfg.reset()
 
     def __call__(self, *args, **kwargs):
         if self.calls == 0:
-            self.plan = plan(len(self.pipe.scheduler.timesteps), self.sc)
+            steps = len(self.pipe.scheduler.timesteps)
+            self.plan = plan(steps, self.sc) if self.residual else None
+            self.runs = uncond_plan(steps, self.sc) if self.cfg and not self.paused else None
             self.first_branch = self.branch
         elif self.step_index is None and self.branch == self.first_branch:
             self.step += 1
         step = self.step_index if self.step_index is not None else self.step
         self.calls += 1
+        if self.runs is not None and self.branch == "uncond" and step < len(self.runs) \
+                and not self.runs[step] and self.cfg.ready(step):
+            self.uncond_skipped += 1
+            return self.cfg.estimate(late=step >= len(self.runs) // 2)
+        out = self._call(step, args, kwargs)
+        if self.runs is not None and self.branch in ("cond", "uncond"):
+            getattr(self.cfg, self.branch)(out, step)
+        return out
+
+    def _call(self, step: int, args, kwargs):
+        if not self.residual:
+            return self.inner(*args, **kwargs)
         compute = (self.plan[step] if step < len(self.plan) else True) or self.branch not in self.computed
         self.computed.add(self.branch)
         self.reused += not compute
@@ -280,19 +352,30 @@ def denoisers(pipe) -> list:
             if d is not None]
 
 
-def _apply_residual(pipe, sc: StepCacheSection, family) -> int:
+def _apply_scheduled(pipe, sc: StepCacheSection, family) -> int:
+    """`residual` and/or `cfg_reuse`: a `Scheduled` forward on each denoiser, beneath it (with
+    `residual`) the block stack's reuse."""
     dens = denoisers(pipe)
+    reused = 0
     for den in dens:
-        if family.residual_forward is not None:   # its forward has the reuse built in (Latte's pairs)
-            family.residual_forward(den, sc.first_blocks)
-            reused = len(den.transformer_blocks) - sc.first_blocks
-        else:
-            from compiler.step_reuse import install   # beneath compile_pipe's step graph, if any
-            reused = install(den, family.step_blocks, sc.first_blocks, family.step_outputs)
+        if sc.method == "residual":
+            reused = _install_residual(den, sc, family)
         den.forward = Scheduled(den.forward, sc, pipe, den)
-    log.info("step cache residual: %d blocks reused on a reused step (%d denoisers); %s of %d "
-             "steps computed at %d steps", reused, len(dens), sum(plan(50, sc)), 50, 50)
+    calls = computed_calls(50, sc)
+    log.info("step cache %s%s: %d blocks reused on a reused step (%d denoisers); at 50 steps %d "
+             "conditional and %d unconditional calls computed, %d unconditional calls skipped",
+             sc.method, f" + cfg_reuse={sc.cfg_reuse}" if sc.cfg_reuse != "none" else "", reused,
+             len(dens), calls["cond"], calls["uncond"], calls["uncond_skipped"])
     return len(dens)
+
+
+def _install_residual(den, sc: StepCacheSection, family) -> int:
+    """The block stack's reuse on `den`; returns how many blocks a reused step skips."""
+    if family.residual_forward is not None:   # its forward has the reuse built in (Latte's pairs)
+        family.residual_forward(den, sc.first_blocks)
+        return len(den.transformer_blocks) - sc.first_blocks
+    from compiler.step_reuse import install   # beneath compile_pipe's step graph, if any
+    return install(den, family.step_blocks, sc.first_blocks, family.step_outputs)
 
 
 def reset(pipe, guidance: bool = True) -> None:
@@ -312,6 +395,28 @@ def reset(pipe, guidance: bool = True) -> None:
         for hook in getattr(getattr(m, "_diffusers_hook", None), "hooks", {}).values():
             if hasattr(hook, "is_guidance_distilled"):
                 hook.is_guidance_distilled = not guidance
+
+
+def uncond_skipped(pipe) -> int:
+    """Unconditional denoiser calls skipped by `cfg_reuse` so far (worker metrics, tests)."""
+    den = getattr(pipe, "transformer", None)
+    if not isinstance(getattr(den, "forward", None), Scheduled):
+        return 0
+    return sum(d.forward.uncond_skipped for d in denoisers(pipe))
+
+
+@contextlib.contextmanager
+def warming(pipe):
+    """The worker's warm-up call: every unconditional call runs (`Scheduled.paused`), so that the
+    warm-up captures each (compute or reuse, branch) step graph whatever `cfg_reuse` skips."""
+    scheds = [d.forward for d in denoisers(pipe) if isinstance(d.forward, Scheduled)]
+    for sc in scheds:
+        sc.paused = True
+    try:
+        yield
+    finally:
+        for sc in scheds:
+            sc.paused = False
 
 
 def skipped(pipe) -> int:

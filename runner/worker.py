@@ -320,7 +320,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         """What besides model and mode decides the compiled graphs (the compile cache key's
         `shapes`): the warm-up shape, and the step reuse (it changes what is compiled and
         captured)."""
-        return {**self._warmup_shape(), "step_cache": self.cfg.step_cache.settings()}
+        return {**self._warmup_shape(), "step_cache": self.cfg.step_cache.settings(cfg=False)}
 
     def _warmup_shape(self) -> dict:
         g = self.cfg.generation
@@ -349,7 +349,9 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         grey = images.placeholder(g.width, g.height)
         paths = {"required": [grey], "optional": [None, grey]}.get(self.family.image, [None])
         for image in paths:
-            with torch.inference_mode():   # the serving path, conversion and copy included
+            # every unconditional call runs (step_cache.warming): the step graphs that
+            # cfg_reuse would skip past are captured here too
+            with torch.inference_mode(), step_cache.warming(self.pipe):   # the serving path
                 x = generate(self.pipe, self.family, items, self.spec.device,
                              mask_feature=self.spec.mask_feature, output_type="pt", image=image)
                 to_host_uint8(x, pin=self.cuda)
@@ -565,6 +567,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
         # step reuse: attention calls answered from the cache (warm-up included); 0 when off
         m["step_cache_reused"] = step_cache.skipped(self.pipe)
+        # cfg_reuse: unconditional denoiser calls skipped (estimated from the conditional output)
+        m["step_cache_uncond_skipped"] = step_cache.uncond_skipped(self.pipe)
         # The serving window: the first pipeline call's start to the last batch on the host.
         span = t1 - t0 if t0 is not None and t1 is not None and t1 > t0 else None
         m["serving_s"] = span

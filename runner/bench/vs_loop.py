@@ -16,14 +16,18 @@ The same generated prompts (ids, seeds) go through:
                 optional `bench` extra, never a runtime dependency;
   job           `python -m runner` with each `compile.mode` of `modes` (its own process and
                 local Ray, one worker on the GPU); `MODE+METHOD` (e.g. `O3+residual`) runs that
-                mode with `step_cache.method=METHOD`, and its outputs are compared with those of
-                MODE alone (else of the first mode): PSNR of each output's decoded frames, written
-                to the job's `metrics/psnr_vs_<mode>.json` and summarised in the table.
+                mode with `step_cache.method=METHOD`, `+cfg` with `step_cache.cfg_reuse=fastercache`
+                (the unconditional branch reused; `O3+residual+cfg`: both), and its outputs are
+                compared with those of the mode without its last `+` part (else MODE alone, else
+                the first mode): PSNR of each output's decoded frames, written to the job's
+                `metrics/psnr_vs_<mode>.json` and summarised in the table.
 Items/s are steady figures: a loop's from the end of its first item (warm-up, compilation) to
 the end of its last; the job's once its worker serves (`steady_items_per_s` of summary.json).
 `ready_s`: a loop's seconds from building the pipeline to its first item written; the job's
 worker's load + warm-up. `computed_steps`: denoising steps computed in full per item (the rest
-reuse), for the step-reuse arms.
+reuse), for the step-reuse arms; `computed_calls`: denoiser calls computed in full per item (two a
+step with guidance: the conditional and the unconditional one), and `uncond_skipped` the
+unconditional calls `+cfg` skips, both from the schedules (`runner.step_cache.computed_calls`).
 GPU busy is NVML's utilisation over the same windows (what nvidia-smi shows; the job's comes from
 its worker's metrics); null on CPU. Other `key=value` arguments go to the job and decide the
 loop's model and sizes too (`model.*`, `generation.*`). Arms run in the order `arms=` names them; each
@@ -175,13 +179,47 @@ def _job_name(mode: str) -> str:
     return f"job-{mode.replace(':', '_').replace('+', '-')}"
 
 
+def mode_args(mode: str) -> list[str]:
+    """A job arm's `MODE[+METHOD][+cfg]` as the job's arguments."""
+    mode, *parts = mode.split("+")
+    return [f"compile.mode={mode}", *("step_cache.cfg_reuse=fastercache" if p == "cfg"
+                                      else f"step_cache.method={p}" for p in parts)]
+
+
+def mode_reference(mode: str, modes: list[str]) -> str:
+    """The arm a `+` mode's outputs are compared with: the mode without its last `+` part if it
+    runs (`O3+residual+cfg` against `O3+residual`), else the mode alone, else the first."""
+    for ref in (mode.rpartition("+")[0], mode.partition("+")[0]):
+        if ref in modes:
+            return ref
+    return modes[0]
+
+
+def mode_calls(sc, mode: str, steps: int, two_calls: bool) -> dict:
+    """`computed_steps`, `computed_calls` and `uncond_skipped` of a job arm (None without step
+    reuse): the job's step_cache section with the arm's `+` parts. `two_calls`: the pipeline runs
+    the guidance branches as two denoiser calls a step (else one call a step)."""
+    import dataclasses
+
+    from ..step_cache import computed_calls
+    parts = mode.split("+")[1:]
+    if not parts:
+        return dict(computed_steps=None, computed_calls=None, uncond_skipped=None)
+    methods = [p for p in parts if p != "cfg"]
+    sc = dataclasses.replace(sc, method=methods[-1] if methods else "none",
+                             cfg_reuse="fastercache" if "cfg" in parts else "none")
+    c = computed_calls(steps, sc)
+    return dict(computed_steps=c["cond"] if sc.method == "residual" else None,
+                computed_calls=c["cond"] + c["uncond"] if two_calls else c["cond"],
+                uncond_skipped=c["uncond_skipped"] if two_calls else None)
+
+
 def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
     name = _job_name(mode)
-    mode, _, method = mode.partition("+")
     cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
-           f"output.dir={opts['out']}", f"job.name={name}", f"compile.mode={mode}",
-           "ray.num_workers=1", f"compile.cache_dir={opts['out']}/cache-{name}",
-           "output.overwrite=true", *rest, *([f"step_cache.method={method}"] if method else [])]
+           f"output.dir={opts['out']}", f"job.name={name}", "ray.num_workers=1",
+           f"compile.cache_dir={opts['out']}/cache-{name}", "output.overwrite=true", *rest,
+           *mode_args(mode)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}   # always its own local Ray
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
@@ -251,7 +289,7 @@ def _compare(out: str, rows: list[dict], arms: list[str], modes: list[str]) -> N
             os.path.join(out, "cachedit"), os.path.join(out, "loop"),
             os.path.join(out, "psnr_cachedit_vs_loop.json"), "loop"))
     for r in rows:
-        ref = r["mode"].partition("+")[0] if r["mode"].partition("+")[0] in modes else modes[0]
+        ref = mode_reference(r["mode"], modes)
         if (r["arm"] == "job" and "+" in r["mode"] and ref != r["mode"] and "psnr_ref" not in r
                 and ("job", ref) in done):
             r.update(compare_outputs(out, r["mode"], ref))
@@ -311,7 +349,8 @@ def main(argv: list[str]) -> list[dict]:
         write_json(os.path.join(opts["out"], opts["record"]), dict(argv=argv, rows=rows, partial=True))
 
     modes = opts["modes"].split(",")
-    computed = sum(reuse_plan(job["step_cache"], job["generation"].num_inference_steps))
+    steps = job["generation"].num_inference_steps
+    two_calls = job["model"].family.cfg_calls and job["generation"].guidance_scale > 1
     if opts["lanes"] == "2":
         for row in _two_lanes(argv, opts["out"], arms):
             done(row)
@@ -321,7 +360,7 @@ def main(argv: list[str]) -> list[dict]:
             done(dict(arm=arm, mode=LOOPS[arm], **run_loop(job, prompts, os.path.join(opts["out"], arm), arm)))
         for mode in modes if arm == "job" else ():
             done(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode),
-                      computed_steps=computed if mode.endswith("+residual") else None))
+                      **mode_calls(job["step_cache"], mode, steps, two_calls)))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
@@ -329,11 +368,12 @@ def main(argv: list[str]) -> list[dict]:
     write_json(os.path.join(opts["out"], "vs_loop.json"),
                dict(argv=argv, config=OmegaConf.to_container(cfg), rows=rows))
     jobs = {r["mode"]: r["items_per_s"] for r in rows if r["arm"] == "job"}
-    for r in rows:   # step reuse: the speed-up over the same mode without it
-        plain = jobs.get(r["mode"].partition("+")[0]) if "+" in r["mode"] else None
+    for r in rows:   # step reuse: the speed-up over the arm its outputs are compared with
+        plain = jobs.get(mode_reference(r["mode"], list(jobs))) if "+" in r["mode"] else None
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
     print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ends_items_per_s", "call_items_per_s", "it_s", "ready_s", "recompiles",
-                              "gpu_util", "computed_steps", *[f"x_{a}" for a in base],
+                              "gpu_util", "computed_steps", "computed_calls",
+                              *[f"x_{a}" for a in base],
                               "x_same_mode", "psnr_ref", "psnr_median_db", "psnr_min_db"]))
     return rows
 

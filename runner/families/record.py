@@ -52,6 +52,11 @@ class Family:
     # share it (`runner.text`)
     trim_text: bool = False
     step_reuse: tuple[str, ...] = ()   # step_cache methods offered (`runner.step_cache`)
+    # the pipeline runs classifier-free guidance as two denoiser calls per step, the conditional
+    # one first, each inside the denoiser's `cache_context("cond"/"uncond")` (diffusers' Wan
+    # pipelines): `step_cache.cfg_reuse` can skip the second call (PixArt, Latte and SD batch both
+    # branches into one call; FLUX.1-dev has no guidance pass)
+    cfg_calls: bool = False
     # `residual` step reuse: the denoiser's block stack, the attribute holding its ModuleList of
     # blocks (hidden states in and out, walked in order by the model's forward: Wan's `blocks`,
     # PixArt's `transformer_blocks`); `compiler.step_reuse` reuses what it adds on a reused step

@@ -73,4 +73,4 @@ WAN21 = Family(
     name="wan21", kind="video", pipeline="WanPipeline",
     presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B")},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
-    frame_step=4, step_reuse=("residual",), step_blocks="blocks", long_attention=True)
+    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True)

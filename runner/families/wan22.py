@@ -134,7 +134,7 @@ WAN22_A14B = Family(
     presets={"wan22_t2v_a14b": _a14b(720, 1280, 81.0),
              "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0)},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
-    frame_step=4, step_reuse=("residual",), step_blocks="blocks", long_attention=True)
+    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True)
 
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
@@ -142,5 +142,5 @@ WAN22_TI2V = Family(
                                    max_tokens=512, height=704, width=1280, size="5b",
                                    gpu_gib=38.0)},
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
-    frame_step=4, step_reuse=("residual",), step_blocks="blocks", long_attention=True,
-    image="optional", image_pipeline=image_pipeline)
+    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
+    long_attention=True, image="optional", image_pipeline=image_pipeline)

@@ -96,4 +96,5 @@ WAN21_I2V = Family(
     presets={"wan21_i2v_14b_480p": _preset("480P", 480, 832, 50.0),
              "wan21_i2v_14b_720p": _preset("720P", 720, 1280, 60.0)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
-    frame_step=4, step_reuse=("residual",), step_blocks="blocks", long_attention=True, image="required")
+    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
+    long_attention=True, image="required")
