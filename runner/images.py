@@ -201,7 +201,7 @@ def _not_a_file(mode: int) -> str | None:
     if stat.S_ISREG(mode):
         return None
     kind = ("a directory" if stat.S_ISDIR(mode) else
-            "a character device (such as /dev/zero)" if stat.S_ISCHR(mode) else
+            "a character device" if stat.S_ISCHR(mode) else
             "a block device" if stat.S_ISBLK(mode) else
             "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
             "a socket" if stat.S_ISSOCK(mode) else "not a file")

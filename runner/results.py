@@ -158,11 +158,14 @@ def error_cause(row: dict) -> str:
     row's own id, replaced by `<id>` (a message may name it, as records of older runs do:
     "non-finite values in the output of 'm0000'"), and what differs per call (temp file names,
     object addresses). Ids of digits only are left alone: numbers in messages (errno, sizes)
-    would be mistaken for them."""
+    would be mistaken for them; ids of letters only are masked where quoted: a row "loop" must
+    not turn "a symlink loop" into "a symlink <id>"."""
     text = next((line.strip() for line in (row.get("error") or "").splitlines() if line.strip()), "?")
     text = _mask_paths(_ADDRESS.sub("0x...", _TMP_NAME.sub(".tmp-*-", text)))
     rid = str(row.get("id") or "")
-    if rid and not rid.isdigit():
+    if rid.isalpha():
+        text = re.sub(rf"(?<=['\"`]){re.escape(rid)}(?=['\"`])", "<id>", text)
+    elif rid and not rid.isdigit():
         # the id as a whole name, not inside a longer one (a "." after it starts an extension;
         # a temp file's name is ".tmp-*-<id>.ext"), nor a URI's scheme (an id "s3")
         text = re.sub(rf"(?:(?<=\.tmp-\*-)|(?<![A-Za-z0-9._-])){re.escape(rid)}(?![A-Za-z0-9_-]|:/)",

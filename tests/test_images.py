@@ -183,7 +183,7 @@ def special_files(tmp_path) -> dict:
 
 CAUSES = {"directory": "a directory, not a regular file: not read",
           "loop": "a symlink loop (too many levels of symbolic links)",
-          "zero": "a character device (such as /dev/zero), not a regular file: not read",
+          "zero": "a character device, not a regular file: not read",
           "fifo": "a FIFO (named pipe), not a regular file: not read",
           "big": "larger than prompts.max_image_mib (64 MiB): not read; shrink it or raise the "
                  "setting\nits size: 64.0 MiB (67108865 bytes)",
