@@ -499,6 +499,9 @@ class JobRun:
             self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
                               f"metrics/worker-{m['rank']}.json", json_text(m))
         self._write_report(table, summary, metrics, text)
+        if not self.store.local:        # the page's staging directory: the last page is written
+            from .report import remove_stage
+            remove_stage(self.store)
         self._print(summary, text)
         if self.stopped is not None:
             raise Stopped(str(self.stopped), "finished outputs and the summary so far are written"
