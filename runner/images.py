@@ -10,12 +10,22 @@ Contract:
   through `bad`, and returns the items with `image` set to where workers read it (an absolute path
   or a URI; "bytes:<sha256>" for a bytes cell, whose bytes travel in `image_bytes` and whose hash
   is known at once).
-- `check_sample(items)` (driver, once per job): looks up to `SAMPLE` distinct images up (one stat
-  each); a `PromptError` (exit 2) when none of them exists, which is a wrong base path, bucket or
-  mount rather than a missing file; missing ones among existing ones are logged (those rows will
-  fail). Every image is not looked up: a million-row job would spend its start in stats.
-- `read(item) -> (bytes, sha256 hex)`, `fit(data, width, height) -> PIL.Image` (worker): raise
-  `ImageError` naming the image and why (not found, unreadable, not a decodable image). The image
+- `check_sample(items, error, max_bytes)` (driver, once per job): looks up to `SAMPLE` distinct
+  images (one stat each, all at once, `LOOKUP_S` in all, a line after `WAIT_NOTE_S` naming the
+  store waited for). A store that answers none of its lookups (timed out, refused, DNS:
+  `storage.unreachable`) is `StoreUnreachable` (exit 3, naming the store); `error` (exit 2) when
+  none of the images can be used, which is a wrong base path, bucket or mount rather than a
+  missing file; unusable ones among usable ones are logged (those rows will fail). Every image
+  is not looked up: a million-row job would spend its start in stats.
+- Causes as they are, the same words at the lookup and the read: "not found" only for a missing
+  file or object; a directory (an object store's prefix), a FIFO, a device (`/dev/zero`), a
+  socket, a symlink loop, permission denied, an image over `max_bytes`
+  (`prompts.max_image_mib`), the store not answering. Nothing is read into memory before its
+  kind and size are known: a local file is opened without blocking and checked on the open
+  descriptor; an object's size comes with the request that opens it.
+- `read(item, stores, max_bytes) -> (bytes, sha256 hex)`, `fit(data, width, height) -> PIL.Image`
+  (worker): raise `ImageError` naming the image and why (the causes above, not a decodable
+  image). The image
   is resized to cover width x height (Lanczos) and center-cropped to it: no distortion, the
   row's own size (the crop of diffusers' Wan docs, `center_crop_resize`, and of Wan 2.2's own
   image-to-video code). A missing or undecodable image fails its row only (`runner.worker`).
@@ -56,6 +66,7 @@ MAX_BYTES = 64 << 20     # the largest image read (prompts.max_image_mib's defau
 LOOKUP_S = storage.OP_TIMEOUT_S   # the driver's lookups of a sample, at most, in all
 WAIT_NOTE_S = 2.0        # a lookup slower than this: a line says what the job waits for
 NO_ANSWER = f"the store did not answer in time (no answer in {LOOKUP_S:.0f} s)"
+NO_ANSWER_LOCAL = f"no answer from the file system in {LOOKUP_S:.0f} s (a stalled mount?)"
 
 
 class ImageError(ValueError):
@@ -323,7 +334,7 @@ def _root(ref: str) -> str:
 
 def _look_up_all(refs: list[str], max_bytes: int) -> dict[str, str | None]:
     """`_look_up` of each ref, at once on daemon threads, within `LOOKUP_S` in all: a ref with no
-    answer by then has the cause `NO_ANSWER`. The threads of a stalled store are left to end on
+    answer by then has the cause `NO_ANSWER` (`NO_ANSWER_LOCAL` for a local file). The threads of a stalled store are left to end on
     their own (a call cannot be cancelled; `storage.call_within`). Past `WAIT_NOTE_S` a line
     says what is waited for."""
     stores: dict = {}
@@ -349,7 +360,8 @@ def _look_up_all(refs: list[str], max_bytes: int) -> dict[str, str | None]:
                  ", ".join(waiting), LOOKUP_S)
         done.wait(max(0.0, LOOKUP_S - (time.monotonic() - start)))
     with lock:
-        return {r: box.get(r, NO_ANSWER) for r in refs}
+        return {r: box[r] if r in box else NO_ANSWER if _is_object(r) else NO_ANSWER_LOCAL
+                for r in refs}
 
 
 class StoreUnreachable(RuntimeError):

@@ -84,8 +84,8 @@ def _on_stop_signal(signum, frame):
 
 
 def _handle_stop_signals() -> None:
-    """SIGTERM, and SIGINT unless the process started with it ignored (`nohup`, `cmd &`), as
-    Python itself does. Again once the pool started (`ray.init` installs its own SIGTERM handler)."""
+    """SIGTERM, and SIGINT unless the process started with it ignored (`cmd &` in a
+    non-interactive shell: docs/failures.md), as Python itself does. Again once the pool started (`ray.init` installs its own SIGTERM handler)."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _on_stop_signal)

@@ -50,7 +50,10 @@ Contract
   after a stalled write). A write that lands after its timeout is a complete object (writes are
   atomic): a record or media file that a rerun finds, never a partial one. `list` and
   `delete_prefix` are not bounded (they run for as long as there are keys, one request per 1000)
-  and are only called when a job starts.
+  and are only called when a job starts. `unreachable(e)` tells an error of the store as a whole
+  (no answer, connection refused, a name that does not resolve) from one about an object.
+- `info(rel)` is one stat (type: file, "directory" (a prefix of other objects), not found; size);
+  `read_bytes(rel, max_bytes)` refuses a larger object (`TooLarge`) before reading any of it.
 
 Design note: the job record on a store that cannot append or rename (as integrated: results.py's
 records are per finished shard, named `records/<run>-<seq>.jsonl` rather than by shard key, so a
