@@ -334,9 +334,9 @@ def _root(ref: str) -> str:
 
 def _look_up_all(refs: list[str], max_bytes: int) -> dict[str, str | None]:
     """`_look_up` of each ref, at once on daemon threads, within `LOOKUP_S` in all: a ref with no
-    answer by then has the cause `NO_ANSWER` (`NO_ANSWER_LOCAL` for a local file). The threads of a stalled store are left to end on
-    their own (a call cannot be cancelled; `storage.call_within`). Past `WAIT_NOTE_S` a line
-    says what is waited for."""
+    answer by then has the cause `NO_ANSWER` (`NO_ANSWER_LOCAL` for a local file). The threads
+    of a stalled store are left to end on their own (a call cannot be cancelled, as in
+    `storage.call_within`). Past `WAIT_NOTE_S` a line says what is waited for."""
     stores: dict = {}
     _prepare(refs, stores)
     box: dict[str, str | None] = {}
