@@ -140,6 +140,8 @@ class PromptsSection:
     on_empty: str = key("error", "null/empty prompt: error (before any model is built) | skip")
     strict: bool = key(False, "unknown prompt columns: false = one warning line naming them (with "
                               "the closest known name) | true = an error")
+    max_image_mib: int = key(64, "the largest input image (the `image` column) read, in MiB; a "
+                                 "larger one fails its row, unread")
 
 
 @dataclass(frozen=True)
@@ -589,9 +591,11 @@ class PromptSource:
     paths: tuple[str, ...]
     on_empty: str
     strict: bool = False          # prompts.strict: unknown columns are an error
+    max_image_bytes: int = 64 << 20   # prompts.max_image_mib, in bytes
 
     def __post_init__(self):
         _choice("prompts.on_empty", self.on_empty, ("error", "skip"))
+        _positive("prompts.max_image_mib", self.max_image_bytes)
         if not self.paths:
             raise ConfigError("prompts.path is empty: give a .parquet file, a directory or a list")
 
@@ -686,7 +690,8 @@ def split(cfg: DictConfig) -> dict:
         name=name,
         model=model,
         prompts=PromptSource(paths=_as_paths(cfg.prompts.path), on_empty=cfg.prompts.on_empty,
-                             strict=cfg.prompts.strict),
+                             strict=cfg.prompts.strict,
+                             max_image_bytes=cfg.prompts.max_image_mib << 20),
         generation=GenerationDefaults(**section("generation")),
         run=RunOptions(**section("run")),
         ray=RayOptions(**section("ray")),
@@ -716,6 +721,7 @@ class WorkerConfig:
     num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
     encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
     cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
+    max_image_bytes: int = 64 << 20  # prompts.max_image_mib: the largest input image read
 
 
 # ---------------------------------------------------------------------------------------------
@@ -784,7 +790,8 @@ every key, its type, default and meaning: python -m runner.config (docs/configur
 compile modes and step reuse: docs/compiler.md; failures and resume: docs/failures.md; models: docs/models.md.
 exit status: 0 all ok (or a dry run: run.dry_run=true), 1 some prompts failed, 2 bad input,
 3 stopped early on a persistent fault (the same error on every output, e.g. a full disk: summary.txt
-names it), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
+names it; or the store of the images does not answer), 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM)."""
 
 
 if __name__ == "__main__":

@@ -10,12 +10,22 @@ Contract:
   through `bad`, and returns the items with `image` set to where workers read it (an absolute path
   or a URI; "bytes:<sha256>" for a bytes cell, whose bytes travel in `image_bytes` and whose hash
   is known at once).
-- `check_sample(items)` (driver, once per job): looks up to `SAMPLE` distinct images up (one stat
-  each); a `PromptError` (exit 2) when none of them exists, which is a wrong base path, bucket or
-  mount rather than a missing file; missing ones among existing ones are logged (those rows will
-  fail). Every image is not looked up: a million-row job would spend its start in stats.
-- `read(item) -> (bytes, sha256 hex)`, `fit(data, width, height) -> PIL.Image` (worker): raise
-  `ImageError` naming the image and why (not found, unreadable, not a decodable image). The image
+- `check_sample(items, error, max_bytes)` (driver, once per job): looks up to `SAMPLE` distinct
+  images (one stat each, all at once, `LOOKUP_S` in all, a line after `WAIT_NOTE_S` naming the
+  store waited for). A store that answers none of its lookups (timed out, refused, DNS:
+  `storage.unreachable`) is `StoreUnreachable` (exit 3, naming the store); `error` (exit 2) when
+  none of the images can be used, which is a wrong base path, bucket or mount rather than a
+  missing file; unusable ones among usable ones are logged (those rows will fail). Every image
+  is not looked up: a million-row job would spend its start in stats.
+- Causes as they are, the same words at the lookup and the read: "not found" only for a missing
+  file or object; a directory (an object store's prefix), a FIFO, a device (`/dev/zero`), a
+  socket, a symlink loop, permission denied, an image over `max_bytes`
+  (`prompts.max_image_mib`), the store not answering. Nothing is read into memory before its
+  kind and size are known: a local file is opened without blocking and checked on the open
+  descriptor; an object's size comes with the request that opens it.
+- `read(item, stores, max_bytes) -> (bytes, sha256 hex)`, `fit(data, width, height) -> PIL.Image`
+  (worker): raise `ImageError` naming the image and why (the causes above, not a decodable
+  image). The image
   is resized to cover width x height (Lanczos) and center-cropped to it: no distortion, the
   row's own size (the crop of diffusers' Wan docs, `center_crop_resize`, and of Wan 2.2's own
   image-to-video code). A missing or undecodable image fails its row only (`runner.worker`).
@@ -30,13 +40,19 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import io
 import logging
 import os
+import stat
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from . import storage
 
@@ -46,6 +62,11 @@ SCHEMES = ("s3", "gs", "file")
 SAMPLE = 16              # images the driver looks up before a job starts
 HASH_THREADS = 16        # reads in flight when hashing images for a rerun's plan
 BYTES = "bytes:"         # prefix of the `image` of a bytes cell: "bytes:<sha256 hex>"
+MAX_BYTES = 64 << 20     # the largest image read (prompts.max_image_mib's default)
+LOOKUP_S = storage.OP_TIMEOUT_S   # the driver's lookups of a sample, at most, in all
+WAIT_NOTE_S = 2.0        # a lookup slower than this: a line says what the job waits for
+NO_ANSWER = f"the store did not answer in time (no answer in {LOOKUP_S:.0f} s)"
+NO_ANSWER_LOCAL = f"no answer from the file system in {LOOKUP_S:.0f} s (a stalled mount?)"
 
 
 class ImageError(ValueError):
@@ -142,12 +163,19 @@ def _with_image(item, cell, need: str):
     return dataclasses.replace(item, image=locate(str(cell), item.file))
 
 
+def _is_object(ref: str) -> bool:
+    """An s3:// or gs:// image (not a local path or file://)."""
+    return "://" in ref and not ref.lower().startswith("file://")
+
+
+def _local(ref: str) -> str:
+    return urlsplit(ref).path if "://" in ref else ref
+
+
 def _store(ref: str, stores: dict) -> storage.Store:
     """The Store of one object URI; one filesystem per bucket in `stores` (a caller's cache: an
     S3 filesystem is made once, not once per image)."""
     scheme, rest = ref.split("://", 1)
-    if scheme.lower() == "file":
-        return storage.resolve(ref)
     bucket, _, key = rest.partition("/")
     root = f"{scheme}://{bucket}"
     if root not in stores:
@@ -158,32 +186,193 @@ def _store(ref: str, stores: dict) -> storage.Store:
 def _prepare(refs: list[str], stores: dict) -> None:
     """Make each bucket's filesystem once, on this thread, before threads read through them."""
     for r in refs:
-        if "://" in r:
+        if _is_object(r):
             try:
                 _store(r, stores)
             except (OSError, ValueError):
                 pass        # the read itself reports it
 
 
-def _read_ref(ref: str, stores: dict) -> bytes:
-    if "://" in ref:
-        return _store(ref, stores).read_bytes("")
-    with open(ref, "rb") as f:
-        return f.read()
+def _mib(n: int) -> str:
+    if n % 2**20 == 0:
+        return f"{n >> 20} MiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 else f"{n} bytes"
 
 
-def _exists(ref: str, stores: dict) -> bool:
+def _too_large(size: int, max_bytes: int) -> str:
+    """The cause of an image over the bound. Its size goes on a line of its own: failures group
+    by their first line (`results.error_cause`), and each image's size differs."""
+    return (f"larger than prompts.max_image_mib ({_mib(max_bytes)}): not read; shrink it or raise "
+            f"the setting\nits size: {_mib(size)}" + (f" ({size} bytes)" if size >= 2**20 // 10 else ""))
+
+
+def _not_a_file(mode: int) -> str | None:
+    """Why a local path of this `st_mode` is not an image file, or None for a regular file: a
+    read of a directory fails, of a FIFO waits for a writer, of /dev/zero never ends."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a directory" if stat.S_ISDIR(mode) else
+            "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else
+            "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    return f"{kind}, not a regular file: not read"
+
+
+def _os_cause(e: Exception) -> str:
+    """A local lookup's or read's error in plain words ("not found" only for a missing file)."""
+    if isinstance(e, FileNotFoundError):
+        return "not found"
+    if isinstance(e, PermissionError):
+        return "permission denied (not readable by this process)"
+    code = getattr(e, "errno", None)
+    if code == errno.ELOOP:
+        return "a symlink loop (too many levels of symbolic links)"
+    if code == errno.ENOTDIR:
+        return "not found (a part of its path is a file, not a directory)"
+    return f"cannot read it ({type(e).__name__}: {getattr(e, 'strerror', None) or first_line(e)})"
+
+
+def _store_cause(e: BaseException) -> str:
+    """An object store's error in plain words: the store's own state (no answer, refused, DNS),
+    or access denied, or what it said."""
+    why = storage.unreachable(e)
+    if why:
+        return f"the store {why}"
+    text = str(e)
+    if isinstance(e, PermissionError) or "ACCESS_DENIED" in text or "AccessDenied" in text:
+        return "access denied by the store (check the credentials)"
+    return f"cannot read it ({type(e).__name__}: {first_line(e)})"
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0][:200]
+
+
+def _read_local(ref: str, max_bytes: int) -> bytes:
+    """A local file's bytes, refused before reading when it is not a regular file or is over
+    `max_bytes`. Opened without blocking (a FIFO's open would wait for a writer), then checked
+    on the open file: what is read is what was checked."""
+    fd = os.open(ref, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        if "://" not in ref:
-            return os.path.isfile(ref)
-        return _store(ref, stores).exists("")
-    except (OSError, ValueError):
-        return False
+        st = os.fstat(fd)
+        why = _not_a_file(st.st_mode) or (
+            _too_large(st.st_size, max_bytes) if st.st_size > max_bytes else None)
+        if why:
+            raise ImageError(why)
+        f = os.fdopen(fd, "rb")             # owns the descriptor from here
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        data = f.read(max_bytes + 1)        # a file that grew since: still bounded
+    if len(data) > max_bytes:
+        raise ImageError(_too_large(len(data), max_bytes))
+    return data
 
 
-def check_sample(items: list, error) -> None:
-    """Up to SAMPLE distinct images, spread over the job, looked up; `error` (an exception class)
-    raised when none exists. Missing ones among existing ones are logged."""
+def _read_object(ref: str, stores: dict, max_bytes: int) -> bytes:
+    store = _store(ref, stores)
+    try:
+        return store.read_bytes("", max_bytes)
+    except storage.TooLarge as e:
+        raise ImageError(_too_large(e.size, max_bytes)) from None
+    except FileNotFoundError:
+        # a missing key, or a prefix of other objects (S3 says "does not exist" for both)
+        try:
+            directory = store.info("").type == pafs.FileType.Directory
+        except (OSError, ValueError):
+            directory = False
+        raise ImageError("a directory (a prefix of other objects), not an object: not read"
+                         if directory else "not found") from None
+    except (OSError, ValueError) as e:
+        raise ImageError(_store_cause(e)) from None
+
+
+def _read_ref(ref: str, stores: dict, max_bytes: int) -> bytes:
+    """The bytes of the image at `ref`; `ImageError` saying why not (without the image's name)."""
+    if _is_object(ref):
+        return _read_object(ref, stores, max_bytes)
+    try:
+        return _read_local(_local(ref), max_bytes)
+    except OSError as e:
+        raise ImageError(_os_cause(e)) from None
+
+
+def _look_up(ref: str, stores: dict, max_bytes: int) -> str | None:
+    """None when the image at `ref` can be read as far as one stat tells (it exists, is a file,
+    not over `max_bytes`); else why not, in the words of `read`'s errors."""
+    try:
+        if _is_object(ref):
+            info = _store(ref, stores).info("")
+            if info.type == pafs.FileType.NotFound:
+                return "not found"
+            if info.type == pafs.FileType.Directory:
+                return "a directory (a prefix of other objects), not an object: not read"
+            size = info.size or 0
+        else:
+            path = _local(ref)
+            st = os.stat(path)
+            why = _not_a_file(st.st_mode)
+            if why:
+                return why
+            if not os.access(path, os.R_OK):
+                return "permission denied (not readable by this process)"
+            size = st.st_size
+    except (OSError, ValueError) as e:
+        return _store_cause(e) if _is_object(ref) else _os_cause(e)
+    return _too_large(size, max_bytes) if size > max_bytes else None
+
+
+def _root(ref: str) -> str:
+    """The store an image is on: `scheme://bucket`, or "local files"."""
+    if _is_object(ref):
+        scheme, rest = ref.split("://", 1)
+        return f"{scheme}://{rest.split('/', 1)[0]}"
+    return "local files"
+
+
+def _look_up_all(refs: list[str], max_bytes: int) -> dict[str, str | None]:
+    """`_look_up` of each ref, at once on daemon threads, within `LOOKUP_S` in all: a ref with no
+    answer by then has the cause `NO_ANSWER` (`NO_ANSWER_LOCAL` for a local file). The threads
+    of a stalled store are left to end on their own (a call cannot be cancelled, as in
+    `storage.call_within`). Past `WAIT_NOTE_S` a line says what is waited for."""
+    stores: dict = {}
+    _prepare(refs, stores)
+    box: dict[str, str | None] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def one(ref):
+        why = _look_up(ref, stores, max_bytes)
+        with lock:
+            box[ref] = why
+            if len(box) == len(refs):
+                done.set()
+
+    for r in refs:
+        threading.Thread(target=one, args=(r,), name="image-lookup", daemon=True).start()
+    start = time.monotonic()
+    if not done.wait(WAIT_NOTE_S):
+        with lock:
+            waiting = sorted({_root(r) for r in refs if r not in box})
+        log.info("waiting for %s to answer the lookup of the job's images (up to %.0f s)",
+                 ", ".join(waiting), LOOKUP_S)
+        done.wait(max(0.0, LOOKUP_S - (time.monotonic() - start)))
+    with lock:
+        return {r: box[r] if r in box else NO_ANSWER if _is_object(r) else NO_ANSWER_LOCAL
+                for r in refs}
+
+
+class StoreUnreachable(RuntimeError):
+    """The store of the job's images did not answer the driver's lookups (exit 3, naming it)."""
+
+
+def check_sample(items: list, error, max_bytes: int = MAX_BYTES) -> None:
+    """Up to SAMPLE distinct images, spread over the job, looked up (one stat each, `_look_up`):
+    `StoreUnreachable` when a store answered none of its lookups (timed out, refused, DNS);
+    `error` (an exception class) when none of the images can be read, each with its cause;
+    otherwise each unusable one is logged with its cause (its row will fail)."""
     first: dict[str, object] = {}
     for it in items:
         if it.image is not None and not it.image.startswith(BYTES):
@@ -193,33 +382,42 @@ def check_sample(items: list, error) -> None:
     refs = list(first)
     picked = [refs[i * len(refs) // SAMPLE] for i in range(SAMPLE)] if len(refs) > SAMPLE else refs
     picked = list(dict.fromkeys(picked))
-    stores: dict = {}
-    _prepare(picked, stores)
-    with ThreadPoolExecutor(min(len(picked), HASH_THREADS)) as pool:
-        found = pool.map(lambda r: _exists(r, stores), picked)
-        missing = [r for r, ok in zip(picked, found) if not ok]
-    if len(missing) == len(picked):
-        listed = "\n  ".join(f"{first[r].source}: {r}" for r in missing[:5])
-        raise error(f"none of the {len(picked)} images looked up exists (of {len(refs)} named), "
-                    f"e.g.\n  {listed}\nrelative paths are relative to the Parquet file that "
-                    f"names them; check the paths, the bucket and the credentials")
-    for r in missing:
-        log.warning("%s: image %s does not exist: that row will fail", first[r].source, r)
+    causes = _look_up_all(picked, max_bytes)
+    for root in dict.fromkeys(map(_root, picked)):
+        mine = [r for r in picked if _root(r) == root]
+        down = [causes[r] for r in mine if (causes[r] or "").startswith("the store ")]
+        if root != "local files" and len(down) == len(mine):
+            raise StoreUnreachable(
+                f"the image store {root}: {down[0][len('the store '):]} (looked up {len(mine)} "
+                f"of the job's images there, e.g. {first[mine[0]].source}: {mine[0]}); check "
+                f"the store's endpoint, the network and the store itself (docs/cloud.md), then "
+                f"rerun")
+    bad = [r for r in picked if causes[r] is not None]
+    if len(bad) == len(picked):
+        listed = "\n  ".join(f"{first[r].source}: image {r}: {causes[r].splitlines()[0]}"
+                             for r in bad[:5])
+        hint = ("; relative paths are relative to the Parquet file that names them: check the "
+                "paths, the bucket and the credentials" if any(causes[r] == "not found" for r in bad)
+                else "")
+        raise error(f"none of the {len(picked)} images looked up can be read (of {len(refs)} "
+                    f"named), e.g.\n  {listed}\nfix the images{hint}")
+    for r in bad:
+        log.warning("%s: image %s: %s: that row will fail", first[r].source, r,
+                    causes[r].splitlines()[0])
 
 
-def read(item, stores: dict | None = None) -> tuple[bytes, str]:
-    """The image's bytes and their sha256 (`stores`: filesystems by bucket, kept by the caller)."""
+def read(item, stores: dict | None = None, max_bytes: int = MAX_BYTES) -> tuple[bytes, str]:
+    """The image's bytes and their sha256 (`stores`: filesystems by bucket, kept by the caller);
+    `ImageError` naming the image and why not (not found, a directory, too large, ...)."""
     if item.image_bytes is not None:
         data = item.image_bytes
+        if len(data) > max_bytes:
+            raise ImageError(f"image (bytes): {_too_large(len(data), max_bytes)}")
     else:
-        ref = item.image
         try:
-            data = _read_ref(ref, {} if stores is None else stores)
-        except FileNotFoundError:
-            raise ImageError(f"image {ref}: not found") from None
-        except (OSError, ValueError) as e:
-            raise ImageError(f"image {ref}: cannot read it ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200]})") from None
+            data = _read_ref(item.image, {} if stores is None else stores, max_bytes)
+        except ImageError as e:
+            raise ImageError(f"image {item.image}: {e}") from None
     return data, hashlib.sha256(data).hexdigest()
 
 
@@ -245,9 +443,9 @@ def label(item) -> str:
     return f"image {item.image}" if item.image_bytes is None else "image (bytes)"
 
 
-def load(item, stores: dict | None = None) -> tuple[object, str]:
+def load(item, stores: dict | None = None, max_bytes: int = MAX_BYTES) -> tuple[object, str]:
     """(fitted PIL image at the item's size, sha256 of its bytes); ImageError if unusable."""
-    data, sha = read(item, stores)
+    data, sha = read(item, stores, max_bytes)
     return fit(data, item.width, item.height, label(item)), sha
 
 
@@ -257,16 +455,17 @@ def placeholder(width: int, height: int):
     return Image.new("RGB", (width, height), (128, 128, 128))
 
 
-def _hash(ref: str, stores: dict) -> str | None:
+def _hash(ref: str, stores: dict, max_bytes: int) -> str | None:
     try:
-        return hashlib.sha256(_read_ref(ref, stores)).hexdigest()
-    except (OSError, ValueError):
+        return hashlib.sha256(_read_ref(ref, stores, max_bytes)).hexdigest()
+    except (OSError, ValueError):           # ImageError is a ValueError
         return None
 
 
-def fill_hashes(items: list, rows: dict) -> list:
+def fill_hashes(items: list, rows: dict, max_bytes: int = MAX_BYTES) -> list:
     """`items` with `image_sha256` set, for each item with an image (not bytes, already hashed)
-    and a recorded row, to its image's current content hash (None if unreadable)."""
+    and a recorded row, to its image's current content hash (None if unreadable or over
+    `max_bytes`: the row is redone, and fails naming why)."""
     todo = [k for k, it in enumerate(items) if it.image is not None and it.image_sha256 is None
             and it.id in rows]
     if not todo:
@@ -275,7 +474,7 @@ def fill_hashes(items: list, rows: dict) -> list:
     stores: dict = {}
     _prepare(refs, stores)
     with ThreadPoolExecutor(min(len(refs), HASH_THREADS)) as pool:
-        sha = dict(zip(refs, pool.map(lambda r: _hash(r, stores), refs)))
+        sha = dict(zip(refs, pool.map(lambda r: _hash(r, stores, max_bytes), refs)))
     out = list(items)
     for k in todo:
         out[k] = dataclasses.replace(items[k], image_sha256=sha[items[k].image])

@@ -20,7 +20,9 @@ report.html are rewritten atomically at most every `output.results_every_s` by a
 
 Exit status: 0 all ok (or a dry run, or nothing to do); 1 some items failed; 2 bad input or the job
 could not run (the message names the key or file and the fix); 3 stopped early on a persistent
-fault; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: `ray job stop`, Kubernetes, Slurm).
+fault, or the store of the job's images did not answer the checks before the start
+(`images.check_sample`); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: `ray job stop`,
+Kubernetes, Slurm).
 Interrupted or terminated, the workers are stopped, finished outputs are kept and the summary and
 metrics of what was done are written.
 """
@@ -49,7 +51,7 @@ from .config import (ConfigError, OutputOptions, RayOptions, WorkerConfig, help_
                      split)
 from .dispatch import DispatchError, Dispatcher, PersistentFault, Pool
 from .ending import Ending, first_line
-from .images import fill_hashes
+from .images import StoreUnreachable, fill_hashes
 from .lock import LockedError, job_lock, holder as lock_holder
 from .progress import PhasePrinter, Progress
 from .prompts import Constraints, Item, PromptError, Shard, check_prompts, plan_shards
@@ -82,8 +84,8 @@ def _on_stop_signal(signum, frame):
 
 
 def _handle_stop_signals() -> None:
-    """SIGTERM, and SIGINT unless the process started with it ignored (`nohup`, `cmd &`), as
-    Python itself does. Again once the pool started (`ray.init` installs its own SIGTERM handler)."""
+    """SIGTERM, and SIGINT unless the process started with it ignored (`cmd &` in a
+    non-interactive shell: docs/failures.md), as Python itself does. Again once the pool started (`ray.init` installs its own SIGTERM handler)."""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGTERM, _on_stop_signal)
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
     except (ConfigError, PromptError, JobError, LockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StoreUnreachable as e:    # the images' store did not answer the checks: not bad input
+        EXIT_AT_ONCE.append("lookups on a stalled image store may still be running")
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt as e:
         # a second signal stops at once: the summary may not have been written
         kept = ("finished outputs are kept (a second signal: the summary may be missing)"
@@ -249,7 +255,8 @@ def check_input(job: dict) -> Checked:
     limits = constraints(job["model"])
     step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
     p = job["prompts"]
-    files, raw_rows, items = check_prompts(p.paths, job["generation"], limits, p.on_empty, p.strict)
+    files, raw_rows, items = check_prompts(p.paths, job["generation"], limits, p.on_empty, p.strict,
+                                           p.max_image_bytes)
     step_cache.check_steps(job["step_cache"], items)   # compute_steps within every row's steps
     skipped = sum(raw_rows.values()) - len(items)      # empty prompts, prompts.on_empty=skip
     if skipped:
@@ -262,7 +269,8 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     # 3. Plan: what is already done (made from exactly these parameters), shards of the rest.
     out, items = job["output"], checked.items
     results = _open_results(cfg, out)
-    items = fill_hashes(items, results.rows)     # image rows: their images' current content
+    # image rows: their images' current content
+    items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
     shards = plan_shards(items, job["run"].shard_size, plan.done)
     if items and not shards:   # the last run's config.yaml and summary stay as they are
@@ -491,6 +499,9 @@ class JobRun:
             self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
                               f"metrics/worker-{m['rank']}.json", json_text(m))
         self._write_report(table, summary, metrics, text)
+        if not self.store.local:        # the page's staging directory: the last page is written
+            from .report import remove_stage
+            remove_stage(self.store)
         self._print(summary, text)
         if self.stopped is not None:
             raise Stopped(str(self.stopped), "finished outputs and the summary so far are written"
@@ -663,7 +674,7 @@ def _dry_run(cfg, job, items) -> dict:
     if not cfg.output.overwrite:
         _check_same_config(cfg, out)
         results.load()
-    items = fill_hashes(items, results.rows)
+    items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
     shards = plan_shards(items, opts.shard_size, plan.done)
     workers = r.num_workers or f"one per GPU ({r.cpu_workers} without GPUs)"
@@ -698,7 +709,8 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool) -> WorkerConfig:
                         fps=job["output"].fps, compile=job["compile"],
                         step_cache=job["step_cache"], encode_batch=job["run"].shard_size,
                         num_threads=None if on_gpu else job["ray"].cpus_per_worker,
-                        cache_wait_s=job["ray"].worker_start_timeout_s)
+                        cache_wait_s=job["ray"].worker_start_timeout_s,
+                        max_image_bytes=job["prompts"].max_image_bytes)
 
 
 def _open_results(cfg, out) -> Results:

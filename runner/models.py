@@ -101,6 +101,13 @@ def check_pretrained(spec: ModelSpec) -> None:
     if spec.source != "pretrained":
         return
     path = spec.path or spec.info["hub_id"]
+    if spec.path and _path_like(spec.path) and not os.path.isdir(path):
+        # a hub id is "org/name", never absolute nor "./x": this one can only be a directory
+        what = ("is a file, not a directory" if os.path.exists(path) else
+                "this directory does not exist")
+        raise ModelLoadError(f"model.path {path!r}: {what}; give the directory of a diffusers "
+                             f"pipeline (save_pretrained, or `hf download {spec.info['hub_id']} "
+                             f"--local-dir DIR`), or a hub id")
     if os.path.isdir(path):
         if not (Path(path) / "model_index.json").is_file():
             raise ModelLoadError(f"model.path {path!r} is a directory without model_index.json: "
@@ -122,6 +129,12 @@ def check_pretrained(spec: ModelSpec) -> None:
             + ("not in the local hub cache, and model.local_files_only or HF_HUB_OFFLINE=1 forbid "
                "the network" if _offline(spec) else "not on the hub, or not readable with the "
                "credentials here (HF_TOKEN, hf auth login)") + f"). {_download_fix(spec)}")
+
+
+def _path_like(path: str) -> bool:
+    """A model.path that can only be a local directory: absolute, `./` or `../` (a hub id is
+    `org/name`, or `name`)."""
+    return os.path.isabs(path) or path.startswith(("./", "../"))
 
 
 def _pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> str | None:

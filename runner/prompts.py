@@ -506,9 +506,12 @@ def _check_defaults(gen: GenerationDefaults, limits: Constraints) -> None:
 
 
 def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Constraints,
-                  on_empty: str, strict: bool = False) -> tuple[list[str], dict[str, int], list[Item]]:
+                  on_empty: str, strict: bool = False, max_image_bytes: int = 64 << 20,
+                  ) -> tuple[list[str], dict[str, int], list[Item]]:
     """Read and validate every prompt. Returns (files, raw row count per file, items). Unknown
-    columns: one warning line, or with `strict` an error (`prompts.strict`)."""
+    columns: one warning line, or with `strict` an error (`prompts.strict`). Image rows: a sample
+    of the images looked up (`images.check_sample`: `images.StoreUnreachable` when their store
+    does not answer)."""
     _check_defaults(gen, limits)
     files = list_files(paths)
     rows, items, seen, errors = {}, [], {}, []
@@ -543,7 +546,7 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
         raise PromptError(f"no prompts to run in {files}")
     if limits.image:
         from . import images
-        images.check_sample(items, PromptError)
+        images.check_sample(items, PromptError, max_image_bytes)
     return files, rows, items
 
 

@@ -20,8 +20,9 @@ Contract:
 
 On an object store (`s3://`, `gs://` job directory) the page is built in a local staging directory
 (`stage_dir`): a thumbnail's media file is fetched through the Store once, the thumbnail made and
-kept there, and report.html plus every new or changed file of `report/` uploaded. The gallery's
-sampling bounds what is fetched.
+kept there while the job runs, and report.html plus every new or changed file of `report/`
+uploaded. The gallery's sampling bounds what is fetched. The staging directory is removed after
+the job's last page (`remove_stage`).
 
 `python -m runner.report DIR` rebuilds the page of a finished job directory from its files (DIR may
 be a URI).
@@ -35,6 +36,7 @@ import html
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -96,9 +98,18 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
 
 def stage_dir(store: Store) -> str:
     """The local directory where the report of a job on an object store is built (kept between
-    rewrites, so thumbnails are made and uploaded once)."""
+    rewrites while the job runs, so thumbnails are made and uploaded once; `remove_stage` once
+    its last page is written)."""
     tag = hashlib.sha1(store.uri().encode()).hexdigest()[:12]
-    return os.path.join(tempfile.gettempdir(), "runner-report", tag)
+    return os.path.join(tempfile.gettempdir(), f"runner-report-{tag}")
+
+
+def remove_stage(store: Store) -> None:
+    """The staging directory of a job on an object store removed (its page is written): a driver
+    host that runs job after job keeps nothing of them in its temp folder. A later rewrite
+    (`python -m runner.report`, a rerun) stages again, fetching its gallery's media once."""
+    if not store.local:
+        shutil.rmtree(stage_dir(store), ignore_errors=True)
 
 
 _uploaded: dict[str, tuple] = {}    # staged file -> (size, mtime) when it was last uploaded
@@ -525,7 +536,10 @@ def main(argv: list[str]) -> int:
     summary = json.loads(store.read_text("summary.json") or "{}")
     metrics = [json.loads(store.read_text(f"metrics/{n}")) for n in sorted(store.list("metrics"))
                if n.endswith(".json")]
-    print(write_report(argv[0], rows, summary, metrics))
+    try:
+        print(write_report(argv[0], rows, summary, metrics))
+    finally:
+        remove_stage(store)
     return 0
 
 

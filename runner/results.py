@@ -21,8 +21,8 @@ Contract:
   inputs changed since its output was made, and that output was removed before regenerating it
   (`Results.retire`, called before the changed rows are dispatched), so that no file made from
   old inputs stays under the row's name if the regeneration fails or never runs.
-- Failure reasons group by cause (`group_errors`): the first line of `error`, with the row's own id
-  and what differs per call masked.
+- Failure reasons group by cause (`group_errors`): the first line of `error`, with the paths and
+  URIs it names, the row's own id and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
   listing of `media/`, not a stat per row), and it was made from exactly the current row's
   parameters and settings (`Results.plan`); a rerun generates the rest: new rows, rows whose
@@ -138,21 +138,51 @@ def failed_row(item, error: str, worker: int | None = None) -> dict:
 CAUSE_LEN = 160          # characters of an error's first line that name its cause
 _TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}-")          # storage/outputs temp names: random part
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")          # "object at 0x7f...": differs per call
+# Where a message names a file, which differs per row (`_mask_paths`). A name ends before a
+# quote, bracket, comma, semicolon or space; a ":" or "." that ends it is the sentence's.
+_NAME = r"[^\s'\"<>()\[\],;]"
+_URI = re.compile(rf"(?<![\w.+-])([A-Za-z][A-Za-z0-9+.-]*)://([^/\s'\"<>()\[\],;]*)(/{_NAME}*)")
+_ABS_PATH = re.compile(rf"(?<![\w.~/:<-])/[\w.~+@%=-]{_NAME}*")
+# a relative path: one "/" at least and an extension ("photos/IMG_0001.jpg"), not "and/or", "B/s"
+_REL_PATH = re.compile(r"(?<![\w.~/:<-])(?:[\w.~-]+/)+[\w.~-]*\.[A-Za-z][A-Za-z0-9]{0,7}(?![\w/])")
+# a row of a prompts file, as messages name it ("prompts.parquet:12", `prompts.Item.source`)
+_SOURCE = re.compile(r"(?<![\w.~/:<-])(?:<path>|[\w.~-]+\.[A-Za-z][A-Za-z0-9]{0,7}):\d+\b")
+
+
+def _masked(what: str):
+    """A `re.sub` replacement: the match as `what`, its trailing ":" or "." kept."""
+    def sub(m: re.Match) -> str:
+        text = m.group(0)
+        tail = len(text) - len(text.rstrip(":."))
+        return what.format(*m.groups()) + (text[-tail:] if tail else "")
+    return sub
+
+
+def _mask_paths(text: str) -> str:
+    """Paths and URIs in `text` as `<path>`: an object URI keeps its store (`s3://bucket/<path>`),
+    a local path becomes `<path>`, a prompts file's row (`file:row`) `<path>:<row>`."""
+    text = _URI.sub(_masked("{0}://{1}/<path>"), text)
+    text = _REL_PATH.sub(_masked("<path>"), _ABS_PATH.sub(_masked("<path>"), text))
+    return _SOURCE.sub("<path>:<row>", text)
 
 
 def error_cause(row: dict) -> str:
-    """A failed row's error as a cause that rows share: its first line, with the row's own id
-    replaced by `<id>` (a message may name it, as records of older runs do: "non-finite values in
-    the output of 'm0000'", and so do file names) and what differs per call (temp file names,
-    object addresses) masked. Ids of digits only are left alone: numbers in messages (errno, sizes)
-    would be mistaken for them."""
+    """A failed row's error as a cause that rows share: its first line, with what differs per
+    row masked: the files it names (`_mask_paths`: 38 missing images are one cause, not 38), the
+    row's own id, replaced by `<id>` (a message may name it, as records of older runs do:
+    "non-finite values in the output of 'm0000'"), and what differs per call (temp file names,
+    object addresses). Ids of digits only are left alone: numbers in messages (errno, sizes)
+    would be mistaken for them; ids of letters only are masked where quoted: a row "loop" must
+    not turn "a symlink loop" into "a symlink <id>"."""
     text = next((line.strip() for line in (row.get("error") or "").splitlines() if line.strip()), "?")
-    text = _ADDRESS.sub("0x...", _TMP_NAME.sub(".tmp-*-", text))
+    text = _mask_paths(_ADDRESS.sub("0x...", _TMP_NAME.sub(".tmp-*-", text)))
     rid = str(row.get("id") or "")
-    if rid and not rid.isdigit():
+    if rid.isalpha():
+        text = re.sub(rf"(?<=['\"`]){re.escape(rid)}(?=['\"`])", "<id>", text)
+    elif rid and not rid.isdigit():
         # the id as a whole name, not inside a longer one (a "." after it starts an extension;
-        # a temp file's name is ".tmp-*-<id>.ext")
-        text = re.sub(rf"(?:(?<=\.tmp-\*-)|(?<![A-Za-z0-9._-])){re.escape(rid)}(?![A-Za-z0-9_-])",
+        # a temp file's name is ".tmp-*-<id>.ext"), nor a URI's scheme (an id "s3")
+        text = re.sub(rf"(?:(?<=\.tmp-\*-)|(?<![A-Za-z0-9._-])){re.escape(rid)}(?![A-Za-z0-9_-]|:/)",
                       "<id>", text)
     return text[:CAUSE_LEN]
 

@@ -50,7 +50,10 @@ Contract
   after a stalled write). A write that lands after its timeout is a complete object (writes are
   atomic): a record or media file that a rerun finds, never a partial one. `list` and
   `delete_prefix` are not bounded (they run for as long as there are keys, one request per 1000)
-  and are only called when a job starts.
+  and are only called when a job starts. `unreachable(e)` tells an error of the store as a whole
+  (no answer, connection refused, a name that does not resolve) from one about an object.
+- `info(rel)` is one stat (type: file, "directory" (a prefix of other objects), not found; size);
+  `read_bytes(rel, max_bytes)` refuses a larger object (`TooLarge`) before reading any of it.
 
 Design note: the job record on a store that cannot append or rename (as integrated: results.py's
 records are per finished shard, named `records/<run>-<seq>.jsonl` rather than by shard key, so a
@@ -134,6 +137,40 @@ class StoreTimeout(TimeoutError):       # TimeoutError is an OSError: handled as
     pass
 
 
+class TooLarge(ValueError):
+    """An object over the size a reader accepts (`Store.read_bytes(rel, max_bytes)`); none of its
+    bytes were read."""
+
+    def __init__(self, size: int, max_bytes: int):
+        super().__init__(f"{size} bytes, over the {max_bytes} accepted")
+        self.size, self.max_bytes = size, max_bytes
+
+
+# What the clients say when no request reached the store at all (curl's messages: the S3 client's
+# and the GCS client's transport), in the words we report. Anything else is about one object.
+_UNREACHABLE = (
+    (("timeout was reached", "timed out"), "did not answer in time (timed out)"),
+    (("could not connect", "couldn't connect", "connection refused"),
+     "refused the connection (nothing listens at its address)"),
+    (("could not resolve", "couldn't resolve"), "has a host name that does not resolve (DNS)"),
+)
+
+
+def unreachable(e: BaseException) -> str | None:
+    """Why the store as a whole could not be reached, if that is what `e` says (a `StoreTimeout`, a
+    timeout, a refused connection, a name that does not resolve); None for an error about one
+    object (missing, access denied) or anything else. Measured against moto: a stalled server
+    (SIGSTOP) fails a stat after ~10 s with curl's code 28, a closed port at once with code 7, an
+    unresolvable endpoint with code 6."""
+    if isinstance(e, StoreTimeout):
+        return "did not answer in time (timed out)"
+    text = str(e).lower()
+    for needles, why in _UNREACHABLE:
+        if any(n in text for n in needles):
+            return why
+    return None
+
+
 class Store:
     """A filesystem (`fs`) and a base path in it (`base`, no trailing "/"); `scheme` is "file",
     "s3" or "gs"."""
@@ -180,12 +217,23 @@ class Store:
 
     # -- reads -------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        info = self._bounded("stat", rel, self.fs.get_file_info, self.path(rel))
-        return info.type == pafs.FileType.File
+        return self.info(rel).type == pafs.FileType.File
 
-    def read_bytes(self, rel: str) -> bytes:
+    def info(self, rel: str) -> pafs.FileInfo:
+        """What is at rel: its type (`pafs.FileType`: File, Directory (a prefix of other objects),
+        NotFound) and size, in one request."""
+        return self._bounded("stat", rel, self.fs.get_file_info, self.path(rel))
+
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; with `max_bytes`, `TooLarge` for a larger object, its size known
+        before any byte of it is read (the request that opens it says it)."""
         def read():
-            with self.fs.open_input_stream(self.path(rel)) as f:
+            if max_bytes is None:
+                with self.fs.open_input_stream(self.path(rel)) as f:
+                    return f.read()
+            with self.fs.open_input_file(self.path(rel)) as f:
+                if f.size() > max_bytes:
+                    raise TooLarge(f.size(), max_bytes)
                 return f.read()
         return self._bounded("read", rel, read)
 

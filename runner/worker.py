@@ -383,7 +383,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         read, the reason the image is unusable)."""
         sha = None
         try:
-            data, sha = images.read(item, self._stores)
+            data, sha = images.read(item, self._stores, self.cfg.max_image_bytes)
             return images.fit(data, item.width, item.height, images.label(item)), sha, None
         except images.ImageError as e:
             return None, sha, f"ImageError: {e}"

@@ -72,8 +72,19 @@ def fault_env(faults: str, **extra) -> dict:
     RUNNER_FAULT_DIR, a fresh directory for the markers of `wait_ready` (and the run's mark:
     `ray_workers_of` finds the job's worker processes by it)."""
     path = os.pathsep.join(p for p in (FAULTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    return cli_env(RUNNER_FAULTS=faults, PYTHONPATH=path,
-                   RUNNER_FAULT_DIR=tempfile.mkdtemp(prefix="runner-faults-"), **extra)
+    return cli_env(RUNNER_FAULTS=faults, PYTHONPATH=path, RUNNER_FAULT_DIR=fault_dir(), **extra)
+
+
+_FAULT_DIRS: list[str] = []     # this test process's fault directories: removed as its session ends
+
+
+def fault_dir() -> str:
+    """A fresh directory for a CLI run's fault markers (RUNNER_FAULT_DIR), removed when the test
+    process's session ends (`pytest_sessionfinish`): each run leaving one behind was 27 empty
+    `runner-faults-*` directories in the temp folder per suite run (issue 47)."""
+    d = tempfile.mkdtemp(prefix="runner-faults-")
+    _FAULT_DIRS.append(d)
+    return d
 
 
 def cli_env(**extra) -> dict:
@@ -179,10 +190,11 @@ def compile_cache() -> str:
 
 
 def pytest_configure(config):
-    """The session's compile cache directory and Ray cluster, made once by the main process
-    (pytest -n's workers inherit the environment)."""
+    """The session's temp folder, compile cache directory and Ray cluster, made once by the main
+    process (pytest -n's workers inherit the environment)."""
     if hasattr(config, "workerinput"):
         return
+    session_temp_folder()
     if not os.environ.get("RUNNER_TEST_COMPILE_CACHE"):
         os.environ["RUNNER_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="runner-test-cc-")
         _SESSION["compile_cache"] = os.environ["RUNNER_TEST_COMPILE_CACHE"]
@@ -190,6 +202,44 @@ def pytest_configure(config):
     configure_cache_dir(compile_cache())
     if not (os.environ.get("RAY_ADDRESS") or os.environ.get("RUNNER_TEST_RAY") == "local"):
         start_shared_ray(config)
+
+
+def session_temp_folder() -> None:
+    """Every temporary file of the session (its test processes, the CLI runs and Ray workers they
+    start, the servers) under one directory of its own, TMPDIR for all of them: what is still
+    there once every test and fixture is done is a leak, which `pytest_sessionfinish` names and
+    fails the session for; the folder goes at the end (`pytest_unconfigure`). Pytest's own
+    base temp stays in the temp folder as before (it keeps the last 3 runs' `tmp_path`
+    directories on purpose: PYTEST_DEBUG_TEMPROOT)."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix="runner-suite-")   # short: a local Ray's sockets go under it
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+    _SESSION["temp"] = root
+
+
+# Left in the session's temp folder by design, not by our code: the session directories (logs)
+# of the tests that start a local Ray of their own; Ray never removes them.
+KEPT_BY_DESIGN = ("ray",)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """This process's fault directories removed; then, in the main process (after every test
+    process is done), the session's temp folder checked: anything left there is a leak."""
+    import shutil
+    for d in _FAULT_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+    root = _SESSION.get("temp")
+    if root is None or hasattr(session.config, "workerinput"):
+        return
+    own = {os.path.basename(_SESSION.get("compile_cache", "")), *KEPT_BY_DESIGN}
+    left = sorted(set(os.listdir(root)) - own)
+    if left:
+        session.config.get_terminal_writer().line()
+        session.config.get_terminal_writer().line(
+            f"the suite left {len(left)} files or directories in its temp folder ({root}): "
+            f"{', '.join(left[:20])}; whatever makes them must remove them", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def start_shared_ray(config):
@@ -228,14 +278,15 @@ def pytest_unconfigure(config):
     import shutil
     if "compile_cache" in _SESSION:
         shutil.rmtree(_SESSION.pop("compile_cache"), ignore_errors=True)
-    if "proc" not in _SESSION:
-        return
-    proc, temp_dir = _SESSION.pop("proc"), _SESSION.pop("temp_dir")
-    proc.terminate()                         # `ray start --block` stops its cluster on SIGTERM
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
-    stop_ray(temp_dir)                       # whatever did not stop with it
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    if "proc" in _SESSION:
+        proc, temp_dir = _SESSION.pop("proc"), _SESSION.pop("temp_dir")
+        proc.terminate()                     # `ray start --block` stops its cluster on SIGTERM
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        stop_ray(temp_dir)                   # whatever did not stop with it
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    if "temp" in _SESSION:                   # last: the cluster's workers wrote under it
+        shutil.rmtree(_SESSION.pop("temp"), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import GUARD_S, fault_env, free_port, stop_ray
+from conftest import GUARD_S, fault_dir, fault_env, free_port, stop_ray
 from test_faults import record_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=GUARD
     submitted then). Paced with wait_ready (tests/faults): both worker nodes serve."""
     runtime_env = {"excludes": [".venv", "outputs", ".git"], **runtime_env}
     runtime_env["env_vars"] = {"RUNNER_FAULTS": "wait_ready", "PYTHONPATH": "tests/faults",
-                               "RUNNER_FAULT_DIR": tempfile.mkdtemp(prefix="runner-faults-"),
+                               "RUNNER_FAULT_DIR": fault_dir(),
                                **runtime_env.get("env_vars", {})}
     cmd = [*RAY, "job", "submit", "--address", dashboard, "--working-dir", ROOT,
            "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m", "runner", *args]

@@ -47,6 +47,9 @@ def corrupt(path) -> str:
 # In-process
 
 def test_worker_fails_only_the_rows_whose_image_is_unusable(tmp_path):
+    """Missing, corrupt, and (issue 47) a directory, a symlink loop, /dev/zero, a FIFO and a
+    file over prompts.max_image_mib: each fails its row with its own cause, nothing of them read
+    into memory (/dev/zero was read until the worker died), the other rows are made."""
     red = png(tmp_path / "red.png", (200, 30, 30))
     bad = corrupt(tmp_path / "bad.png")
     data = open(png(tmp_path / "blue.png", (30, 30, 200)), "rb").read()
@@ -61,10 +64,25 @@ def test_worker_fails_only_the_rows_whose_image_is_unusable(tmp_path):
         return Item(id=i, prompt=f"a photo of {i}", negative_prompt="", seed=len(i), num_frames=5,
                     num_inference_steps=2, guidance_scale=5.0, file="p.parquet", row=ord(i[0]),
                     image=image, **SIZE, **kw)
+    os.makedirs(tmp_path / "dir.png")
+    os.symlink("loop.png", tmp_path / "loop.png")
+    os.mkfifo(tmp_path / "fifo.png")
+    with open(tmp_path / "big.png", "wb") as f:
+        f.truncate((cfg.max_image_bytes) + 1)         # sparse: over the default 64 MiB
+    special = {"f": "dir.png", "g": "loop.png", "h": "/dev/zero", "i": "fifo.png", "j": "big.png"}
     rows = w.run_shard([it("a", red), it("b", red), it("c", str(tmp_path / "gone.png")), it("d", bad),
-                        it("e", f"bytes:{hashlib.sha256(data).hexdigest()}", image_bytes=data)])
+                        it("e", f"bytes:{hashlib.sha256(data).hexdigest()}", image_bytes=data),
+                        *(it(k, str(tmp_path / name)) for k, name in special.items())])
     by = {r["id"]: r for r in rows}
     assert [by[i]["status"] for i in "abcde"] == ["ok", "ok", "failed", "failed", "ok"]
+    for k, cause in [("f", "a directory, not a regular file"),
+                     ("g", "a symlink loop (too many levels of symbolic links)"),
+                     ("h", "a character device, not a regular file"),
+                     ("i", "a FIFO (named pipe), not a regular file"),
+                     ("j", "larger than prompts.max_image_mib (64 MiB): not read")]:
+        image = by[k]["image"]
+        assert by[k]["status"] == "failed" and by[k]["image_sha256"] is None, by[k]
+        assert by[k]["error"].startswith(f"ImageError: image {image}: {cause}"), by[k]["error"]
     assert by["a"]["batch_size"] == by["b"]["batch_size"] == 2     # rows sharing an image batch
     assert by["a"]["image_sha256"] == by["b"]["image_sha256"] == sha(red)
     assert by["e"]["image_sha256"] == hashlib.sha256(data).hexdigest() and "image_bytes" not in by["e"]
@@ -72,7 +90,7 @@ def test_worker_fails_only_the_rows_whose_image_is_unusable(tmp_path):
     assert by["d"]["error"].startswith(f"ImageError: image {bad}: not a decodable image")
     assert by["d"]["image_sha256"] == sha(bad) and by["c"]["image_sha256"] is None  # what was read
     assert sorted(os.listdir(tmp_path / "job" / "media")) == ["a.mp4", "b.mp4", "e.mp4"]
-    assert w.metrics()["failed"] == 2 and w.metrics()["items"] == 3
+    assert w.metrics()["failed"] == 7 and w.metrics()["items"] == 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ import hashlib
 import io
 import logging
 import os
+import signal
+import socket
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -42,7 +45,10 @@ def check(path, limits=REQUIRED):
     return check_prompts((path,), GEN, limits, "error")
 
 
-def test_paths_are_located_relative_to_their_parquet_file_and_bytes_are_hashed(tmp_path):
+def test_paths_are_located_relative_to_their_parquet_file_and_bytes_are_hashed(tmp_path, monkeypatch):
+    # where cells point, not whether they exist (an s3:// one on no server here: the lookups'
+    # own tests are below)
+    monkeypatch.setattr(images, "check_sample", lambda *a: None)
     png(tmp_path / "imgs" / "a.png")
     absolute = png(tmp_path / "elsewhere" / "b.png")
     data = (tmp_path / "imgs" / "a.png").read_bytes()
@@ -87,7 +93,7 @@ def test_a_sample_of_images_is_looked_up_before_the_job(tmp_path, caplog):
         items = check(p)[2]                      # one missing among found ones: that row fails later
     assert len(items) == 2 and "p.parquet:1: image" in caplog.text and "gone.png" in caplog.text
     wrong = write(tmp_path, {"prompt": ["x", "y"], "image": ["img/there.png", "img/gone.png"]}, "q.parquet")
-    with pytest.raises(PromptError, match=r"none of the 2 images looked up exists(.|\n)*q.parquet:0"):
+    with pytest.raises(PromptError, match=r"none of the 2 images looked up can be read(.|\n)*q.parquet:0: image \S*: not found"):
         check(wrong)                             # none found: a wrong base path, exit 2
 
 
@@ -157,3 +163,148 @@ def test_images_on_s3_are_located_checked_and_read(s3_bucket, tmp_path):
     assert images.load(items[0])[0].size == (64, 64)
     with pytest.raises(images.ImageError, match="gone.png: not found"):
         images.read(items[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 47: each unusable image said as what it is, before anything is read into memory; a store
+# that does not answer is the store's fault (exit 3), not missing images (exit 2).
+
+def special_files(tmp_path) -> dict:
+    """Real files of each kind a row may name: {kind: path}, and a good image."""
+    os.makedirs(tmp_path / "a_dir.png")
+    os.symlink("loop.png", tmp_path / "loop.png")                  # points at itself
+    os.mkfifo(tmp_path / "fifo.png")                               # a read would wait for a writer
+    with open(tmp_path / "big.png", "wb") as f:                    # sparse: no disk, no memory
+        f.truncate(images.MAX_BYTES + 1)
+    return {"good": png(tmp_path / "good.png"), "directory": str(tmp_path / "a_dir.png"),
+            "loop": str(tmp_path / "loop.png"), "zero": "/dev/zero", "fifo": str(tmp_path / "fifo.png"),
+            "big": str(tmp_path / "big.png"), "missing": str(tmp_path / "gone.png")}
+
+
+CAUSES = {"directory": "a directory, not a regular file: not read",
+          "loop": "a symlink loop (too many levels of symbolic links)",
+          "zero": "a character device, not a regular file: not read",
+          "fifo": "a FIFO (named pipe), not a regular file: not read",
+          "big": "larger than prompts.max_image_mib (64 MiB): not read; shrink it or raise the "
+                 "setting\nits size: 64.0 MiB (67108865 bytes)",
+          "missing": "not found"}
+
+
+def test_each_unusable_local_image_has_its_own_cause_at_the_check_and_the_read(tmp_path, caplog):
+    files = special_files(tmp_path)
+    p = write(tmp_path, {"id": list(files), "prompt": list(files), "image": list(files.values())})
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        items = check(p)[2]                                        # the good one: the job runs
+    for k, (kind, path) in enumerate(files.items()):
+        if kind != "good":
+            line = f"p.parquet:{k}: image {path}: {CAUSES[kind].splitlines()[0]}: that row will fail"
+            assert line in caplog.text, (kind, caplog.text)
+    assert "good.png" not in caplog.text
+    t0 = time.monotonic()
+    for it in items[1:]:                                           # the worker's read
+        with pytest.raises(images.ImageError) as e:
+            images.read(it)
+        assert str(e.value) == f"image {it.image}: {CAUSES[it.id]}"
+    assert time.monotonic() - t0 < 5                               # nothing waited, nothing big read
+    assert images.read(items[0])[1] == hashlib.sha256(open(files["good"], "rb").read()).hexdigest()
+    # the bound is a setting: the good image (a few hundred bytes) over a bound of 100 bytes
+    with pytest.raises(images.ImageError, match=r"good.png: larger than prompts.max_image_mib"):
+        images.read(items[0], max_bytes=100)
+    # a rerun's hashes read nothing unusable either: None, so those rows are redone (and fail)
+    rows = {it.id: {} for it in items}
+    hashes = {it.id: it.image_sha256 for it in images.fill_hashes(items, rows)}
+    assert hashes["good"] and all(hashes[k] is None for k in CAUSES)
+
+
+def test_when_no_image_can_be_read_each_cause_is_named_exit_2(tmp_path):
+    files = special_files(tmp_path)
+    del files["good"]
+    p = write(tmp_path, {"id": list(files), "prompt": list(files), "image": list(files.values())})
+    with pytest.raises(PromptError) as e:
+        check(p)
+    text = str(e.value)
+    assert text.startswith("none of the 6 images looked up can be read (of 6 named)")
+    for k, kind in enumerate(list(files)[:5]):                     # the first 5 are listed
+        assert f"p.parquet:{k}: image {files[kind]}: {CAUSES[kind].splitlines()[0]}\n" in text
+    assert "exists" not in text and "does not exist" not in text
+
+
+def test_on_s3_a_prefix_is_a_directory_and_a_large_object_is_refused_unread(s3_bucket, tmp_path):
+    store = resolve(f"s3://{s3_bucket}/in")
+    store.write_file_atomic("imgs/a.png", png(tmp_path / "a.png"))
+    store.write_bytes_atomic("imgs/sub/b.png", b"x")
+    p = write(tmp_path, {"id": ["a", "prefix", "gone"], "prompt": ["x", "y", "z"],
+                         "image": [f"s3://{s3_bucket}/in/imgs/{k}" for k in ("a.png", "sub", "gone.png")]})
+    items = check(p)[2]
+    with pytest.raises(images.ImageError, match=r"imgs/sub: a directory \(a prefix of other objects\)"):
+        images.read(items[1])
+    with pytest.raises(images.ImageError, match=r"imgs/gone.png: not found$"):
+        images.read(items[2])
+    with pytest.raises(images.ImageError, match=r"imgs/a.png: larger than prompts.max_image_mib"):
+        images.read(items[0], max_bytes=10)
+    causes = images._look_up_all([it.image for it in items], max_bytes=10)
+    assert [c.splitlines()[0] if c else c for c in causes.values()] == [
+        "larger than prompts.max_image_mib (10 bytes): not read; shrink it or raise the setting",
+        "a directory (a prefix of other objects), not an object: not read", "not found"]
+
+
+@pytest.mark.parametrize("endpoint, why", [
+    ("closed", "refused the connection (nothing listens at its address)"),
+    ("http://no-such-host.invalid:9000", "has a host name that does not resolve (DNS)")])
+def test_an_unreachable_image_store_is_named_not_the_images(tmp_path, monkeypatch, endpoint, why):
+    """A refused connection or a name that does not resolve: the store is said to be the cause
+    (`StoreUnreachable`, exit 3 from the CLI), not "none of the images exists"."""
+    if endpoint == "closed":
+        with socket.socket() as s:                                  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+                 "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(k, v)
+    p = write(tmp_path, {"prompt": ["x", "y"], "image": ["s3://imgs/a.png", "s3://imgs/b.png"]})
+    t0 = time.monotonic()
+    with pytest.raises(images.StoreUnreachable) as e:
+        check(p)
+    assert time.monotonic() - t0 < images.LOOKUP_S + 5
+    assert str(e.value).startswith(f"the image store s3://imgs: {why} (looked up 2 of the job's "
+                                   f"images there, e.g. {p}:0: s3://imgs/a.png)")
+
+
+def test_a_frozen_image_store_at_the_check_is_exit_3_naming_it_within_30_s(tmp_path, monkeypatch,
+                                                                           capsys, caplog):
+    """Issue 47: images on an S3 server frozen with SIGSTOP (connections accepted, no answer)
+    were "none of the 2 images looked up exists", exit 2 after 12 s, silent meanwhile. Now: a
+    line after 2 s saying what the job waits for, then exit 3 naming the store, within 30 s; no
+    worker is started."""
+    from s3server import moto_server
+    from runner import job
+    monkeypatch.setattr(job, "STOPS", [])
+    with moto_server() as server:          # its own server: freezing the session's would stall others
+        server.create_bucket("frozen")
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        store = resolve("s3://frozen/imgs")
+        for name in ("a.png", "b.png"):
+            store.write_file_atomic(name, png(tmp_path / name))
+        p = write(tmp_path, {"prompt": ["x", "y"], "image": ["s3://frozen/imgs/a.png",
+                                                             "s3://frozen/imgs/b.png"]})
+        args = ["job=wan_i2v_batch", "model.source=tiny", f"prompts.path={p}",
+                f"output.dir={tmp_path / 'out'}", "job.name=j", "generation.height=64",
+                "generation.width=48", "generation.num_frames=5"]
+
+        def no_pool(*a):
+            raise AssertionError("a worker was started")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with caplog.at_level(logging.INFO, logger="runner"):
+                rc = job.main(args, start_pool=no_pool)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+    err = capsys.readouterr().err
+    assert rc == 3 and took <= 30, (rc, took, err[-2000:])
+    assert "waiting for s3://frozen to answer the lookup of the job's images (up to 20 s)" in caplog.text
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the image store s3://frozen: did not answer in time"), err[-2000:]
+    assert "exist" not in err

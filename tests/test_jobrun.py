@@ -544,3 +544,86 @@ def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1] == f"note: {note}"
     assert (d / "summary.txt").read_text().endswith(f"\nnote: {note}\n")
+
+
+# -- issue 47: input images ----------------------------------------------------------------------
+
+def reading_fate(item) -> str:
+    """A simulated worker that reads its row's image as a worker does (`images.read`, the default
+    bound): a row whose image cannot be read fails with that ImageError."""
+    from runner import images
+    try:
+        images.read(item)
+    except images.ImageError as e:
+        return f"fail:ImageError: {e}"
+    return "ok"
+
+
+def i2v_args(p, out, *extra):
+    return ["job=wan_i2v_batch", "model.source=tiny", f"prompts.path={p}", f"output.dir={out}",
+            "job.name=j", "generation.height=64", "generation.width=48", "generation.num_frames=5",
+            "generation.num_inference_steps=2", "output.results_every_s=0", "ray.cpu_workers=2",
+            *extra]
+
+
+def grey_png(path) -> str:
+    from PIL import Image
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", (80, 60), (128, 128, 128)).save(path)
+    return str(path)
+
+
+def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, write_prompts, capsys):
+    """Issue 47: a 40-row job whose 38 images `photos/IMG_xxxx.jpg` are missing printed 38 lines
+    `1 x ImageError: ... not found`. Now one line with the count and the first ids."""
+    ids = [f"r{i:02d}" for i in range(40)]
+    cells = [f"photos/IMG_{1000 + i}.jpg" for i in range(40)]
+    for i in (0, 39):                                               # two images are there
+        grey_png(tmp_path / "photos" / f"IMG_{1000 + i}.jpg")
+    p = write_prompts({"id": ids, "prompt": [f"p{i}" for i in range(40)], "image": cells})
+    assert Cluster(reading_fate).main(i2v_args(p, tmp_path)) == 1
+    cause = "ImageError: image <path>: not found"
+    s = summary(tmp_path / "j")
+    assert (s["ok"], s["failed"]) == (2, 38) and s["errors"] == {cause: 38}
+    line = f"  38 x {cause}: {', '.join(ids[1:11])}, ... (28 more)"
+    assert f"failures by cause (a rerun retries them):\n{line}\n" in (tmp_path / "j" / "summary.txt").read_text()
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1] == line
+    assert rows(tmp_path / "j")[1]["error"] == \
+        f"ImageError: image {tmp_path / 'photos' / 'IMG_1001.jpg'}: not found"   # the row: in full
+
+
+def test_rows_whose_image_is_no_image_file_fail_each_with_its_cause(tmp_path, write_prompts, caplog):
+    """Issue 47: a directory, a symlink loop, /dev/zero and a file over prompts.max_image_mib
+    (here 1 MiB) fail their rows, each with its own cause, named at the driver's check and in
+    the summary; the other rows are made; exit 1."""
+    os.makedirs(tmp_path / "img" / "dir.png")
+    os.symlink("loop.png", tmp_path / "img" / "loop.png")
+    with open(tmp_path / "img" / "big.png", "wb") as f:
+        f.truncate((1 << 20) + 1)
+    cells = {"ok1": grey_png(tmp_path / "img" / "a.png"), "dir": "img/dir.png",
+             "loop": "img/loop.png", "zero": "/dev/zero", "big": "img/big.png",
+             "ok2": grey_png(tmp_path / "img" / "b.png")}
+    p = write_prompts({"id": list(cells), "prompt": list(cells), "image": list(cells.values())})
+
+    def fate(item):         # what the job's workers are told: prompts.max_image_mib=1
+        from runner import images
+        try:
+            images.read(item, max_bytes=1 << 20)
+        except images.ImageError as e:
+            return f"fail:ImageError: {e}"
+        return "ok"
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Cluster(fate).main(i2v_args(p, tmp_path, "prompts.max_image_mib=1")) == 1
+    causes = {"dir": "a directory, not a regular file: not read",
+              "loop": "a symlink loop (too many levels of symbolic links)",
+              "zero": "a character device, not a regular file: not read",
+              "big": "larger than prompts.max_image_mib (1 MiB): not read; shrink it or raise the setting"}
+    by = {r["id"]: r for r in rows(tmp_path / "j")}
+    assert by["ok1"]["status"] == by["ok2"]["status"] == "ok"
+    for k, cause in causes.items():
+        image = os.path.join(tmp_path, cells[k])                     # relative to the prompts file
+        assert by[k]["status"] == "failed" and by[k]["error"].startswith(
+            f"ImageError: image {image}: {cause}"), by[k]
+        assert f"image {image}: {cause}: that row will fail" in caplog.text    # the driver's check
+    assert summary(tmp_path / "j")["errors"] == {f"ImageError: image <path>: {c}": 1
+                                                 for c in causes.values()}

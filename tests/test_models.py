@@ -79,6 +79,20 @@ def test_missing_pretrained_model_says_how_to_fix(tmp_path):
         build_pipeline(ModelSpec("sd21", source="pretrained", path=str(tmp_path)))
 
 
+def test_a_missing_model_directory_says_so_not_that_the_hub_is_unreachable(tmp_path):
+    """Issue 47: model.path=/abs/dir that does not exist was reported as a hub id the hub could
+    not be asked about. An absolute or ./ path can only be a directory: said at once, no hub."""
+    from runner.models import check_pretrained
+    (tmp_path / "file").write_text("x")
+    for path, what in [(str(tmp_path / "nope"), "this directory does not exist"),
+                       (str(tmp_path / "file"), "is a file, not a directory"),
+                       ("./no/such/dir", "this directory does not exist")]:
+        with pytest.raises(ModelLoadError) as e:
+            check_pretrained(ModelSpec("sd21", source="pretrained", path=path))
+        assert str(e.value).startswith(f"model.path {path!r}: {what}"), str(e.value)
+        assert "hub (" not in str(e.value)
+
+
 def test_auto_device_and_dtype():
     spec = ModelSpec("sd21").resolved()
     if torch.cuda.is_available():

@@ -324,7 +324,7 @@ def test_failures_group_by_cause_with_their_ids():
     groups = group_errors(rows)
     assert [(c, len(ids)) for c, ids in groups] == [
         ("FloatingPointError: non-finite values in the output of '<id>'", 400),
-        ("OSError: [Errno 28] No space left on device: '/j/media/.tmp-*-<id>.png'", 2),
+        ("OSError: [Errno 28] No space left on device: '<path>'", 2),     # the file: masked
         ("FloatingPointError: non-finite values (NaN or inf) in the output", 1),
         ("OSError: [Errno 28] disk", 1),
         ("ValueError: <object at 0x...> m0001", 1)]      # "m" is not inside "m0001"
@@ -333,3 +333,34 @@ def test_failures_group_by_cause_with_their_ids():
     assert lines[0] == ("400 x FloatingPointError: non-finite values in the output of '<id>': "
                         "m0000, m0001, m0002, ... (397 more)")
     assert lines[1].endswith(": p-1, p-2") and len(lines) == 5
+
+
+def test_failures_naming_files_group_as_one_cause():
+    """Issue 47: 38 rows whose images were missing printed 38 lines `1 x ImageError: ... not
+    found`: the path in each message made each cause its own. Paths, URIs (the store kept) and a
+    prompts file's rows are masked; words with a "/" that are not paths are not."""
+    from runner.results import error_cause, format_errors, group_errors
+    rows = [{"id": f"IMG_{i:04d}", "status": "failed",
+             "error": f"ImageError: image /data/cat/photos/{'ab'[i % 2]}/IMG_{i:04d}.jpg: not found"}
+            for i in range(30)]
+    rows += [{"id": f"r{i}", "status": "failed",      # relative paths, file:// (as others write)
+              "error": f"ImageError: image {p}: not found"}
+             for i, p in enumerate(["photos/IMG_9000.jpg", "photos/x/IMG_9001.jpeg",
+                                    "/IMG_9002.jpg", "/data/other place.png"])]
+    rows += [{"id": f"s{i}", "status": "failed",
+              "error": f"ImageError: image s3://imgs/photos/IMG_{i}.jpg: not found"} for i in range(4)]
+    rows += [{"id": "u", "status": "failed",
+              "error": "ImageError: image file:///data/u.png: a directory, not a regular file"},
+             {"id": "q1", "status": "failed", "error": "failed 2 times: p.parquet:12: image: boom"},
+             {"id": "q2", "status": "failed", "error": "failed 2 times: q.parquet:7: image: boom"}]
+    groups = dict(group_errors(rows))
+    assert len(groups["ImageError: image <path>: not found"]) == 33
+    assert "ImageError: image <path> place.png: not found" in groups     # a space ends a name
+    assert len(groups["ImageError: image s3://imgs/<path>: not found"]) == 4   # the store kept
+    assert "ImageError: image file:///<path>: a directory, not a regular file" in groups
+    assert groups["failed 2 times: <path>:<row>: image: boom"] == ["q1", "q2"]
+    line = format_errors(group_errors(rows), max_ids=3)[0]
+    assert line == "33 x ImageError: image <path>: not found: IMG_0000, IMG_0001, IMG_0002, ... (30 more)"
+    for text in ("OSError: I/O error and/or 3 MiB/s at 1.5/2.0", "KeyError: 'a.b'",
+                 "RuntimeError: 12:30:00 at http://127.0.0.1:5000"):
+        assert error_cause({"id": "x", "error": text}) == text
