@@ -126,9 +126,10 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
 @pytest.mark.parametrize("frames", [33])
 def test_full_size_compiled_chunked_decode_matches_eager(frames):
     """The published Wan VAE (random weights, fp16) at 480x832: the decode compile_pipe installs
-    (compiled blocks, chunks, CUDA layout) against diffusers' eager decode, within fp16 tolerance
-    on [-1, 1] outputs, and no recompile on a second latent."""
+    (compiled blocks, chunks, CUDA layout, `SUBPIXEL`) against diffusers' eager decode, within
+    fp16 tolerance on [-1, 1] outputs, and no recompile on a second latent."""
     import compiler
+    from compiler.pipeline import _compile_vae
     from diffusers import AutoencoderKLWan
     with torch.device("cuda"):
         vae = AutoencoderKLWan().to(torch.float16).eval()
@@ -137,8 +138,8 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
         ref = vae.decode(z).sample.float()
         fast = copy.deepcopy(vae)
         torch._dynamo.config.recompile_limit = 64
-        counts = video_vae.chunked_decode(fast, None, compiler.compile_kwargs(
-            compiler.parse_options("O2"), denoiser=False), channels_last=video_vae.CHANNELS_LAST)
+        opts = compiler.parse_options("O2")
+        counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
         assert counts["resblock"] == 14          # middle 2, up blocks 3 x 4
         out = fast.decode(z).sample.float()
         with torch._dynamo.config.patch(error_on_recompile=True):
