@@ -247,7 +247,7 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (on the GPU machine: `pytest -m gpu -n auto --dist loadgroup`)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
