@@ -1,13 +1,14 @@
-"""Wan's causal video VAE decoder, run over chunks of frames with its causal caches as plain tensors.
+"""Wan's causal video VAE decoder (Wan 2.1's and Wan 2.2's), run over chunks of frames with its causal
+caches as plain tensors.
 
-Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False)` replaces
-`vae._decode` of a diffusers `AutoencoderKLWan` with the Wan 2.1 decoder (`decoder.up_blocks` of
-`WanUpBlock`; `supported(vae)` says whether it is one) so that `vae.decode(z)` decodes latent
-frame 0 alone, then the other latent frames `chunk` at a time, and returns what diffusers' decode
-returns: the same causal convolutions over the same frames, grouped differently, so equal up to
-the rounding of the convolution kernels (fp16 tolerance; tests/test_video_vae.py). Tiled decoding
-(`vae.enable_tiling()`) keeps diffusers' own path. Returns the number of blocks per compiled
-function, by name (`compile_kwargs=None`: eager).
+Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False, subpixel=False)`
+replaces `vae._decode` of a diffusers `AutoencoderKLWan` whose decoder is Wan 2.1's (`WanUpBlock`s)
+or Wan 2.2's (`WanResidualUpBlock`s; `supported(vae)` says whether it is either) so that
+`vae.decode(z)` decodes latent frame 0 alone, then the other latent frames `chunk` at a time, and
+returns what diffusers' decode returns: the same causal convolutions over the same frames, grouped
+differently, so equal up to the rounding of the convolution kernels (fp16 tolerance;
+tests/test_video_vae.py). Tiled decoding (`vae.enable_tiling()`) keeps diffusers' own path.
+Returns the number of blocks per compiled function, by name (`compile_kwargs=None`: eager).
 
 Why: diffusers decodes one latent frame per decoder pass (4 video frames; 21 passes for 81
 frames), every causal convolution taking its 2-frame cache from a Python list that also holds the
@@ -21,8 +22,26 @@ the causal padding was. `channels_last`: the decoder's weights and activations i
 `torch.channels_last_3d`, the layout cuDNN's tensor-core kernels for 3-D convolutions read
 natively (measured against the default in BENCHMARKS).
 
+Wan 2.2's decoder (TI2V-5B: 48 latent channels, 16x space) is Wan 2.1's but for: each up block
+adds a shortcut after its upsampler, its own input with channels spread over 2x2 pixels (and over
+2 frames where the block doubles time, the first chunk's first frame dropped as the upsampler
+keeps frame 0 one frame: diffusers' `DupUp3D`); its upsamplers keep their channels (2.1's halve
+them); its output is 12 channels, 3 per pixel of a 2x2 patch, unfolded (`unpatchify`) before the
+clamp. Caches, chunks and the first chunk work the same, so the same functions run both, the
+shortcut added inside the `upsample` graph.
+
+`subpixel`: an upsampler's 3x3 convolution of the 2x nearest-upsampled frame, computed as one 2x2
+convolution of the frame itself with four output phases (the 3x3 kernel's taps summed per phase)
+interleaved into the 2x frame: 16 instead of 36 multiply-adds per input pixel and channel pair,
+no upsampled copy; equal up to the rounding of the summed kernel.
+
 Shapes (Wan 2.1, 480x832, 81 frames): latents (B, 16, 21, 60, 104) -> video (B, 3, 81, 480, 832);
-275 TFLOP of convolutions, 96.6 of them at full resolution with 96 channels.
+275 TFLOP of convolutions, 96.6 of them at full resolution with 96 channels. Wan 2.2, 704x1280,
+121 frames: latents (B, 48, 31, 44, 80) -> (B, 12, 121, 352, 640) -> video (B, 3, 121, 704,
+1280); 2,010 TFLOP of convolutions (FlopCounter on the meta device), 1,364 of them in the last two
+up blocks' residual blocks (512 and 256 channels at 176x320 and 352x640), 273 in the upsamplers'
+3x3 convolutions (123 with `subpixel`): 2.0 s at an H100's dense fp16 peak (989 TFLOP/s), 1.9 s
+with `subpixel`.
 """
 
 from __future__ import annotations
@@ -36,24 +55,43 @@ CACHE_T = 2   # frames of a causal convolution's input kept for the next chunk (
 # What compile_pipe installs (measured, `python -m runner.bench.decode model=wan21_t2v_1_3b` in
 # BENCHMARKS: 81 frames at 480x832 on an H100, diffusers 2066 ms; chunks of 4, compiled: 1065 ms
 # contiguous, 875 ms channels_last_3d, peak 18.6 GiB): latent frames per decoder pass after the
-# first at 480x832, scaled down for larger frames so that a pass's activations stay that size
-# (`chunk_for`), and the CUDA layout.
+# first at 480x832, scaled down for larger frames or a wider decoder so that a pass's widest
+# activation stays that size (`chunk_for`), and the CUDA layout.
 CHUNK = 4
 CHANNELS_LAST = True
+# What compile_pipe installs for the upsamplers (both decoders): the 2x2 four-phase convolution
+# (module docstring), 2.25x fewer FLOPs in them (Wan 2.2 at 704x1280 x 121: 273 -> 123 of 2,010
+# TFLOP). Not measured yet: `python -m runner.bench.decode` prints the decode with it on and off.
+SUBPIXEL = True
+WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
 
-def chunk_for(height: int, width: int, chunk: int = CHUNK) -> int:
-    """Latent frames per pass for (height, width) video frames: `chunk` at 480x832, fewer for
-    larger frames (720x1280: 1), at least 1."""
-    return max(1, chunk * 480 * 832 // (height * width))
+def chunk_for(height: int, width: int, chunk: int = CHUNK, widest: int = WIDEST) -> int:
+    """Latent frames per pass for (height, width) video frames: `chunk` at 480x832 for Wan 2.1's
+    decoder, fewer where a pass's widest activation (`widest` channels a pixel: `widest_of`)
+    would be larger (720x1280: 1; Wan 2.2 at 704x1280: 1), at least 1."""
+    return max(1, chunk * WIDEST * 480 * 832 // (widest * height * width))
+
+
+def widest_of(vae) -> int:
+    """Channels a video pixel of the decoder's widest full-resolution activation, its last up
+    block's input (Wan 2.1: 96; Wan 2.2: 512 on 2x2-pixel patches, 128)."""
+    patch = vae.config.get("patch_size") or 1
+    return vae.decoder.up_blocks[-1].resnets[0].conv1.in_channels // patch**2
 
 
 def supported(vae) -> bool:
-    """A Wan 2.1-style causal video VAE (not the residual decoder of Wan 2.2's 48-channel VAE)."""
+    """A Wan causal video VAE: Wan 2.1's decoder or Wan 2.2's residual one (not a mix)."""
     dec = getattr(vae, "decoder", None)
-    ups = getattr(dec, "up_blocks", None)
-    return (type(vae).__name__ == "AutoencoderKLWan" and ups is not None
-            and all(type(u).__name__ == "WanUpBlock" for u in ups))
+    kinds = {type(u).__name__ for u in getattr(dec, "up_blocks", None) or ()}
+    return type(vae).__name__ == "AutoencoderKLWan" and kinds in ({"WanUpBlock"}, {"WanResidualUpBlock"})
+
+
+def _sampler(up):
+    """An up block's upsampler (None where it has none) and Wan 2.2's shortcut (`DupUp3D`)."""
+    if type(up).__name__ == "WanResidualUpBlock":
+        return up.upsampler, up.avg_shortcut
+    return (up.upsamplers[0] if up.upsamplers is not None else None), None
 
 
 def _cconv(conv, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,25 +114,61 @@ def resblock(block, x, c1, c2):
     return y + h, c1, c2
 
 
-def upsample(up, x, cache, first: bool):
-    """WanResample upsample2d / upsample3d: (B, C, T, H, W) -> (B, C/2, T', 2H, 2W), T' = 2T for
-    upsample3d except on the first chunk (frame 0 stays one frame: diffusers' "Rep")."""
+# Which rows (columns) of a 3x3 kernel each of the two taps of a 2x2 kernel sums, per output phase,
+# for a 3x3 convolution (padding 1) of a 2x nearest upsampling: an even output row 2y reads
+# upsampled rows 2y-1, 2y, 2y+1 = input rows y-1, y, y; an odd one 2y+1 reads y, y, y+1.
+_PHASE_TAPS = (((1, 0, 0), (0, 1, 1)), ((1, 1, 0), (0, 0, 1)))
+
+
+def _up2x_conv(conv, x: torch.Tensor) -> torch.Tensor:
+    """conv (3x3, padding 1) of the 2x nearest upsampling of x: (N, Ci, H, W) -> (N, Co, 2H, 2W),
+    as one 2x2 convolution (padding 1) of x itself to the four phases' outputs, (N, 4 Co, H+1,
+    W+1), phase (a, b) of input pixel (i, j) at (i + a, j + b), interleaved (built channels-last)."""
+    n, _, h, w = x.shape
+    co = conv.out_channels
+    taps = torch.tensor(_PHASE_TAPS, dtype=torch.float32, device=x.device)          # (2, 2, 3)
+    k = torch.einsum("aui,bvj,ocij->abocuv", taps, taps, conv.weight.float())      # summed taps
+    k = k.reshape(4 * co, -1, 2, 2).to(x.dtype).contiguous(memory_format=torch.channels_last)
+    y = F.conv2d(x, k, conv.bias.repeat(4), padding=1).permute(0, 2, 3, 1)         # (N, H+1, W+1, 4Co)
+    y = y.reshape(n, h + 1, w + 1, 2, 2, co)
+    rows = [torch.stack([y[:, a:a + h, b:b + w, a, b] for b in (0, 1)], 3) for a in (0, 1)]
+    y = torch.stack(rows, 2).reshape(n, 2 * h, 2 * w, co)       # (N, H, 2, W, 2, Co) -> (N, 2H, 2W, Co)
+    return y.permute(0, 3, 1, 2)
+
+
+def upsample(up, x, cache, first: bool, dup=None, skip=None, subpixel: bool = False):
+    """WanResample upsample2d / upsample3d: (B, C, T, H, W) -> (B, C', T', 2H, 2W), T' = 2T for
+    upsample3d except on the first chunk (frame 0 stays one frame: diffusers' "Rep"); C' = C/2
+    (Wan 2.1) or C (2.2). `dup`, `skip`: Wan 2.2's shortcut and its up block's input, added."""
     b, c, t, h, w = x.shape
     if up.mode == "upsample3d" and not first:
         y, cache = _cconv(up.time_conv, x, cache)         # (B, 2C, T, H, W): each frame's two halves
         x = y.reshape(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
         t = 2 * t
-    y = up.resample(x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w))   # per frame, 2-D
-    return y.view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4), cache
+    x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)      # per frame, 2-D
+    y = _up2x_conv(up.resample[1], x) if subpixel else up.resample(x)
+    y = y.view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)
+    if dup is not None:                                    # (B, C', T', 2H, 2W) as well
+        y = y + dup(skip, first_chunk=first)
+    return y, cache
+
+
+def _plain_up2x(up) -> bool:
+    """The upsampler is a 2x nearest upsampling and a 3x3 convolution (padding 1, stride 1)."""
+    scale, conv = up.resample[0].scale_factor, up.resample[1]
+    return (up.resample[0].mode in ("nearest", "nearest-exact") and tuple(scale) == (2.0, 2.0)
+            and conv.kernel_size == (3, 3) and conv.padding == (1, 1) and conv.stride == (1, 1))
 
 
 def head(dec, x, cache):
-    """The decoder's RMS norm, SiLU and output convolution: (B, 96, T, H, W) -> (B, 3, T, H, W)."""
+    """The decoder's RMS norm, SiLU and output convolution: (B, 96, T, H, W) -> (B, 3, T, H, W)
+    (Wan 2.2: 256 -> 12 channels, RGB of 2x2-pixel patches)."""
     return _cconv(dec.conv_out, dec.nonlinearity(dec.norm_out(x)), cache)
 
 
 def stem(dec, x, cache):
-    """The decoder's input convolution: (B, 16, T, h, w) latents -> (B, 384, T, h, w)."""
+    """The decoder's input convolution: (B, 16, T, h, w) latents -> (B, 384, T, h, w) (Wan 2.2:
+    48 -> 1024 channels)."""
     return _cconv(dec.conv_in, x, cache)
 
 
@@ -127,67 +201,78 @@ class _Caches:
         self.slots[self.k - len(new):self.k] = list(new)
 
 
-def _chunk(fns: dict, dec, x: torch.Tensor, caches: _Caches, first: bool) -> torch.Tensor:
+def _res(fns: dict, block, x: torch.Tensor, caches: _Caches) -> torch.Tensor:
+    # the second convolution's input has the block's output channels
+    c1, c2 = caches.take(x), caches.take(x, block.conv2.in_channels)
+    x, c1, c2 = fns["resblock"](block, x, c1, c2)
+    caches.put(c1, c2)
+    return x
+
+
+def _chunk(fns: dict, dec, x: torch.Tensor, caches: _Caches, first: bool,
+           subpixel: bool) -> torch.Tensor:
     """One decoder pass over a chunk of latent frames, as WanDecoder3d.forward with its caches."""
     caches.k = 0
     x, c = fns["stem"](dec, x, caches.take(x))
     caches.put(c)
     mid = dec.mid_block
-    blocks = [("resblock", mid.resnets[0])]
+    x = _res(fns, mid.resnets[0], x, caches)
     for attn, res in zip(mid.attentions, mid.resnets[1:]):
-        blocks += [("attention", attn), ("resblock", res)]
+        x = _res(fns, res, fns["attention"](attn, x), caches)
     for up in dec.up_blocks:
-        blocks += [("resblock", r) for r in up.resnets]
-        if up.upsamplers is not None:
-            blocks.append(("upsample", up.upsamplers[0]))
-    for kind, m in blocks:
-        if kind == "attention":
-            x = fns["attention"](m, x)
-        elif kind == "resblock":
-            # the second convolution's input has the block's output channels
-            c1, c2 = caches.take(x), caches.take(x, m.conv2.in_channels)
-            x, c1, c2 = fns["resblock"](m, x, c1, c2)
-            caches.put(c1, c2)
-        elif m.mode == "upsample3d":
-            x, c = fns["upsample"](m, x, caches.take(x), first)
-            caches.put(c)
-        else:
-            x, _ = fns["upsample"](m, x, None, first)
+        skip = x                                   # Wan 2.2's shortcut reads the up block's input
+        for res in up.resnets:
+            x = _res(fns, res, x, caches)
+        sampler, dup = _sampler(up)
+        if sampler is not None:
+            cache = caches.take(x) if sampler.mode == "upsample3d" else None
+            x, c = fns["upsample"](sampler, x, cache, first, dup, skip if dup is not None else None,
+                                   subpixel)
+            if cache is not None:
+                caches.put(c)
     x, c = fns["head"](dec, x, caches.take(x))
     caches.put(c)
     return x
 
 
-def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, original, z: torch.Tensor,
-            return_dict: bool = True):
-    """`vae._decode` (diffusers' signature): (B, 16, F, h, w) latents -> (B, 3, 4(F-1)+1, 8h, 8w)
-    in [-1, 1]. `chunk` None: `chunk_for` the frame size."""
+def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bool, original,
+            z: torch.Tensor, return_dict: bool = True):
+    """`vae._decode` (diffusers' signature): (B, Z, F, h, w) latents -> (B, 3, 4(F-1)+1, s h, s w)
+    in [-1, 1], s the spatial compression (Wan 2.1: 8, 2.2: 16). `chunk` None: `chunk_for` the
+    frame size."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     from diffusers.models.autoencoders.vae import DecoderOutput
     _, _, frames, height, width = z.shape
-    if vae.use_tiling and (width > vae.tile_sample_min_width // vae.spatial_compression_ratio
-                           or height > vae.tile_sample_min_height // vae.spatial_compression_ratio):
+    ratio = vae.spatial_compression_ratio
+    if vae.use_tiling and (width > vae.tile_sample_min_width // ratio
+                           or height > vae.tile_sample_min_height // ratio):
         return original(z, return_dict=return_dict)
     x = vae.post_quant_conv(z)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last_3d)
-    chunk = chunk or chunk_for(height * vae.spatial_compression_ratio, width * vae.spatial_compression_ratio)
+    chunk = chunk or chunk_for(height * ratio, width * ratio, widest=widest_of(vae))
     caches = _Caches(torch.channels_last_3d if channels_last else torch.contiguous_format)
     out = []
     starts = [0, *range(1, frames, chunk)]
     for i, s in enumerate(starts):
         e = 1 if i == 0 else min(s + chunk, frames)
-        out.append(_chunk(fns, vae.decoder, x[:, :, s:e], caches, first=i == 0))
-    out = torch.clamp(torch.cat(out, 2), min=-1.0, max=1.0)
+        out.append(_chunk(fns, vae.decoder, x[:, :, s:e], caches, i == 0, subpixel))
+    out = torch.cat(out, 2)
+    if vae.config.get("patch_size"):               # Wan 2.2: (B, 3 x 2 x 2, ...) -> pixels
+        out = unpatchify(out, vae.config.patch_size)
+    out = torch.clamp(out, min=-1.0, max=1.0)
     return DecoderOutput(sample=out) if return_dict else (out,)
 
 
 def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = None,
-                   channels_last: bool = False) -> dict[str, int]:
+                   channels_last: bool = False, subpixel: bool = False) -> dict[str, int]:
     """Install the chunked decode on `vae` (module docstring). `chunk`: latent frames per pass
     after the first (None: `chunk_for` each call's frame size). `compile_kwargs`: torch.compile's
-    arguments for each block function (None: eager)."""
+    arguments for each block function (None: eager). `subpixel`: the upsamplers as four-phase
+    2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution)."""
     if not supported(vae):
-        raise ValueError(f"{type(vae).__name__}: not a Wan 2.1-style causal video VAE")
+        raise ValueError(f"{type(vae).__name__}: not a Wan causal video VAE (Wan 2.1's or 2.2's "
+                         "decoder)")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk={chunk}: latent frames per decoder pass must be >= 1")
     if channels_last:   # convolution weights in the activations' layout (3-D and the 2-D resamples)
@@ -195,13 +280,15 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
             if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)):
                 fmt = torch.channels_last_3d if m.weight.dim() == 5 else torch.channels_last
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+    dec = vae.decoder
+    samplers = [u for u, _ in map(_sampler, dec.up_blocks) if u is not None]
+    subpixel = subpixel and all(map(_plain_up2x, samplers))
     fns = dict(FUNCTIONS)
     if compile_kwargs is not None:
         fns = {k: torch.compile(f, **compile_kwargs) for k, f in fns.items()}
     original = vae._decode
-    vae._decode = functools.partial(_decode, vae, fns, chunk, channels_last, original)
-    dec = vae.decoder
+    vae._decode = functools.partial(_decode, vae, fns, chunk, channels_last, subpixel, original)
     counts = {"resblock": len(dec.mid_block.resnets) + sum(len(u.resnets) for u in dec.up_blocks),
-              "attention": len(dec.mid_block.attentions),
-              "upsample": sum(u.upsamplers is not None for u in dec.up_blocks), "stem": 1, "head": 1}
+              "attention": len(dec.mid_block.attentions), "upsample": len(samplers),
+              "stem": 1, "head": 1}
     return counts if compile_kwargs is not None else {}

@@ -37,10 +37,16 @@ if (os.cpu_count() or 1) < 8:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+# First: in a pytest-xdist worker on a GPU machine, pins this process to its GPU (CUDA_VISIBLE_DEVICES)
+# before torch is imported; its hooks spread `pytest -m gpu -n auto --dist loadgroup` over the GPUs.
+import gpu_spread  # noqa: F401,E402
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
+pytest_plugins = ["gpu_spread"]
 
 # A suite started in the background of a non-interactive shell (`cmd &`, as a CI wrapper may) begins
 # with SIGINT ignored, and the runner, as Python does, then leaves Ctrl-C alone (`nohup` semantics):
@@ -292,7 +298,7 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (on the GPU machine: `pytest -m gpu -n auto --dist loadgroup`)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

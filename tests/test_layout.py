@@ -1,6 +1,7 @@
 """The code's layout rules, read from the source itself (ast, no imports): the library never imports
 the application, no module imports another's private names, no import cycle between modules (at any
-level: module, class or function), and no model family's name outside its family module."""
+level: module, class or function), and no model family's name outside its family module. And every
+name the tests take from the packages exists (that one imports the modules it checks)."""
 
 import ast
 import os
@@ -173,3 +174,49 @@ def test_every_module_is_in_the_readme_code_map():
         return f"`{f}`" in readme or any(f"`{d}/" in line and f"`{name}`" in line for line in lines)
     missing = [f for f in files if not f.endswith("__init__.py") and not named(f)]
     assert not missing, f"add to the README's code map: {missing}"
+
+
+def test_every_name_the_tests_take_from_the_packages_exists():
+    """Each `from runner... / compiler... import X` in a test file, at any level (a function's own
+    imports too), names something that exists, and so does each attribute read off a package
+    module a test imported (`compiler.compile_pipe`, `step_cache.apply`). A gpu test never runs
+    on CPU, so a name moved away from under it was seen only on a GPU machine (issue 48: the
+    A14B test imported `WorkerConfig` from `runner.actor`). Imports the modules named."""
+    import importlib
+    import types
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        where = lambda node: f"{path.name}:{node.lineno}"
+        modules = {}                                   # name bound in the file -> package module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                    node.module or "").split(".")[0] in PACKAGES:
+                mod = importlib.import_module(node.module)
+                for a in node.names:
+                    try:
+                        v = getattr(mod, a.name) if hasattr(mod, a.name) else \
+                            importlib.import_module(f"{node.module}.{a.name}")
+                    except ImportError:
+                        bad.append(f"{where(node)}: from {node.module} import {a.name}")
+                        continue
+                    if isinstance(v, types.ModuleType):
+                        modules[a.asname or a.name] = v
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in PACKAGES:
+                        importlib.import_module(a.name)
+                        modules[a.asname or a.name.split(".")[0]] = importlib.import_module(
+                            a.name if a.asname else a.name.split(".")[0])
+        rebound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.value.id not in rebound):
+                continue
+            mod = modules[node.value.id]
+            if not hasattr(mod, node.attr):
+                try:
+                    importlib.import_module(f"{mod.__name__}.{node.attr}")
+                except ImportError:
+                    bad.append(f"{where(node)}: {node.value.id}.{node.attr} ({mod.__name__})")
+    assert bad == [], "\n".join(bad)

@@ -191,17 +191,23 @@ def test_flux_gets_pooled_clip_embeddings_and_no_negative_branch():
     np.testing.assert_allclose(pair[1], alone[0], atol=1e-4)
 
 
-def test_ti2v_vae_stays_on_diffusers_decode_under_compile():
-    """compiler.video_vae chunks Wan 2.1's decoder only: Wan 2.2's residual 48-channel VAE keeps
-    diffusers' decode when the pipeline is compiled (A14B's Wan 2.1 VAE gets the chunked one)."""
+def test_ti2v_vae_decodes_in_compiled_chunks_as_wan21s_does():
+    """Wan 2.2's residual 48-channel VAE (TI2V-5B) gets compiler.video_vae's chunked, compiled
+    decode wherever the pipeline's VAE is compiled, as Wan 2.1's does (A14B's Wan 2.1 VAE too);
+    `compile_vae: false` keeps diffusers' decode."""
     import compiler
     from compiler import video_vae
     ti2v = build_pipeline(ModelSpec("wan22_ti2v_5b", source="tiny"))
     a14b = build_pipeline(ModelSpec("wan22_t2v_a14b", source="tiny"))
-    assert not video_vae.supported(ti2v.vae) and video_vae.supported(a14b.vae)
+    assert video_vae.supported(ti2v.vae) and video_vae.supported(a14b.vae)
     compiler.compile_pipe(ti2v, {"mode": "O2", "compile_text_encoder": False})  # compiles lazily
-    assert ti2v._compile_report["vae_blocks"] == {}
-    assert ti2v.vae._decode.__func__ is type(ti2v.vae)._decode
+    # the tiny decoder: middle 2 + 4 up blocks x 2 residual blocks; three upsamplers
+    assert ti2v._compile_report["vae_blocks"] == {"resblock": 10, "attention": 1, "upsample": 3,
+                                                  "stem": 1, "head": 1}
+    assert ti2v.vae._decode.func is video_vae._decode
+    compiler.compile_pipe(a14b, {"mode": "O2", "compile_text_encoder": False, "compile_vae": False})
+    assert "vae_blocks" not in a14b._compile_report
+    assert a14b.vae._decode.__func__ is type(a14b.vae)._decode
 
 
 def test_a_worker_checks_gpu_memory_before_it_loads_anything(tmp_path, monkeypatch):

@@ -1,10 +1,12 @@
-"""Wan's causal video VAE decoded in chunks (`compiler.video_vae`): the same video as diffusers'
-one-latent-frame-per-pass decode, on CPU with a narrow VAE, and on the GPU at the published size
-compiled as `compile_pipe` installs it.
+"""Wan's causal video VAEs (2.1's, and 2.2's residual one of TI2V-5B) decoded in chunks
+(`compiler.video_vae`): the same video as diffusers' one-latent-frame-per-pass decode, on CPU with
+narrow VAEs, and on the GPU at the published sizes compiled as `compile_pipe` installs it.
 
 What could break: a chunk boundary that drops or repeats a frame, or reads the wrong cache (the
 first chunk's frame 0 stays one frame; later chunks double in time); a frame count that is not
-1 + a multiple of the chunk; the channels_last_3d layout changing values; the tiled path."""
+1 + a multiple of the chunk; the channels_last_3d layout changing values; the tiled path; Wan
+2.2's shortcut (its first-chunk frame drop), its 2x2 patches, its chunk size; the four-phase
+upsampling's phases (odd sizes, borders)."""
 
 import copy
 
@@ -20,20 +22,67 @@ def _vae():
     return AutoencoderKLWan(base_dim=8, num_res_blocks=1).eval()
 
 
+def _vae22():
+    """Wan 2.2's VAE as TI2V-5B has it (48 latent channels, residual blocks, 2x2 patches, 16x
+    space), narrow."""
+    from runner.families import PRESETS
+    torch.manual_seed(0)
+    return PRESETS["wan22_ti2v_5b"].video_vae(True).eval()
+
+
 @pytest.mark.parametrize("frames", [1, 2, 6, 9])
-@pytest.mark.parametrize("chunk, channels_last", [(1, False), (4, False), (3, True)])
-def test_chunked_decode_is_diffusers_decode(frames, chunk, channels_last):
+@pytest.mark.parametrize("chunk, channels_last, subpixel", [(1, False, False), (4, False, False),
+                                                            (3, True, True)])
+def test_chunked_decode_is_diffusers_decode(frames, chunk, channels_last, subpixel):
     vae = _vae()
     z = torch.randn(2, 16, frames, 8, 6)
     with torch.no_grad():
         ref = vae.decode(z).sample
         chunked = copy.deepcopy(vae)
         assert video_vae.supported(chunked)
-        assert video_vae.chunked_decode(chunked, chunk, channels_last=channels_last) == {}  # eager
+        assert video_vae.chunked_decode(chunked, chunk, channels_last=channels_last,
+                                        subpixel=subpixel) == {}                     # eager
         out = chunked.decode(z).sample
     assert out.shape == ref.shape == (2, 3, 4 * (frames - 1) + 1, 64, 48)
     tol = 0 if chunk == 1 and not channels_last else 1e-5    # same kernels per frame: bit-equal
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("frames", [1, 5, 9, 13])
+def test_wan22_chunked_decode_is_diffusers_decode(frames):
+    """Wan 2.2's decoder, fp32: per frame (bit-equal), in chunks of 4 (a shorter last chunk at 5
+    and 13 latent frames), and in chunks of 3 in channels_last_3d with the four-phase upsampling
+    (1e-5: the summed kernels round differently)."""
+    vae = _vae22()
+    assert vae.config.patch_size == 2 and vae.spatial_compression_ratio == 16
+    z = torch.randn(1, 48, frames, 6, 5)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        assert ref.shape == (1, 3, 4 * (frames - 1) + 1, 96, 80)
+        assert ref.abs().max() <= 1 and (ref.abs() < 0.99).float().mean() > 0.9   # not clipped away
+        for chunk, channels_last, subpixel, tol in [(1, False, False, 0), (4, False, False, 1e-5),
+                                                    (3, True, True, 1e-5)]:
+            chunked = copy.deepcopy(vae)
+            assert video_vae.supported(chunked)
+            video_vae.chunked_decode(chunked, chunk, channels_last=channels_last, subpixel=subpixel)
+            torch.testing.assert_close(chunked.decode(z).sample, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("h, w, channels_last", [(5, 7, False), (4, 4, True), (1, 3, False)])
+def test_four_phase_upsampling_is_the_upsample_then_the_conv(h, w, channels_last):
+    """A 3x3 convolution of the 2x nearest upsampling = the 2x2 four-phase convolution of the
+    frame itself (borders included: odd sizes, one row)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+    torch.manual_seed(0)
+    up = WanResample(6, "upsample2d", upsample_out_dim=5).eval()
+    x = torch.randn(3, 6, h, w)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = up.resample(x)
+        out = video_vae._up2x_conv(up.resample[1], x)
+    assert video_vae._plain_up2x(up) and out.shape == ref.shape == (3, 5, 2 * h, 2 * w)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_tiled_decode_keeps_diffusers_path_and_bad_chunk_is_an_error():
@@ -48,10 +97,17 @@ def test_tiled_decode_keeps_diffusers_path_and_bad_chunk_is_an_error():
         video_vae.chunked_decode(_vae(), 0)
 
 
-def test_chunk_shrinks_with_the_frame_size():
+def test_chunk_shrinks_with_the_frame_size_and_the_decoders_width():
+    from diffusers import AutoencoderKLWan
+    from runner.families.wan22 import TI2V_VAE
     assert video_vae.chunk_for(480, 832) == video_vae.CHUNK == 4
     assert video_vae.chunk_for(720, 1280) == 1 and video_vae.chunk_for(704, 1280) == 1
     assert video_vae.chunk_for(240, 416) == 16 and video_vae.chunk_for(4000, 4000) == 1
+    with torch.device("meta"):          # the published decoders: 96 channels a pixel, and 512 on 2x2
+        assert video_vae.widest_of(AutoencoderKLWan()) == video_vae.WIDEST == 96
+        assert video_vae.widest_of(AutoencoderKLWan(**TI2V_VAE)) == 128
+    assert video_vae.chunk_for(480, 832, widest=128) == 3
+    assert video_vae.chunk_for(704, 1280, widest=128) == 1
 
 
 def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
@@ -70,9 +126,10 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
 @pytest.mark.parametrize("frames", [33])
 def test_full_size_compiled_chunked_decode_matches_eager(frames):
     """The published Wan VAE (random weights, fp16) at 480x832: the decode compile_pipe installs
-    (compiled blocks, chunks, CUDA layout) against diffusers' eager decode, within fp16 tolerance
-    on [-1, 1] outputs, and no recompile on a second latent."""
+    (compiled blocks, chunks, CUDA layout, `SUBPIXEL`) against diffusers' eager decode, within
+    fp16 tolerance on [-1, 1] outputs, and no recompile on a second latent."""
     import compiler
+    from compiler.pipeline import _compile_vae
     from diffusers import AutoencoderKLWan
     with torch.device("cuda"):
         vae = AutoencoderKLWan().to(torch.float16).eval()
@@ -81,8 +138,8 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
         ref = vae.decode(z).sample.float()
         fast = copy.deepcopy(vae)
         torch._dynamo.config.recompile_limit = 64
-        counts = video_vae.chunked_decode(fast, None, compiler.compile_kwargs(
-            compiler.parse_options("O2"), denoiser=False), channels_last=video_vae.CHANNELS_LAST)
+        opts = compiler.parse_options("O2")
+        counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
         assert counts["resblock"] == 14          # middle 2, up blocks 3 x 4
         out = fast.decode(z).sample.float()
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -90,3 +147,36 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
     err = (out - ref).abs().max().item()
     print(f"Wan VAE {frames} frames, compiled chunked vs diffusers eager: max abs {err:.3g}")
     assert out.shape == ref.shape and torch.isfinite(out).all() and err <= 3e-2
+
+
+@pytest.mark.gpu
+def test_full_size_wan22_chunked_decode_matches_diffusers():
+    """TI2V-5B's VAE at the published size (random weights, fp16, 704x1280 x 121 frames: 31
+    latent frames of 44x80): the decode `compile_pipe` installs (compiled blocks, `chunk_for`'s
+    chunk, channels_last_3d, `SUBPIXEL`) against diffusers' eager decode: PSNR >= 40 dB on the
+    uint8 frames, max abs <= 5e-2 on the [-1, 1] outputs (fp16 rounding of 2 PFLOP of
+    convolutions grouped differently), no recompile on a second latent. Prints one call's time
+    of each (the figure is the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b
+    frames=121 variants=installed`)."""
+    import compiler
+    from compiler.pipeline import _compile_vae
+    from runner.bench.decode import psnr_uint8, time_decode
+    from runner.families import PRESETS
+    with torch.device("cuda"):
+        vae = PRESETS["wan22_ti2v_5b"].video_vae(False).to(torch.float16).eval()
+    z = torch.randn(1, 48, 31, 44, 80, device="cuda", dtype=torch.float16)
+    ms_ref, ref = time_decode(vae, z, iters=1, warmup=1)
+    fast = copy.deepcopy(vae)
+    opts = compiler.parse_options("O2")
+    torch._dynamo.config.recompile_limit = 64            # compile_pipe raises it by its block count
+    counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
+    assert counts["resblock"] == 14 and counts["upsample"] == 3     # middle 2, up blocks 4 x 3
+    ms, out = time_decode(fast, z, iters=1, warmup=1)                # the warm-up call compiles
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        fast.decode(torch.randn_like(z))
+    err, psnr = (out.float() - ref.float()).abs().max().item(), psnr_uint8(out, ref)
+    print(f"Wan 2.2 VAE 704x1280x121, compiled chunked vs diffusers: max abs {err:.3g}, PSNR "
+          f"{psnr} dB; one call {ms:.0f} ms vs {ms_ref:.0f} ms, peak "
+          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()
+    assert psnr >= 40 and err <= 5e-2

@@ -1,23 +1,30 @@
 """VAE decode of one latent at a model's size: what compiling, channels_last and cuDNN's algorithm
 search each give, side by side in one process (CUDA).
 
-    python -m runner.bench.decode [model=<preset>] [batch=1] [iters=10] [frames=81] [out=decode.json]
+    python -m runner.bench.decode [model=<preset>] [batch=1] [iters=10] [frames=81]
+        [variants=all|installed] [chunks=auto|N,M] [out=decode.json]
 
 Builds the model's VAE at its published size (random weights, fp16) and times `vae.decode` of a
-(batch, C, H/8, W/8) latent (video models: (batch, C, (frames - 1)/4 + 1, H/8, W/8)): median of
-`iters` calls after warm-up calls, CUDA events. Variants, image VAEs: eager / compiled as
-`compile_pipe` compiles a VAE decoder (its ResnetBlock2Ds, the lossless settings), each contiguous
-and channels_last, each with `torch.backends.cudnn.benchmark` off and on. Wan's causal video VAE:
-diffusers' decode (one latent frame per pass), then `compiler.video_vae.chunked_decode` eager and
-compiled, contiguous and channels_last_3d, chunks of 4 latent frames and of all of them, cuDNN's
-search off and on; the first call of a compiled variant (its compile) is reported apart. Also the
-max abs difference of each variant's output against eager (fp16 rounding only).
+(batch, C, H/8, W/8) latent (video models: (batch, C, (frames - 1)/4 + 1, H/s, W/s), s the VAE's
+spatial compression: Wan 2.1 8, Wan 2.2 TI2V 16): median of `iters` calls after warm-up calls,
+CUDA events. Variants, image VAEs: eager / compiled as `compile_pipe` compiles a VAE decoder (its
+ResnetBlock2Ds, the lossless settings), each contiguous and channels_last, each with
+`torch.backends.cudnn.benchmark` off and on. Wan's causal video VAEs (2.1's, and 2.2's residual
+one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.chunked_decode`:
+`variants=all`, eager and compiled, contiguous and channels_last_3d, cuDNN's search off and on,
+all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
+channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
+twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
+the size, as installed; a list: each). The first call of a compiled variant (its compile) is
+reported apart; a variant out of GPU memory is a row saying so. Also the max abs difference and
+the PSNR (frames as uint8) of each variant's output against diffusers' (fp16 rounding only).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 
 import torch
@@ -42,44 +49,86 @@ def time_decode(vae, z, iters: int, warmup: int = 3) -> tuple[float, torch.Tenso
     return sorted(times)[len(times) // 2], out
 
 
-def video_variants(base, z, iters: int) -> list[dict]:
+def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> list[dict]:
     """Wan's VAE: diffusers' per-frame decode against the chunked decode's variants."""
+    from compiler import video_vae
+    sp = video_vae.SUBPIXEL
+    rows = [dict(name="diffusers (1 latent frame per pass)")]
+    ours = lambda c, subpixel=sp, name="chunked": dict(name=name, compiled=True, channels_last=True,
+                                                      chunk=c, subpixel=subpixel)
+    if variants == "all":
+        c = chunks[0]
+        rows += [dict(name="chunked", compiled=compiled, channels_last=cl, chunk=c, subpixel=False)
+                 for compiled in (False, True) for cl in (False, True)]
+        rows += [dict(ours(c, False), cudnn_benchmark=True), ours(z.shape[2], False),
+                 ours(c, name="chunked (installed)")]
+    else:
+        for c in chunks:
+            rows += [ours(c, name="chunked (installed)"), ours(c, not sp)]
+        rows.append(ours(2 * chunks[-1]))
+    ref = None
+    for v in rows:
+        ref = _video_row(base, z, iters, v, ref)
+        print(json.dumps(v), flush=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch.backends.cudnn.benchmark = False
+    return rows
+
+
+def _video_row(base, z, iters: int, v: dict, ref):
+    """Times variant `v` (filled in place: ms, first call, peak, error against `ref`, diffusers'
+    output); returns `ref` (the first variant's output)."""
     import time
 
     import compiler
     from compiler import video_vae
-    aux = compiler.compile_kwargs(compiler.parse_options("O2"), denoiser=False)
+    vae = copy.deepcopy(base)
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64            # as compile_pipe raises it
-    rows, ref = [], None
-    variants = [dict(name="diffusers (1 latent frame per pass)")]
-    for compiled in (False, True):
-        for cl in (False, True):
-            variants.append(dict(name="chunked", compiled=compiled, channels_last=cl, chunk=4))
-    variants += [dict(name="chunked", compiled=True, channels_last=True, chunk=4, cudnn_benchmark=True),
-                 dict(name="chunked", compiled=True, channels_last=True, chunk=z.shape[2])]
-    for v in variants:
-        vae = copy.deepcopy(base)
-        torch._dynamo.reset()
-        torch.backends.cudnn.benchmark = v.get("cudnn_benchmark", False)
-        if "chunk" in v:
-            video_vae.chunked_decode(vae, v["chunk"], aux if v["compiled"] else None,
-                                     channels_last=v["channels_last"])
+    torch.backends.cudnn.benchmark = v.get("cudnn_benchmark", False)
+    if "chunk" in v:
+        aux = compiler.compile_kwargs(compiler.parse_options("O2"), denoiser=False)
+        video_vae.chunked_decode(vae, v["chunk"], aux if v["compiled"] else None,
+                                 channels_last=v["channels_last"], subpixel=v.get("subpixel", False))
+    try:
         t0 = time.perf_counter()
         with torch.no_grad():
             vae.decode(z, return_dict=False)
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         ms, out = time_decode(vae, z, iters, warmup=1)
-        ref = out if ref is None else ref
-        rows.append(dict(v, ms=round(ms, 1), first_call_s=round(first, 1),
-                         peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                         max_abs_vs_eager=float((out.float() - ref.float()).abs().max())))
-        print(json.dumps(rows[-1]), flush=True)
-        del vae, out
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    torch.backends.cudnn.benchmark = False
-    return rows
+    except torch.cuda.OutOfMemoryError:
+        v["ms"] = "out of memory"
+        return ref
+    ref = out if ref is None else ref
+    v.update(ms=round(ms, 1), first_call_s=round(first, 1),
+             peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+             max_abs_vs_eager=float((out.float() - ref.float()).abs().max()),
+             psnr_db=psnr_uint8(out, ref))
+    return ref
+
+
+def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR (dB) of two decodes in [-1, 1] as the uint8 frames written from them."""
+    u8 = lambda x: ((x.float() + 1) * 127.5).round().clamp(0, 255)
+    mse = (u8(a) - u8(b)).pow(2).mean().item()
+    return round(10 * math.log10(255**2 / mse), 1) if mse else float("inf")
+
+
+def _video_table(a: dict, rows: list[dict]) -> None:
+    print(f"\n{a['model']} VAE decode, {a['frames']} frames, batch {a['batch']}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| decode | compiled | layout | chunk | four-phase upsampling | cudnn.benchmark | ms per decode "
+          "| first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        measured = (f"{r['first_call_s']} | {r['peak_gb']} | {r['max_abs_vs_eager']:.2g} | "
+                    f"{r['psnr_db']}" if "psnr_db" in r else " | | ")          # out of memory
+        print(f"| {r['name']} | {r.get('compiled', False)} | "
+              f"{'channels_last_3d' if r.get('channels_last') else 'contiguous'} | "
+              f"{r.get('chunk', 1)} | {r.get('subpixel', False)} | {r.get('cudnn_benchmark', False)} | "
+              f"{r['ms']} | {measured} |")
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -87,27 +136,13 @@ def main(argv: list[str]) -> list[dict]:
     from compiler import transforms
     from ..families import DEFAULT_PRESET, PRESETS
     from ..families.parts import sd_vae
-    a, _ = parse_args(argv, dict(model=DEFAULT_PRESET, batch="1", iters="10", frames="81", out=None),
-                      USAGE)
+    a, _ = parse_args(argv, dict(model=DEFAULT_PRESET, batch="1", iters="10", frames="81",
+                                 variants="all", chunks="auto", out=None), USAGE)
     assert torch.cuda.is_available(), "the decode benchmark needs a CUDA GPU"
     fam = PRESETS[a["model"]]
     preset = fam.presets[a["model"]]
-    if fam.kind == "video" and fam.frame_step:      # Wan: its causal video VAE
-        from diffusers import AutoencoderKLWan
-        with torch.device("cuda"):
-            base = AutoencoderKLWan().to(torch.float16).eval()
-        z = torch.randn(int(a["batch"]), base.config.z_dim, (int(a["frames"]) - 1) // 4 + 1,
-                        preset["height"] // 8, preset["width"] // 8, device="cuda", dtype=torch.float16)
-        rows = video_variants(base, z, int(a["iters"]))
-        print(f"\n{a['model']} VAE decode, {a['frames']} frames, batch {a['batch']}, "
-              f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-        print("| decode | compiled | layout | chunk | cudnn.benchmark | ms per decode | first call s "
-              "| peak GiB | max abs vs diffusers |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            print(f"| {r['name']} | {r.get('compiled', False)} | "
-                  f"{'channels_last_3d' if r.get('channels_last') else 'contiguous'} | "
-                  f"{r.get('chunk', 1)} | {r.get('cudnn_benchmark', False)} | {r['ms']} | "
-                  f"{r['first_call_s']} | {r['peak_gb']} | {r['max_abs_vs_eager']:.2g} |")
+    if fam.video_vae is not None:                   # Wan: its causal video VAE
+        rows = _video(a, fam, preset)
         if a["out"]:
             with open(a["out"], "w") as fh:
                 json.dump(rows, fh, indent=1)
@@ -146,6 +181,23 @@ def main(argv: list[str]) -> list[dict]:
     if a["out"]:
         with open(a["out"], "w") as fh:
             json.dump(rows, fh, indent=1)
+    return rows
+
+
+def _video(a: dict, fam, preset: dict) -> list[dict]:
+    from compiler import video_vae
+    if a["variants"] not in ("all", "installed"):
+        raise SystemExit(f"variants={a['variants']}: choose all or installed")
+    with torch.device("cuda"):
+        base = fam.video_vae(False).to(torch.float16).eval()
+    s, t = base.spatial_compression_ratio, base.config.scale_factor_temporal
+    h, w = preset["height"], preset["width"]
+    z = torch.randn(int(a["batch"]), base.config.z_dim, (int(a["frames"]) - 1) // t + 1, h // s,
+                    w // s, device="cuda", dtype=torch.float16)
+    chunks = ([video_vae.chunk_for(h, w, widest=video_vae.widest_of(base))] if a["chunks"] == "auto"
+              else [int(c) for c in a["chunks"].split(",")])
+    rows = video_variants(base, z, int(a["iters"]), a["variants"], chunks)
+    _video_table(a, rows)
     return rows
 
 

@@ -90,3 +90,6 @@ class Family:
     # (pipe) -> the pipeline a row with an image is run by, sharing `pipe`'s modules (TI2V-5B:
     # WanImageToVideoPipeline beside the text-to-video WanPipeline); None: `pipe` itself
     image_pipeline: Callable[[Any], Any] | None = None
+    # video with a causal video VAE (Wan's `AutoencoderKLWan`): (tiny) -> that VAE alone, random
+    # weights, at full size (tiny=False; under the caller's device) or small; `runner.bench.decode`
+    video_vae: Callable[[bool], Any] | None = None

@@ -38,7 +38,7 @@ def denoiser_config(preset: dict, tiny: bool) -> dict:
     return cfg
 
 
-def _vae(tiny: bool):
+def vae(tiny: bool):
     from diffusers import AutoencoderKLWan
     # tiny: the same 8x spatial, 4x temporal factors and 16 latent channels, narrow
     return AutoencoderKLWan(base_dim=8, num_res_blocks=1) if tiny else AutoencoderKLWan()
@@ -48,7 +48,7 @@ def build(preset: dict, tiny: bool):
     from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     tok, te = t5_encoder(preset["max_tokens"], tiny, UMT5_XXL, UMT5Config, UMT5EncoderModel)
-    return WanPipeline(tokenizer=tok, text_encoder=te, vae=_vae(tiny),
+    return WanPipeline(tokenizer=tok, text_encoder=te, vae=vae(tiny),
                        transformer=WanTransformer3DModel.from_config(denoiser_config(preset, tiny)),
                        scheduler=scheduler(UniPCMultistepScheduler, SCHEDULER))
 
@@ -73,4 +73,5 @@ WAN21 = Family(
     name="wan21", kind="video", pipeline="WanPipeline",
     presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B")},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
-    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True)
+    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
+    video_vae=vae)

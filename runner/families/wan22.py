@@ -15,8 +15,8 @@ channels before a residual encoder), `expand_timesteps` (a timestep per latent p
 frame of an image-to-video row stays clean). Rows without an image run WanPipeline (text-to-video),
 rows with one WanImageToVideoPipeline over the same modules (no CLIP image encoder: the image is
 the first latent frame). UniPC with flow shift 5.0. Published: 704x1280, 121 frames, 24 fps, 50
-steps, guidance 5.0. Its VAE stays on diffusers' decode (`compiler.video_vae` chunks Wan 2.1's
-decoder only).
+steps, guidance 5.0. Its VAE decodes in chunks, compiled, as Wan 2.1's does (`compiler.video_vae`,
+wherever `compile_pipe` compiles the VAE: `compile.compile_vae`).
 
 Sources: the transformer configs, the TI2V VAE config (latents_mean/std) and the schedulers'
 flow_shift (3.0 for T2V-A14B, 5.0 for TI2V) and boundary_ratio 0.875 are those
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from .parts import scheduler, t5_encoder
 from .record import Family
-from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode
+from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode, vae as wan21_vae
 
 BOUNDARY_RATIO = 0.875      # A14B: transformer for t >= 875, transformer_2 below
 GUIDANCE_2 = 3.0            # A14B: the low-noise expert's guidance scale (the row's is the first's)
@@ -62,12 +62,7 @@ def denoiser_config(preset: dict, tiny: bool) -> dict:
     return {**cfg, **TINY} if tiny else cfg
 
 
-def _a14b_vae(tiny: bool):
-    from diffusers import AutoencoderKLWan
-    return AutoencoderKLWan(base_dim=8, num_res_blocks=1) if tiny else AutoencoderKLWan()
-
-
-def _ti2v_vae(tiny: bool):
+def ti2v_vae(tiny: bool):
     # tiny: the same 16x spatial (2x2 patches, three 2x downsamplings), 4x temporal and 48 latent
     # channels (the transformer's in_channels, and latents_mean/std's length), narrow
     from diffusers import AutoencoderKLWan
@@ -88,14 +83,14 @@ def build_a14b(preset: dict, tiny: bool):
     from diffusers import WanPipeline, WanTransformer3DModel
     parts, cfg = _parts(preset, tiny, 3.0)
     # the low-noise expert: the same architecture, its own weights
-    return WanPipeline(**parts, vae=_a14b_vae(tiny), boundary_ratio=BOUNDARY_RATIO,
+    return WanPipeline(**parts, vae=wan21_vae(tiny), boundary_ratio=BOUNDARY_RATIO,
                        transformer_2=WanTransformer3DModel.from_config(cfg))
 
 
 def build_ti2v(preset: dict, tiny: bool):
     from diffusers import WanPipeline
     parts, _ = _parts(preset, tiny, 5.0)
-    return WanPipeline(**parts, vae=_ti2v_vae(tiny), expand_timesteps=True)
+    return WanPipeline(**parts, vae=ti2v_vae(tiny), expand_timesteps=True)
 
 
 def image_pipeline(pipe):
@@ -134,7 +129,8 @@ WAN22_A14B = Family(
     presets={"wan22_t2v_a14b": _a14b(720, 1280, 81.0),
              "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0)},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
-    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True)
+    frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
+    video_vae=wan21_vae)
 
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
@@ -143,4 +139,4 @@ WAN22_TI2V = Family(
                                    gpu_gib=38.0)},
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
-    long_attention=True, image="optional", image_pipeline=image_pipeline)
+    long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae)

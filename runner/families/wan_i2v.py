@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from .parts import scheduler, t5_encoder
 from .record import Family
-from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args
+from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args, vae as wan21_vae
 
 TRANSFORMER = dict(TRANSFORMERS["14b"], in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
 CLIP_VISION_H14 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
@@ -71,14 +71,13 @@ def encode(pipe, prompts: list[str], max_tokens: int):
 
 
 def build(preset: dict, tiny: bool):
-    from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline,
-                           WanTransformer3DModel)
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     tok, te = t5_encoder(preset["max_tokens"], tiny, UMT5_XXL, UMT5Config, UMT5EncoderModel)
     encoder, processor = _image_encoder(tiny)
-    vae = AutoencoderKLWan(base_dim=8, num_res_blocks=1) if tiny else AutoencoderKLWan()
     return WanImageToVideoPipeline(
-        tokenizer=tok, text_encoder=te, vae=vae, image_encoder=encoder, image_processor=processor,
+        tokenizer=tok, text_encoder=te, vae=wan21_vae(tiny), image_encoder=encoder,
+        image_processor=processor,
         transformer=WanTransformer3DModel.from_config(denoiser_config(preset, tiny)),
         scheduler=scheduler(UniPCMultistepScheduler, SCHEDULER))
 
@@ -97,4 +96,4 @@ WAN21_I2V = Family(
              "wan21_i2v_14b_720p": _preset("720P", 720, 1280, 60.0)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
-    long_attention=True, image="required")
+    long_attention=True, image="required", video_vae=wan21_vae)
