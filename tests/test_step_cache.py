@@ -105,7 +105,7 @@ def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path, ca
 def test_cudagraphs_is_dropped_from_the_mode_for_the_hook_methods_only():
     job = split(load_config(["job=demo_video", "compile.mode=O3", "step_cache.method=pab"]))
     step_cache.prepare(job)
-    assert job["compile"].options.mode == job["compile"].mode == "cache-all:low-precision:max-optimize"
+    assert job["compile"].options.mode == job["compile"].mode == "cache-all:int8-attention:low-precision:max-optimize"
     job = split(load_config(["job=demo_video", "compile.mode=O2", "step_cache.method=pab"]))
     step_cache.prepare(job)
     assert job["compile"].options.flags == {"cache-all"} and job["compile"].mode == "cache-all"
