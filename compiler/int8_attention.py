@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -91,9 +92,17 @@ def extension():
     return module
 
 
-@functools.cache
+_BUILD = threading.Lock()   # prewarm's thread and compile_pipe may ask at once: one build
+
+
 def unavailable() -> str | None:
     """None when the kernel can run here (building it if needed), else the reason in one line."""
+    with _BUILD:
+        return _unavailable()
+
+
+@functools.cache
+def _unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     cc = torch.cuda.get_device_capability()

@@ -89,7 +89,7 @@ def test_the_flag_falls_back_with_one_line_where_the_kernel_cannot_run(monkeypat
 def test_unavailable_names_the_reason_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: the reason is about its GPU or nvcc")
-    ia.unavailable.cache_clear()
+    ia._unavailable.cache_clear()
     assert ia.unavailable() == "no CUDA device"
 
 
