@@ -169,13 +169,17 @@ class RunOptions:
     batch_size: int = key(1, "rows of one shard with the same shape are batched up to this")
     shard_size: int = key(8, "rows per shard (the unit a worker takes from the queue)")
     warmup_steps: int = key(2, "denoising steps of the warm-up call after load/compile")
-    max_shard_retries: int = key(2, "a row that keeps killing workers or raising is recorded "
+    max_shard_retries: int = key(2, "a row whose shard keeps raising in the worker is recorded "
                                     "failed after this many retries")
+    max_row_deaths: int = key(2, "a row in flight at this many worker deaths is recorded failed "
+                                 "(with the cause) and not run again in this job; such deaths do "
+                                 "not count against ray.max_worker_restarts")
     dry_run: bool = key(False, "true: check config and prompts, print the plan against the job "
                                "directory, exit (no Ray)")
 
     def __post_init__(self):
         _positive("run.max_shard_retries", self.max_shard_retries, allow_zero=True)
+        _positive("run.max_row_deaths", self.max_row_deaths)
         _positive("run.batch_size", self.batch_size)
         _positive("run.shard_size", self.shard_size)
         _positive("run.warmup_steps", self.warmup_steps, allow_zero=True)
@@ -189,7 +193,8 @@ class RayOptions:
                                         "when there is none")
     cpu_workers: int = key(2, "workers when the cluster has no GPU")
     cpus_per_worker: int = key(1, "CPU cores (and torch threads) of each CPU worker")
-    max_worker_restarts: int = key(3, "per worker: replacements started after its actor died")
+    max_worker_restarts: int = key(3, "per worker: replacements started after deaths not pinned "
+                                      "on a row (see run.max_row_deaths)")
     worker_start_timeout_s: float = key(900.0, "a worker not ready after this many seconds "
                                                "(load + compile + warm-up) is given up")
 

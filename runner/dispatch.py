@@ -7,18 +7,23 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   `finish_shard(seq)`, its rows once written; `seq` numbers the slot's shards so the worker runs
   them in order while it writes one shard and generates the next. Rows go to `on_rows` as each
   shard finishes.
-- A worker that dies (process killed, node lost, CUDA error: any Ray error that is not an exception
-  raised inside the worker's methods) loses only its unfinished shards: they go back to the front
-  of the queue. The slot gets a new actor (at most `max_restarts` times per slot), which warms up
-  like the first.
-- Which shard killed a worker: the one whose GPU work had not finished (`start_shard` had not
-  returned). If there was exactly one, or a shard raised, it is charged one attempt. If several
-  were unfinished (the last reply may not have reached the driver), the death is ambiguous: none is
-  charged. Either way the unfinished shards come back as suspects: split into single rows and run
-  isolated (alone on their worker), so the next death is attributed exactly. Shards that were only
-  being written are requeued as they were. A failing
-  shard of several rows is split into single rows, so one poison prompt cannot take its neighbours
-  down; a row that fails more than `max_retries` times is recorded as failed and the job goes on.
+- A worker that dies (process killed, node lost, CUDA error, out of memory: any Ray error that is
+  not an exception raised inside the worker's methods) loses only its unfinished shards. Rows that
+  came back before are kept; every other row it held (generating or being written) was in flight
+  at that death, which is counted for the row. A row in flight at `max_deaths` deaths is recorded
+  failed, naming the last death's cause (the pool's `WorkerLost` text: out of memory when the
+  worker was killed for memory) and the row's input, and is never handed out again in this job;
+  the others go back to the front of the queue as single rows run isolated (alone on their
+  worker), so a later death is pinned on exactly one row. The slot gets a new actor, which warms
+  up like the first.
+- Restarts (`max_restarts` per slot) count only deaths not pinned on a row: a death at which a
+  row that was then failed for its deaths was in flight costs that row, not the slot's budget, so
+  a poison row among a million costs one failed row, with one worker or many. The budget stops a
+  worker that keeps dying of something else (its node, its start-up).
+- A shard that raises in the worker (`TaskError`: the worker lives) is charged one attempt. A
+  failing shard of several rows is split into single rows, so one poison prompt cannot take its
+  neighbours down; a row that raises more than `max_retries` times is recorded as failed and the
+  job goes on.
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
@@ -127,6 +132,10 @@ class Pool(Protocol):
         the job's last lines (Ray: errors of calls never read, workers' log lines)."""
 
 
+def _short(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
 def cause(e: BaseException) -> str:
     """`Type: message` of the exception raised in the worker (Ray's wrapper holds it as `cause`),
     first line, for logs and the summary; Ray's own error text for what has no cause (a lost
@@ -158,11 +167,13 @@ class Dispatcher:
     def __init__(self, pool: Pool, n_workers: int, shards: list[Shard],
                  on_rows: Callable[[list[dict]], None],
                  inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-                 start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
+                 max_deaths: int = 2, start_timeout_s: float = 900.0,
+                 on_ready: Callable[[Slot], None] | None = None,
                  slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.pool, self.n_workers, self.on_rows = pool, n_workers, on_rows
+        self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
+        self.max_deaths = max_deaths
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
         self.slots = [] if slots is None else slots     # the caller's list, kept current
@@ -172,7 +183,11 @@ class Dispatcher:
         # Kept as they change, so that a loop iteration costs O(what happened), not O(slots):
         self.warming: dict[Any, Slot] = {}     # warm-up future -> its starting slot
         self.hungry: dict[Slot, None] = {}     # ready slots with room for another shard
-        self.attempts: dict[int, int] = {}      # shard index -> failed attempts charged
+        self.attempts: dict[int, int] = {}      # shard index -> raised attempts charged
+        self.deaths: dict[str, list[int]] = {}  # row id -> the deaths (numbers) it was in flight at
+        self.death_of: dict[int, tuple[int, str]] = {}  # death number -> (its slot's rank, cause)
+        self.unresolved: dict[int, set[str]] = {}   # death -> rows in flight at it, fate unknown
+        self.charged: dict[int, int] = {}       # rank -> its deaths known not to be a row's
         self.suspects: set[int] = set()         # shard indices that run isolated
         self.streak: dict[str, set] = {}        # cause -> shards failed of it since a success
         self.startup_errors: dict[str, int] = {}   # start-up exceptions seen, by cause
@@ -283,7 +298,7 @@ class Dispatcher:
             return
         self._retire(finished)
         self.streak.clear()
-        self.on_rows(rows)
+        self._rows(rows)
 
     def _retire(self, finished) -> None:
         slot, _, _ = self.futures.pop(finished)
@@ -303,58 +318,123 @@ class Dispatcher:
                 f"{error.splitlines()[0]}. Finished outputs are kept: fix the cause (disk space, "
                 f"storage access) and rerun the same command to resume.")
 
-    def retry(self, shard: Shard, error: str, count: bool = True) -> None:
-        """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which
-        a single row over `max_retries` is recorded failed. A shard of several rows is split."""
-        n = self.attempts.get(shard.index, 0) + int(count)
+    def retry(self, shard: Shard, error: str) -> None:
+        """`shard` raised: one more failed attempt, after which a single row over `max_retries` is
+        recorded failed; else requeued at the front as a suspect (a shard of several rows split)."""
+        n = self.attempts.get(shard.index, 0) + 1
         items = shard.items
         if len(items) > 1:
             log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
                         shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
-            singles = [Shard(self.next_index + k, (it,)) for k, it in enumerate(items)]
-            self.next_index += len(singles)
-            for s in singles:
-                self.attempts[s.index] = n
-                self.suspects.add(s.index)
-            self.queue.extendleft(reversed(singles))
+            self._requeue_alone(items, n)
         elif n > self.max_retries:
             log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
                       error.splitlines()[0][:300])
-            self.on_rows([failed_row(it, f"failed {n} times: {error}") for it in items])
+            self._rows([failed_row(it, f"failed {n} times: {error}") for it in items])
         elif items:
             self.attempts[shard.index] = n
             self.suspects.add(shard.index)
             self.queue.appendleft(shard)
 
+    def _requeue_alone(self, items, attempts: int) -> None:
+        """`items` back at the front of the queue, in order, each a shard of its own that runs
+        isolated, with `attempts` raised attempts charged."""
+        singles = [Shard(self.next_index + k, (it,)) for k, it in enumerate(items)]
+        self.next_index += len(singles)
+        for s in singles:
+            self.attempts[s.index] = attempts
+            self.suspects.add(s.index)
+        self.queue.extendleft(reversed(singles))
+
     def lose(self, slot: Slot, error: str, restart: bool = True) -> None:
-        """The slot's worker is gone: keep what it finished, requeue the rest, restart it if
-        allowed. Which shard it died of: see the module docstring."""
+        """The slot's worker is gone: keep what it finished, count the death for the rows it held
+        (`_died_with`), restart it if its budget of deaths not pinned on a row allows."""
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
         self.warming.pop(slot.warm_ref, None)
         self.hungry.pop(slot, None)
-        unfinished, written = [], []
+        held = []
         for f in slot.running:
-            _, shard, started = self.futures.pop(f)
+            _, shard, _ = self.futures.pop(f)
             rows = self._value(f)
             if rows is not None:
-                self.on_rows(rows)           # finished before the worker died
-            elif self._value(started) is None:
-                unfinished.append(shard)     # its GPU work had not finished
+                self._rows(rows)             # finished before the worker died
             else:
-                written.append(shard)        # only its files were being written
-        self.queue.extendleft(reversed(written))
-        for shard in reversed(unfinished):
-            self.retry(shard, error, count=len(unfinished) == 1)
+                held.append(shard)           # generating, or its files being written
         slot.running = []
         self.pool.kill(slot.actor)
-        if restart and slot.restarts < self.max_restarts and (self.queue or self.futures):
-            log.warning("worker %d lost (%s); starting a replacement (%d/%d)", slot.rank,
-                        error.splitlines()[0][:200], slot.restarts + 1, self.max_restarts)
+        death = len(self.death_of) + 1
+        self.death_of[death] = (slot.rank, error)
+        ids = [it.id for s in held for it in s.items]
+        if ids:                              # pinned on them until each is seen to be innocent
+            self.unresolved[death] = set(ids)
+            self._died_with(held, death)
+        else:
+            self._charge(death)
+        charged = self.charged.get(slot.rank, 0)
+        what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
+            f"; in flight: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}" if ids else "")
+        if restart and charged <= self.max_restarts and (self.queue or self.futures):
+            log.warning("worker %d lost (%s); starting a replacement (deaths not pinned on a row: "
+                        "%d of ray.max_worker_restarts=%d)", slot.rank, what, charged,
+                        self.max_restarts)
             self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1)
         else:
-            log.warning("worker %d lost (%s); not restarted", slot.rank, error.splitlines()[0][:200])
+            log.warning("worker %d lost (%s); not restarted", slot.rank, what)
+
+    def _died_with(self, shards: list[Shard], death: int) -> None:
+        """Every row of `shards` was in flight at `death`. A row at `max_deaths` is recorded failed
+        and each death it was in flight at is pinned on it (no longer charged to its slot); the
+        others go back to the front of the queue, alone, so that their next death is theirs."""
+        back, failed = [], []
+        for shard in shards:
+            for it in shard.items:
+                seen = self.deaths.setdefault(it.id, [])
+                seen.append(death)
+                (failed if len(seen) >= self.max_deaths else back).append((it, shard.index))
+        for it, _ in failed:                 # its deaths are its own: none counts as a restart
+            for d in self.deaths[it.id]:
+                self.unresolved.pop(d, None)
+        if failed:
+            rows = [failed_row(it, self._death_message(it)) for it, _ in failed]
+            for r in rows:
+                log.error("giving up on row %s: %s", r["id"], r["error"].replace("\n", "; "))
+            self._rows(rows)
+        for it, index in reversed(back):
+            self._requeue_alone([it], self.attempts.get(index, 0))
+
+    def _rows(self, rows: list[dict]) -> None:
+        """Rows to the caller. A row that was in flight at deaths and came back (ok, or failed
+        of its own error) did not cause them: a death none of whose rows caused it counts
+        against its slot's restarts."""
+        for r in rows:
+            for d in self.deaths.get(r["id"], ()):
+                left = self.unresolved.get(d)
+                if left is not None:
+                    left.discard(r["id"])
+                    if not left:
+                        del self.unresolved[d]
+                        self._charge(d)
+        self.rows_to(rows)
+
+    def _charge(self, death: int) -> None:
+        rank = self.death_of[death][0]
+        self.charged[rank] = self.charged.get(rank, 0) + 1
+
+    def _death_message(self, it: Item) -> str:
+        """A row failed for its deaths: the cause first (its first line is what the summary
+        groups by: no id, no input in it), then the row and its input."""
+        deaths = self.deaths[it.id]
+        errors = [self.death_of[d][1].splitlines() or ["?"] for d in deaths]
+        last = errors[-1]
+        text = (f"killed its worker {len(deaths)} times (run.max_row_deaths={self.max_deaths}): "
+                f"{last[0]}\nrow {it.id!r} ({it.source}): prompt {_short(it.prompt)!r}")
+        if it.image is not None:
+            text += f", image {it.image!r}"
+        earlier = list(dict.fromkeys(e[0] for e in errors[:-1] if e[0] != last[0]))
+        return text + "".join(f"\n{line}" for line in last[1:]) + "".join(
+            f"\nan earlier death: {e}" for e in earlier)
 
     def _value(self, future) -> Any:
         """The value of a finished future, or None (still running, or failed)."""

@@ -45,8 +45,8 @@ import pyarrow.fs as pafs
 from omegaconf import OmegaConf
 
 from . import step_cache
-from .config import (ConfigError, OutputOptions, RayOptions, WorkerConfig, help_text, load_config,
-                     split)
+from .config import (ConfigError, OutputOptions, RayOptions, RunOptions, WorkerConfig, help_text,
+                     load_config, split)
 from .dispatch import DispatchError, Dispatcher, PersistentFault, Pool
 from .ending import Ending, first_line
 from .images import fill_hashes
@@ -275,7 +275,7 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     # 4. Workers and stream: shards handed out, rows recorded as they arrive.
     run = JobRun(results, items, plan, out, _head(job), checked.skipped, clock, ending)
     if shards:
-        run.serve(start_pool(job, checked.limits), shards, job["run"].max_shard_retries, job["ray"])
+        run.serve(start_pool(job, checked.limits), shards, job["run"], job["ray"])
     # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
     return run.finish()
 
@@ -375,14 +375,15 @@ class JobRun:
 
     # -- 4. serving ------------------------------------------------------------------------------
 
-    def serve(self, pool: Pool, shards: list[Shard], max_retries: int, ray: RayOptions) -> None:
+    def serve(self, pool: Pool, shards: list[Shard], opts: RunOptions, ray: RayOptions) -> None:
         """Every shard through the dispatcher, until done, stopped (Ctrl-C, SIGTERM) or aborted
         (a persistent fault). Every worker gone: the record is closed, then JobError."""
         _handle_stop_signals()           # again: starting the pool may have replaced them
         self.pool, self.phases = pool, PhasePrinter(pool)
         self.progress = Progress(sum(map(len, shards)))
-        dispatcher = Dispatcher(pool, pool.size, shards, self.on_rows, INFLIGHT, max_retries,
-                                ray.max_worker_restarts, ray.worker_start_timeout_s,
+        dispatcher = Dispatcher(pool, pool.size, shards, self.on_rows, INFLIGHT,
+                                opts.max_shard_retries, ray.max_worker_restarts,
+                                opts.max_row_deaths, ray.worker_start_timeout_s,
                                 on_ready=self.on_ready, slots=self.slots, on_tick=self.on_tick,
                                 clock=self.clock)
         try:

@@ -49,7 +49,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import images, step_cache
+from . import images, oom, step_cache
 from .config import WorkerConfig
 from .families import Family
 from .models import ModelSpec, build_pipeline, check_gpu_memory
@@ -301,7 +301,9 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.ready_at = self._gpu_idle_since = time.perf_counter()
         keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
                 "warmup_with_cache_s", "cache_hit", "cache_wait_s")
-        return {k: self.m[k] for k in keys if k in self.m}
+        # where the kernel counts this process's out-of-memory kills (the driver reads it again
+        # if the worker dies: runner.oom)
+        return {**{k: self.m[k] for k in keys if k in self.m}, "memory": oom.baseline()}
 
     def _record_compile(self, cache, t0: float, t_compile: float, t_end: float) -> None:
         # Warm-up from the moment compiling (or loading the artifact) starts; waiting for the
@@ -419,8 +421,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         """Ray entry, part 1. The driver numbers its shards for this worker 0, 1, 2, ... and calls
         `start_shard` then `finish_shard` for each; the actor is threaded, so calls may arrive on
         different threads, and this turnstile queues the GPU work in `seq` order. Returns once the
-        shard's GPU work is done: a worker that dies after that did not die of this shard's
-        prompts (see dispatch.py)."""
+        shard's GPU work is done."""
         with self._turn:
             self._turn.wait_for(lambda: self._next_seq == seq)
             run = self._runs[seq] = self.submit(items)

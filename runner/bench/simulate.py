@@ -253,8 +253,8 @@ class SimPool:
 
     def _set(self, f: SimFuture, state: str, value, watched: bool = True) -> None:
         """`f` completes. `watched`: kept for `wait`'s bulk path until returned (what the driver
-        waits on in bulk: warm-ups, finishes, phases, metrics); a shard's start future is asked
-        for alone (`Dispatcher._value`), when its worker is lost."""
+        waits on in bulk: warm-ups, finishes, phases, metrics); a shard's start future is not
+        waited on."""
         f.state, f.value = state, value
         f.worker.pending.remove(f)
         if watched:

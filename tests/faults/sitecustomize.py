@@ -10,14 +10,22 @@ two of that module's functions. Faults, comma-separated:
                       `ray.cpu_workers` in its config.yaml) has warmed up: each leaves a marker,
                       named by its job directory, in RUNNER_FAULT_DIR; waits 900 s at most. So
                       every worker serves, however slowly the machine starts them.
-Worker deaths, raising rows and warm-up errors are the simulated pool's (tests/test_jobrun.py);
-the CLI tests kill real processes from outside.
+    kill:<id>         the worker process sends itself SIGKILL when it is about to generate <id>
+                      (a row that kills its worker every time)
+    oom:<id>          the worker allocates memory, 32 MiB at a time, every page touched, when it is
+                      about to generate <id>, until the kernel kills it (4 GiB at most, then
+                      MemoryError): with `cgroup`, the out-of-memory killer's kill
+    cgroup:<dir>      the worker process joins the cgroup <dir> (writes its pid to cgroup.procs)
+                      before it builds its model: a memory limit that is the worker's alone
+Other worker deaths, raising rows and warm-up errors are the simulated pool's
+(tests/test_jobrun.py); the CLI tests also kill real processes from outside.
 """
 
 import hashlib
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +41,11 @@ def _generate_with_faults(generate):
                     _wait_for_every_worker(timeout_s=900)
                 if kind == "slow":
                     time.sleep(float(arg))
+            for it in items:
+                if ("kill", it.id) in FAULTS:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if ("oom", it.id) in FAULTS:
+                    _eat_memory(limit=4 << 30)
         out = generate(pipe, family, items, *args, **kwargs)
         if items[0].file == "warmup" and _JOB_DIR and "RUNNER_FAULT_DIR" in os.environ:
             open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"{_ready_prefix()}{os.getpid()}"), "w").close()
@@ -41,6 +54,15 @@ def _generate_with_faults(generate):
                 out[k] = float("nan")
         return out
     return wrapped
+
+
+def _eat_memory(limit: int) -> None:
+    held, chunk = [], 32 << 20
+    while len(held) * chunk < limit:
+        block = bytearray(chunk)
+        block[::4096] = b"x" * len(range(0, chunk, 4096))     # every page resident
+        held.append(block)
+    raise MemoryError(f"allocated {limit} bytes and was not killed")
 
 
 def _ready_prefix() -> str:
@@ -71,6 +93,10 @@ def _resolve_noting_the_job_dir(resolve):
 def _patch(worker):
     # Module functions only: Ray ships an actor class's methods from the driver by value, so a
     # patched method would run the driver's copy.
+    for kind, arg in FAULTS:
+        if kind == "cgroup":
+            with open(os.path.join(arg, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
     worker.generate = _generate_with_faults(worker.generate)
     worker.resolve = _resolve_noting_the_job_dir(worker.resolve)
 
