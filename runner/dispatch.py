@@ -24,6 +24,17 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   failing shard of several rows is split into single rows, so one poison prompt cannot take its
   neighbours down; a row that raises more than `max_retries` times is recorded as failed and the
   job goes on.
+- Canaries (`canary_every` items, `canary_every_s` seconds; `runner.canary`): a ready slot whose
+  actor was handed that many items (or had that time) since its last canary, and which has more
+  to do, is asked for one in turn with its shards (`Pool.canary`: it runs after the GPU work of
+  the shards handed out before it). Its shards carry the number of canaries asked before them
+  (an epoch); the ok rows they return are kept until a canary after them passes. A canary that
+  fails stops the worker: every ok row it made since its last good canary (returned, or done by
+  then) is marked `suspect` (`on_canary_failed` gets the rows returned earlier, to record again;
+  rows done by then go to `on_rows` as suspect), its unfinished shards go back to the queue as
+  they were (no row is blamed), and the slot restarts like after a death not pinned on a row (a
+  fresh process reloads the weights; its own first canary is its reference). The outputs after
+  a worker's last canary are not checked.
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
@@ -50,6 +61,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from . import canary
 from .prompts import Item, Shard
 from .results import error_cause, failed_row
 from .storage import StoreTimeout
@@ -101,6 +113,10 @@ class Pool(Protocol):
     def start(self, rank: int) -> tuple[Any, Any]:
         """Create the worker of slot `rank` and begin its warm-up: (handle, future of the
         warm-up's ready info)."""
+
+    def canary(self, worker: Any, seq: int) -> Any:
+        """Turn `seq` of this worker: its canary (`WorkerContract.canary`): future of the
+        verdict (`runner.canary.compare`'s dict, with `s`, `rank`, `device`)."""
 
     def submit(self, worker: Any, seq: int, items: list[Item]) -> tuple[Any, Any]:
         """Shard number `seq` of this worker (`start_shard`, `finish_shard`): (future done when
@@ -158,6 +174,13 @@ class Slot:
     next_seq: int = 0                                 # the next shard number for this actor
     ready_info: dict | None = None
     last_error: str | None = None
+    # canaries (the module docstring): epochs are counted in canaries asked of this actor
+    epoch: int = 0                   # the epoch of the shards it is handed now
+    good: int = 0                    # epochs before this one passed their canary
+    since: int = 0                   # items handed to it since its last canary (or since ready)
+    canary_at: float = 0.0           # when it was last asked for one (or became ready)
+    checking: bool = False           # a canary of it is in flight
+    made: dict = field(default_factory=dict)   # epoch -> ok rows it returned, not yet verified
 
 
 class Dispatcher:
@@ -170,16 +193,23 @@ class Dispatcher:
                  max_deaths: int = 2, start_timeout_s: float = 900.0,
                  on_ready: Callable[[Slot], None] | None = None,
                  slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, canary_every: int = 0,
+                 canary_every_s: float | None = None,
+                 on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None):
         self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
         self.max_deaths = max_deaths
+        self.canary_every, self.canary_every_s = canary_every, canary_every_s
+        self.canary_on = canary_every > 0 or canary_every_s is not None
+        self.on_canary_failed = on_canary_failed
+        self.canaries = 0                       # canaries that passed
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
         self.slots = [] if slots is None else slots     # the caller's list, kept current
         self.queue = deque(shards)
         self.next_index = max((s.index for s in shards), default=-1) + 1   # for split shards
-        self.futures: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish -> (slot, shard, start)
+        # a shard's finish future (or a canary's) -> (slot, shard or None for a canary, epoch)
+        self.futures: dict[Any, tuple[Slot, Shard | None, int]] = {}
         # Kept as they change, so that a loop iteration costs O(what happened), not O(slots):
         self.warming: dict[Any, Slot] = {}     # warm-up future -> its starting slot
         self.hungry: dict[Slot, None] = {}     # ready slots with room for another shard
@@ -244,17 +274,21 @@ class Dispatcher:
                              f"for it")
 
     def fill(self, slot: Slot) -> None:
-        """Up to `inflight` shards on a ready slot; a suspect runs alone."""
-        while slot.state == "ready" and self.queue and len(slot.running) < self.inflight:
-            if slot.running and (self.queue[0].index in self.suspects or any(
-                    self.futures[f][1].index in self.suspects for f in slot.running)):
+        """Up to `inflight` shards (and canaries) on a ready slot; a suspect runs alone."""
+        while slot.state == "ready" and len(slot.running) < self.inflight:
+            if self._canary_due(slot):
+                self._ask_canary(slot)
+                continue
+            if not self.queue or slot.running and (self.queue[0].index in self.suspects or any(
+                    self._suspect(f) for f in slot.running)):
                 break
             shard = self.queue.popleft()
-            started, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
+            _, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
+            slot.since += len(shard.items)
             self.submitted += 1
             slot.running.append(finished)
-            self.futures[finished] = (slot, shard, started)
+            self.futures[finished] = (slot, shard, slot.epoch)
         if slot.state == "ready" and len(slot.running) < self.inflight:
             self.hungry[slot] = None
         else:
@@ -278,14 +312,16 @@ class Dispatcher:
                               slot.rank, error)
             self.lose(slot, error, restart=self.startup_errors.get(error, 0) <= 1)
             return
-        slot.state = "ready"
+        slot.state, slot.canary_at = "ready", self.clock()
         if self.on_ready:
             self.on_ready(slot)
         self.fill(slot)
 
     def on_done(self, finished) -> None:
         """A shard's rows are in, or it raised (retried), or its worker is lost."""
-        slot, shard, _ = self.futures[finished]
+        slot, shard, epoch = self.futures[finished]
+        if shard is None:
+            return self._on_canary(finished)
         try:
             rows = self.pool.result(finished)
         except WorkerLost as e:
@@ -298,6 +334,8 @@ class Dispatcher:
             return
         self._retire(finished)
         self.streak.clear()
+        if self.canary_on and epoch >= slot.good:     # (a canary after it passed: verified)
+            slot.made.setdefault(epoch, []).extend(r for r in rows if r["status"] == "ok")
         self._rows(rows)
 
     def _retire(self, finished) -> None:
@@ -346,9 +384,10 @@ class Dispatcher:
             self.suspects.add(s.index)
         self.queue.extendleft(reversed(singles))
 
-    def lose(self, slot: Slot, error: str, restart: bool = True) -> None:
+    def lose(self, slot: Slot, error: str, restart: bool = True, blame: bool = True) -> None:
         """The slot's worker is gone: keep what it finished, count the death for the rows it held
-        (`_died_with`), restart it if its budget of deaths not pinned on a row allows."""
+        (`_died_with`; not `blame`: they go back as they were), restart it if its budget of
+        deaths not pinned on a row allows."""
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
@@ -357,6 +396,8 @@ class Dispatcher:
         held = []
         for f in slot.running:
             _, shard, _ = self.futures.pop(f)
+            if shard is None:                # a canary: no row of the job
+                continue
             rows = self._value(f)
             if rows is not None:
                 self._rows(rows)             # finished before the worker died
@@ -367,10 +408,11 @@ class Dispatcher:
         death = len(self.death_of) + 1
         self.death_of[death] = (slot.rank, error)
         ids = [it.id for s in held for it in s.items]
-        if ids:                              # pinned on them until each is seen to be innocent
+        if ids and blame:                    # pinned on them until each is seen to be innocent
             self.unresolved[death] = set(ids)
             self._died_with(held, death)
         else:
+            self.queue.extendleft(reversed(held))
             self._charge(death)
         charged = self.charged.get(slot.rank, 0)
         what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
@@ -435,6 +477,77 @@ class Dispatcher:
         earlier = list(dict.fromkeys(e[0] for e in errors[:-1] if e[0] != last[0]))
         return text + "".join(f"\n{line}" for line in last[1:]) + "".join(
             f"\nan earlier death: {e}" for e in earlier)
+
+    # -- canaries (the module docstring) --------------------------------------------------------
+
+    def _suspect(self, f) -> bool:
+        shard = self.futures[f][1]
+        return shard is not None and shard.index in self.suspects
+
+    def _canary_due(self, slot: Slot) -> bool:
+        """A ready slot with work to do was handed `canary_every` items, or has had
+        `canary_every_s` seconds, since its last canary (or since ready)."""
+        if not self.canary_on or slot.checking or not slot.since or not self.queue:
+            return False
+        return 0 < self.canary_every <= slot.since or (
+            self.canary_every_s is not None
+            and self.clock() - slot.canary_at >= self.canary_every_s)
+
+    def _ask_canary(self, slot: Slot) -> None:
+        future = self.pool.canary(slot.actor, slot.next_seq)
+        slot.next_seq += 1
+        slot.running.append(future)
+        self.futures[future] = (slot, None, slot.epoch)      # it closes the epoch of its shards
+        slot.epoch += 1
+        slot.since, slot.canary_at, slot.checking = 0, self.clock(), True
+
+    def _on_canary(self, future) -> None:
+        """A canary's verdict: the epochs up to its own verified, or the worker stopped."""
+        slot, _, epoch = self.futures[future]
+        slot.checking = False
+        try:
+            verdict = self.pool.result(future)
+        except WorkerLost as e:
+            self.lose(slot, str(e))
+            return
+        except TaskError as e:               # it could not run: nothing is known either way
+            self._retire(future)
+            log.warning("worker %d: its canary raised (%s); its outputs since its last good canary "
+                        "stay unverified", slot.rank, str(e).splitlines()[0][:200])
+            return
+        self._retire(future)
+        if verdict.get("ok"):
+            self.canaries += 1
+            slot.good = epoch + 1
+            for e in [e for e in slot.made if e <= epoch]:
+                del slot.made[e]
+            return
+        self._canary_failed(slot, verdict)
+
+    def _canary_failed(self, slot: Slot, verdict: dict) -> None:
+        """Every ok row the worker made since its last good canary is suspect: those it returned
+        (recorded again by `on_canary_failed`) and those done by now; the rest of its shards go
+        back to the queue as they were; the worker is stopped (a restart reloads the weights)."""
+        earlier = [r for e in sorted(slot.made) for r in slot.made[e]]
+        dev = verdict.get("device") or {}
+        why = canary.describe(verdict)
+        error = (f"suspect: worker {slot.rank} ({canary.where(dev)}) failed its canary ({why}) "
+                 f"after making this output, since its last good canary; a rerun regenerates it")
+        done = []
+        for f in [f for f in slot.running if self.futures[f][1] is not None]:
+            epoch = self.futures[f][2]
+            rows = self._value(f)
+            if rows is not None:       # done by now: suspect, unless a canary after it passed
+                self._retire(f)
+                done += [dict(r, status="suspect", error=error)
+                         if r["status"] == "ok" and epoch >= slot.good else r for r in rows]
+        slot.made.clear()
+        marked = [dict(r, status="suspect", error=error) for r in earlier]
+        if self.on_canary_failed:
+            self.on_canary_failed(slot, verdict, marked, [r["id"] for r in marked + done
+                                                          if r["status"] == "suspect"])
+        self._rows(done)
+        self.lose(slot, f"its canary failed ({why}) on {canary.where(dev)}", blame=False)
 
     def _value(self, future) -> Any:
         """The value of a finished future, or None (still running, or failed)."""

@@ -8,7 +8,7 @@ Contract:
   `worker_config(on_gpu)`, spread over nodes, never restarted by Ray itself (the dispatcher decides).
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
 - The Pool calls map one to one onto actor calls (`warmup`, `start_shard` + `finish_shard`,
-  `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
+  `canary`, `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
   `TaskError` (our code raised in the worker: its cause, `Type: message`) or `WorkerLost` (the
   actor or its node is gone: what it died of, `lost_cause`: its first line a cause that deaths
   share, "out of memory: ..." when it was killed for memory, the particulars on the next); `stop`
@@ -72,6 +72,9 @@ class RayPool:
 
     def submit(self, actor, seq: int, items: list) -> tuple[Any, Any]:
         return actor.start_shard.remote(seq, items), actor.finish_shard.remote(seq)
+
+    def canary(self, actor, seq: int) -> Any:
+        return actor.canary.remote(seq)
 
     def phases(self, actor, since: int) -> Any:
         return actor.phases.remote(since)

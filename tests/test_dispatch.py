@@ -9,8 +9,12 @@ times, None: every time):
     dies_after={id: n}    its worker dies right after that shard's rows are in
     warmups={rank: [...]} the outcomes of that slot's warm-ups in turn (then "ok"): "ok", "hang",
                           "lost", or the text of an exception it raises
+    canaries={rank: [...]} the verdicts of that slot's canaries in turn (then "ok"): "ok", "bad"
     error                 what a raising shard raises: a text, or a function of its row ids
+    drain                 a wait runs every call that can run before it answers (a busy driver:
+                          replies that raced arrive together)
 The clock moves only when no call can make progress: `timeout` seconds per wait, as a real wait.
+`calls` lists what the workers were asked, in turn: ("shard", ids) or ("canary", rank).
 """
 
 import inspect
@@ -63,13 +67,15 @@ class FakeWorker:
 
 class FakePool:
     def __init__(self, raises=None, dies=None, dies_writing=None, dies_after=None, warmups=None,
-                 error=BAD_ROW):
+                 error=BAD_ROW, canaries=None, drain=False):
         faults = dict(raises=raises, dies=dies, dies_writing=dies_writing, dies_after=dies_after)
         self.script = {k: dict(v or {}) for k, v in faults.items()}
         self.warmups = {rank: list(plans) for rank, plans in (warmups or {}).items()}
         self.error, self.now = error, 0.0
         self.workers, self.started, self.killed = [], [], []   # ranks started and killed, in turn
         self.subs, self.runs, self.errors = [], [], 0   # runs: the Subs generated, in turn
+        self.canaries = {rank: list(v) for rank, v in (canaries or {}).items()}
+        self.drain, self.calls = drain, []
 
     # -- the Pool interface ------------------------------------------------------------------
 
@@ -82,7 +88,15 @@ class FakePool:
         w.calls.append(warm)
         return w, warm
 
+    def canary(self, w, seq):
+        plans = self.canaries.get(w.rank)
+        f = Future(w, "canary", plan=plans.pop(0) if plans else "ok")
+        w.calls.append(f)
+        self.calls.append(("canary", w.rank))
+        return f
+
     def submit(self, w, seq, items):
+        self.calls.append(("shard", tuple(it.id for it in items)))
         busy = [s for s in self.subs if s.worker is w and not s.over]
         sub = Sub(tuple(it.id for it in items), w, beside=busy.copy(), depth=len(busy) + 1)
         for s in busy:
@@ -93,6 +107,8 @@ class FakePool:
         return tuple(calls)
 
     def wait(self, futures, timeout):
+        while self.drain and timeout and self._step():
+            pass
         while True:
             done = [f for f in futures if f.state != "pending"]
             if done:      # all at once, a death first: as if its news beat the replies it raced
@@ -122,8 +138,17 @@ class FakePool:
         if not heads:
             return False
         f = min(heads, key=lambda f: f.n)
-        {"warm": self._warm, "start": self._start, "finish": self._finish}[f.kind](f)
+        {"warm": self._warm, "start": self._start, "finish": self._finish,
+         "canary": self._canary}[f.kind](f)
         return True
+
+    def _canary(self, f):
+        bad = f.plan == "bad"
+        self._resolve(f, "ok", dict(
+            ok=not bad, rule="bit for bit", differing=0.25 if bad else 0.0, max_abs=9 if bad else 0,
+            psnr_db=31.5 if bad else float("inf"), s=1.0, rank=f.worker.rank,
+            device=dict(host="fake", node_id="n0", pid=7, gpu_index="3", gpu_uuid="GPU-f00d",
+                        gpu_name="Fake GPU")))
 
     def _warm(self, f):
         if f.plan == "lost":
@@ -397,6 +422,77 @@ def test_all_workers_gone_is_an_error_naming_each():
     assert job.status() == {"p00": "ok", "p01": "ok"}    # what finished is kept
 
 
+# -- canaries -------------------------------------------------------------------------------------
+
+def test_canaries_run_in_turn_every_k_items_while_there_is_work():
+    """A canary after every 4 items handed to the worker, before its next shard; none after the
+    last (nothing more to hand out)."""
+    failed = []
+    job = Job(FakePool(), n=12, workers=1, shard_size=2, canary_every=4,
+              on_canary_failed=lambda *a: failed.append(a))
+    job.run()
+    assert job.status() == ok_but(12) and failed == []
+    shards = [("shard", ids(i, i + 1)) for i in range(0, 12, 2)]
+    canary = ("canary", 0)
+    assert job.pool.calls == shards[:2] + [canary] + shards[2:4] + [canary] + shards[4:]
+    assert job.d.canaries == 2 and list(job.d.slots[0].made) == [2]   # the last 4: unchecked
+
+
+def test_a_canary_every_t_seconds():
+    """canary_every_s: a slot is asked for one once that time passed since its last (the fake
+    clock here moves 1 s per reading; no count: canary_every=0)."""
+    job = Job(FakePool(), n=12, workers=1, shard_size=2, canary_every_s=0.5)
+    clock = iter(range(1000))
+    job.d.clock = lambda: float(next(clock))     # one second per reading
+    job.run()
+    assert job.status() == ok_but(12)
+    assert ("canary", 0) in job.pool.calls and job.d.canaries >= 1
+
+
+def test_no_canary_when_off():
+    job = Job(FakePool(), n=12, workers=2, shard_size=2)
+    job.run()
+    assert job.status() == ok_but(12) and all(c[0] == "shard" for c in job.pool.calls)
+
+
+def test_a_failed_canary_marks_what_the_worker_made_since_its_last_good_one_suspect(caplog):
+    """Canary 1 (after p00-p03) passes, canary 2 (after p04-p07) fails: p04-p07 are given back
+    as suspect rows naming the worker and its GPU; p08-p09, handed to it after canary 2 and not
+    done, go back to the queue whole (not blamed); the worker is replaced (a death charged to
+    the slot) and its replacement does the rest."""
+    failed = []
+    job = Job(FakePool(canaries={0: ["ok", "bad"]}), n=12, workers=1, shard_size=2,
+              canary_every=4, on_canary_failed=lambda *a: failed.append(a))
+    job.run()
+    assert job.status() == ok_but(12)               # (the caller records the suspect rows again)
+    ((slot, verdict, marked, suspect),) = failed
+    assert slot.rank == 0 and not verdict["ok"] and suspect == list(ids(4, 5, 6, 7))
+    assert [r["id"] for r in marked] == suspect and {r["status"] for r in marked} == {"suspect"}
+    assert marked[0]["error"] == (
+        "suspect: worker 0 (host fake, node n0, GPU 3 Fake GPU GPU-f00d, pid 7) failed its canary "
+        "(bit for bit: 25 % of values differ, largest by 9, PSNR 31.5 dB) after making this "
+        "output, since its last good canary; a rerun regenerates it")
+    assert job.pool.calls.count(("shard", ids(8, 9))) == 2 and job.d.deaths == {}   # whole, unblamed
+    assert job.pool.started == [0, 0] and job.d.charged == {0: 1}
+    assert "worker 0 lost (its canary failed (bit for bit: 25 % of values differ" in caplog.text
+
+
+def test_outputs_done_when_a_canary_fails_are_suspect_too():
+    """The driver was busy: the failing canary's verdict and the rows of the shards handed out
+    after it (made by the same GPU) arrive together. Those rows come back suspect as well."""
+    failed = []
+    job = Job(FakePool(canaries={0: ["ok", "bad"]}, drain=True), n=12, workers=1, shard_size=2,
+              inflight=4, canary_every=4, on_canary_failed=lambda *a: failed.append(a))
+    job.run()
+    ((_, _, marked, suspect),) = failed
+    assert [r["id"] for r in marked] == list(ids(4, 5, 6, 7))      # returned before: again
+    assert suspect == list(ids(*range(4, 12)))
+    statuses = {k: [r["status"] for r in v] for k, v in job.rows.items()}
+    assert statuses == {i: ["suspect" if i in ids(8, 9, 10, 11) else "ok"] for i in ids(*range(12))}
+    assert job.rows["p08"][0]["error"].startswith("suspect: worker 0 (host fake")
+    assert job.pool.started == [0]           # nothing left to do: not replaced
+
+
 # -- start-up -------------------------------------------------------------------------------------
 
 def test_a_startup_error_is_retried_once_never_a_third_time(caplog):
@@ -449,7 +545,7 @@ def test_the_worker_implements_the_contract():
     from runner.actor import WorkerActor
     from runner.worker import Worker, WorkerContract
     names = [n for n in vars(WorkerContract) if not n.startswith("_")]
-    assert sorted(names) == ["finish_shard", "metrics", "phases", "start_shard", "warmup"]
+    assert sorted(names) == ["canary", "finish_shard", "metrics", "phases", "start_shard", "warmup"]
     for cls in (Worker, WorkerActor):    # the class, and the actor the driver starts around it
         for name in names:
             assert inspect.signature(getattr(cls, name)) == \

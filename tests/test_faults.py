@@ -147,6 +147,38 @@ def test_a_row_that_runs_its_worker_out_of_memory_fails_naming_it(tmp_path, writ
         assert "out of memory" in err and "giving up on row hungry" in err
 
 
+def test_a_worker_whose_outputs_change_is_caught_by_its_canary_and_a_rerun_redoes_them(job):
+    """The real CLI on Ray, one worker, shards of 2, a canary every 4 items; the worker process
+    starts computing wrong after its 6th item (tests/faults: `drift`, its canaries too). Its
+    canary after p00-p03 passes; the one after p04-p07 fails: those outputs (and any made after
+    it that came back by then) are recorded suspect, naming the worker and its device; it is
+    replaced, and its replacement (which computes right) does the rest: exit 1. A rerun
+    regenerates exactly the suspect outputs."""
+    args = [a for a in job["args"] if not a.startswith("run.shard_size")] + [
+        "run.shard_size=2", "run.canary_every_items=4"]
+    code, out, err = cli(args, faults="drift:6")
+    assert code == 1, err[-4000:]
+    table = {r["id"]: r for r in rows(job["dir"])}
+    suspect = sorted(i for i, r in table.items() if r["status"] == "suspect")
+    assert suspect[:4] == ["p04", "p05", "p06", "p07"] and set(suspect) <= set(IDS[4:10])
+    assert all(table[i]["status"] == "ok" for i in IDS if i not in suspect)
+    error = table["p05"]["error"]
+    assert error.startswith("suspect: worker 0 (host ") and "failed its canary (bit for bit: " in error
+    summary = json.load(open(os.path.join(job["dir"], "summary.json")))
+    assert summary["suspect"] == len(suspect) and summary["worker_restarts"] == 1
+    (failure,) = summary["canary_failures"]
+    assert failure["device"]["pid"] and failure["suspect_ids"] == suspect
+    assert "SUSPECT: worker 0 (host " in open(os.path.join(job["dir"], "summary.txt")).read()
+    media = os.path.join(job["dir"], "media")
+    before = {n: os.stat(os.path.join(media, n)).st_mtime_ns for n in os.listdir(media)}
+    code, out, err = cli(args)
+    assert code == 0, err[-4000:]
+    assert_complete(job["dir"])
+    after = {n: os.stat(os.path.join(media, n)).st_mtime_ns for n in os.listdir(media)}
+    assert sorted(n[:-4] for n in after if after[n] != before[n]) == suspect    # exactly those
+    assert json.load(open(os.path.join(job["dir"], "summary.json")))["resumed"] == 12 - len(suspect)
+
+
 def test_a_disk_filling_mid_job_is_exit_3_with_the_error_last(tmp_path, write_prompts):
     """A real full disk (a tmpfs, filled once 2 rows are recorded) under two workers: the same
     ENOSPC on every shard stops the job (exit 3), and the runner's `error:` line is the last thing

@@ -29,18 +29,20 @@ def stop_signals(monkeypatch):
 class Cluster:
     """What `main(start_pool=...)` starts: a SimPool per run, on one virtual clock, its workers
     taking `item_s` per item after `startup_s`, writing each ok output's media file into the job
-    directory. `fate(item)` decides an item (SimPool); `generated` lists every item id handed to
-    a worker (up to the one a worker dies of), `pools` every pool."""
+    directory. `fate(item)` decides an item, `drift` which worker computes wrong (SimPool);
+    `generated` lists every item id handed to a worker (up to the one a worker dies of), `pools`
+    every pool."""
 
-    def __init__(self, fate=None, warm_fate=None, item_s=1.0, startup_s=(5.0, 5.0)):
+    def __init__(self, fate=None, warm_fate=None, item_s=1.0, startup_s=(5.0, 5.0), drift=None):
         self.clock, self.fate, self.warm_fate = VirtualClock(), fate, warm_fate
-        self.item_s, self.startup_s = item_s, startup_s
+        self.item_s, self.startup_s, self.drift = item_s, startup_s, drift
         self.generated, self.pools = [], []
 
     def __call__(self, j, limits) -> SimPool:
         pool = SimPool(j["ray"].num_workers or j["ray"].cpu_workers, self.item_s, self.clock,
                        jitter=0.0, startup_s=self.startup_s, fate=self._fate,
-                       warm_fate=self.warm_fate, media=resolve(j["output"].job_dir))
+                       warm_fate=self.warm_fate, media=resolve(j["output"].job_dir),
+                       drift=self.drift)
         self.pools.append(pool)
         return pool
 
@@ -205,6 +207,66 @@ def test_a_row_that_kills_its_worker_every_time_fails_alone_and_the_job_goes_on(
     assert f"giving up on row {bad}: killed its worker 2 times" in caplog.text
     out = capsys.readouterr().out
     assert f"1 x killed its worker 2 times (run.max_row_deaths=2): actor died (simulated): {bad}" in out
+
+
+def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_path, capsys,
+                                                                    caplog):
+    """Issue 47: one worker, shards of 2, a canary every 4 items; its GPU goes wrong after its 6th
+    item. Its canary after p00-p03 passes; the one after p04-p07 fails: those 4 outputs (made
+    since the last good canary) are recorded suspect, the worker is stopped and replaced (its
+    unfinished shard p08-p09 goes back as it was), the rest is done by the replacement. The
+    summary, its text and the report name the worker and its GPU; exit 1. A rerun regenerates
+    exactly the suspect outputs."""
+    c = Cluster(drift={0: 6})
+    args = job_args(prompts, tmp_path, "run.shard_size=2", "run.canary_every_items=4")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(args) == 1
+    d = tmp_path / "j"
+    suspect = ["p04", "p05", "p06", "p07"]
+    table = {r["id"]: r for r in rows(d)}
+    assert sorted(i for i, r in table.items() if r["status"] == "suspect") == suspect
+    assert all(table[i]["status"] == "ok" for i in IDS if i not in suspect)
+    assert all(table[i]["output"] == f"media/{i}.png" for i in suspect)     # kept, in doubt
+    error = table["p06"]["error"]
+    assert error.startswith("suspect: worker 0 (host sim, GPU 0 simulated) failed its canary "
+                            "(bit for bit: 50 % of values differ, largest by 40, PSNR 20.0 dB)")
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["suspect"], s["not_run"]) == (8, 0, 4, 0)
+    assert s["suspect_ids"] == suspect and s["worker_restarts"] == 1 and s["canaries"] == 1
+    (failure,) = s["canary_failures"]
+    assert failure["rank"] == 0 and failure["suspect_ids"] == suspect
+    assert failure["device"]["gpu_index"] == "0" and failure["at_s"] == pytest.approx(15, abs=0.1)
+    line = (f"SUSPECT: worker 0 (host sim, GPU 0 simulated) failed its canary at 15.0 s (bit for "
+            f"bit: 50 % of values differ, largest by 40, PSNR 20.0 dB); it was stopped, and the 4 "
+            f"outputs it made since its last good canary are marked suspect: "
+            f"{', '.join(suspect)}; a rerun regenerates them")
+    assert line in (d / "summary.txt").read_text() and line in capsys.readouterr().out
+    assert "<h2>Suspect outputs</h2>" in (d / "report.html").read_text()
+    assert "worker 0 (host sim, GPU 0 simulated) failed its canary" in caplog.text
+    assert c.generated.count("p08") == 2          # handed back as it was, run by the replacement
+
+    c.drift, c.generated = None, []
+    kept = mtimes(d, [i for i in IDS if i not in suspect])
+    with caplog.at_level(logging.INFO, logger="runner"):
+        assert c.main(args) == 0
+    assert sorted(c.generated) == suspect          # exactly the suspect outputs, again
+    assert_complete(d) and mtimes(d, kept) == kept
+    assert "4 outputs are suspect (a worker's canary failed after it made them)" in caplog.text
+
+
+def test_canaries_run_every_k_items_while_there_is_work(tmp_path, write_prompts):
+    """24 items on 2 workers in shards of 2, a canary every 4 items a worker was handed, while
+    the queue holds more: 12 items each, canaries after 4 and 8 (not after 12: nothing left);
+    none fails. Each costs one item's time (1 s) on its worker's GPU."""
+    ids = [f"c{i:02d}" for i in range(24)]
+    c = Cluster()
+    p = write_prompts({"prompt": [f"p {i}" for i in range(24)], "id": ids})
+    assert c.main(job_args(p, tmp_path, "ray.cpu_workers=2", "run.shard_size=2",
+                           "run.canary_every_items=4")) == 0
+    s = summary(tmp_path / "j")
+    assert s["canaries"] == 4 and s["canary_failures"] == [] and s["suspect"] == 0
+    assert [w.canaries for w in c.pools[0].workers] == [2, 2]
+    assert s["canary_s"] == pytest.approx(4.0) and 0 < s["canary_share"] < 0.2
 
 
 def test_a_persistent_fault_stops_the_job_exit_3_and_a_rerun_does_the_rest(prompts, tmp_path,
