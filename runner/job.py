@@ -449,7 +449,7 @@ class JobRun:
         self._record(rows)
         now = self.clock()
         if self.timeline:            # they were counted ok
-            t, n_ok, n_failed = self.timeline[-1]
+            _, n_ok, n_failed = self.timeline[-1]
             self.timeline.append((now - self.t_start, n_ok - len(rows), n_failed + len(rows)))
         dev = verdict.get("device") or {}
         self.canary_failures.append(dict(rank=slot.rank, at_s=round(now - self.t_start, 1),

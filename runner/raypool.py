@@ -152,6 +152,7 @@ class RayPool:
 _EXIT = re.compile(r"Worker exit type: (\w+) Worker exit detail: (.*?\.)(?=\s|$)")
 _NODE_MEMORY = re.compile(r"Memory on the node \(IP: ([^,]+),.*?\) was ([^(]*?) \(")
 _WHERE = re.compile(r"\tpid: (\d+)\n(?:.*\n)*?\tip: (\S+)")
+_KILLED_PID = re.compile(r"Selected to kill: .*?\bpid=(\d+)")       # the memory monitor's choice
 
 
 def lost_cause(e: Exception, memory: dict | None = None) -> str:
@@ -166,7 +167,9 @@ def lost_cause(e: Exception, memory: dict | None = None) -> str:
     at = f"worker pid {where.group(1)} on {where.group(2)}" if where else "the worker"
     killed_for_memory = exit_ is not None and exit_.group(1) == "NODE_OUT_OF_MEMORY"
     if isinstance(e, ray.exceptions.OutOfMemoryError) or killed_for_memory:
-        node = _NODE_MEMORY.search(text)
+        node, pid = _NODE_MEMORY.search(text), _KILLED_PID.search(text)
+        if pid and node and not where:
+            at = f"worker pid {pid.group(1)} on {node.group(1)}"
         detail = f"node {node.group(1)}: {node.group(2)}" if node else (
             exit_.group(2) if exit_ else text.splitlines()[0][:300])
         return (f"out of memory: Ray's memory monitor killed the worker (RAY_memory_usage_threshold)"

@@ -472,7 +472,11 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
     def _canary_check(self) -> dict:
         """gpu thread. Its seconds are the canary's own (neither a stage nor waiting)."""
         t0 = time.perf_counter()
-        out, finite = self._canary_output()
+        try:
+            out, finite = self._canary_output()
+        except Exception as e:
+            _fatal(e)          # a CUDA error poisons the context: the process exits (see _fatal)
+            raise
         verdict = canary.compare(self._reference, out, finite,
                                  exact=self.cfg.compile.options.lossless,
                                  min_psnr_db=self.cfg.canary_min_psnr_db)

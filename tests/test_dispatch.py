@@ -597,7 +597,11 @@ MONITOR = """1 worker(s) were killed due to the node running low on memory. Memo
 limit (0.068452)
 OOM kill reason: Memory usage 1721958400B exceeded threshold of 1693526528B (6.7% of 25276514304B limit)
 Object store memory usage: [- objects spillable: 0
-Ray killed 1 worker(s) based on the killing policy"""
+Ray killed 1 worker(s) based on the killing policy
+Considered workers: [
+Selected to kill: (Actor(fc6eebf215a8367410365f2301000000): job ID=01000000, lease ID=0000, task \
+name=WorkerActor.__init__, required resources={}, pid=7146, actual memory used=0.82GB, worker ID=c4)
+]"""
 
 
 def ray_pool_raising(monkeypatch, raised: list):
@@ -663,7 +667,8 @@ def test_a_worker_killed_by_rays_memory_monitor_is_out_of_memory(monkeypatch):
     first = "out of memory: Ray's memory monitor killed the worker (RAY_memory_usage_threshold)"
     with pytest.raises(WorkerLost) as lost:
         pool.result(None)
-    assert str(lost.value) == f"{first}\nthe worker; node 192.0.2.2: 1.61GB used / 23.54GB limit"
+    assert str(lost.value) == (f"{first}\nworker pid 7146 on 192.0.2.2; node 192.0.2.2: 1.61GB "
+                               f"used / 23.54GB limit")
     with pytest.raises(WorkerLost) as lost:
         pool.result(None)
     assert str(lost.value) == (f"{first}\nworker pid 6207 on 192.0.2.2; Task was killed due to "
