@@ -30,6 +30,9 @@ class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/w
     def finish_shard(self, seq: int) -> list[dict]:
         return self.worker.finish_shard(seq)
 
+    def canary(self, seq: int) -> dict:
+        return self.worker.canary(seq)
+
     def metrics(self) -> dict:
         return self.worker.metrics()
 

@@ -166,21 +166,54 @@ class GenerationDefaults:
                               f"(<= 1: no classifier-free guidance)")
 
 
+CANARY_BATCHES = 200   # run.canary_every_items=null: a canary batch per this many batches
+
+
 @dataclass(frozen=True)
 class RunOptions:
     batch_size: int = key(1, "rows of one shard with the same shape are batched up to this")
     shard_size: int = key(8, "rows per shard (the unit a worker takes from the queue)")
     warmup_steps: int = key(2, "denoising steps of the warm-up call after load/compile")
-    max_shard_retries: int = key(2, "a row that keeps killing workers or raising is recorded "
+    max_shard_retries: int = key(2, "a row whose shard keeps raising in the worker is recorded "
                                     "failed after this many retries")
+    max_row_deaths: int = key(2, "a row in flight at this many worker deaths is recorded failed "
+                                 "(with the cause) and not run again in this job; such deaths do "
+                                 "not count against ray.max_worker_restarts")
+    canary_every_items: int | None = key(None, "each worker regenerates its canary batch (fixed "
+                                               "prompt and seeds at the job's default size and "
+                                               "steps) after this many items and compares it with "
+                                               "its own first, made when it became ready; null: "
+                                               "200 x run.batch_size (~0.5 % of GPU time); 0: no "
+                                               "canary (docs/failures.md)")
+    canary_every_s: float | None = key(None, "also a canary once this many seconds passed since "
+                                             "the worker's last (null: no time trigger)")
+    canary_min_psnr_db: float = key(40.0, "lossy compile modes (O3...): a canary passes at this "
+                                          "PSNR against the first (uint8); lossless modes: bit "
+                                          "for bit")
     dry_run: bool = key(False, "true: check config and prompts, print the plan against the job "
                                "directory, exit (no Ray)")
 
     def __post_init__(self):
         _positive("run.max_shard_retries", self.max_shard_retries, allow_zero=True)
+        _positive("run.max_row_deaths", self.max_row_deaths)
+        if self.canary_every_items is not None:
+            _positive("run.canary_every_items", self.canary_every_items, allow_zero=True)
+        if self.canary_every_s is not None:
+            _positive("run.canary_every_s", self.canary_every_s)
+        _positive("run.canary_min_psnr_db", self.canary_min_psnr_db)
         _positive("run.batch_size", self.batch_size)
         _positive("run.shard_size", self.shard_size)
         _positive("run.warmup_steps", self.warmup_steps, allow_zero=True)
+
+    @property
+    def canary_items(self) -> int:
+        """Items between a worker's canaries (0: none by count)."""
+        every = self.canary_every_items
+        return CANARY_BATCHES * self.batch_size if every is None else every
+
+    @property
+    def canary(self) -> bool:
+        return self.canary_items > 0 or self.canary_every_s is not None
 
 
 @dataclass(frozen=True)
@@ -191,7 +224,8 @@ class RayOptions:
                                         "when there is none")
     cpu_workers: int = key(2, "workers when the cluster has no GPU")
     cpus_per_worker: int = key(1, "CPU cores (and torch threads) of each CPU worker")
-    max_worker_restarts: int = key(3, "per worker: replacements started after its actor died")
+    max_worker_restarts: int = key(3, "per worker: replacements started after deaths not pinned "
+                                      "on a row (see run.max_row_deaths)")
     worker_start_timeout_s: float = key(900.0, "a worker not ready after this many seconds "
                                                "(load + compile + warm-up) is given up")
 
@@ -722,6 +756,8 @@ class WorkerConfig:
     encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
     cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
     max_image_bytes: int = 64 << 20  # prompts.max_image_mib: the largest input image read
+    canary: bool = False             # make a canary reference when ready (run.canary_*)
+    canary_min_psnr_db: float = 40.0  # lossy modes' canary tolerance
 
 
 # ---------------------------------------------------------------------------------------------

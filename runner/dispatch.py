@@ -7,18 +7,34 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   `finish_shard(seq)`, its rows once written; `seq` numbers the slot's shards so the worker runs
   them in order while it writes one shard and generates the next. Rows go to `on_rows` as each
   shard finishes.
-- A worker that dies (process killed, node lost, CUDA error: any Ray error that is not an exception
-  raised inside the worker's methods) loses only its unfinished shards: they go back to the front
-  of the queue. The slot gets a new actor (at most `max_restarts` times per slot), which warms up
-  like the first.
-- Which shard killed a worker: the one whose GPU work had not finished (`start_shard` had not
-  returned). If there was exactly one, or a shard raised, it is charged one attempt. If several
-  were unfinished (the last reply may not have reached the driver), the death is ambiguous: none is
-  charged. Either way the unfinished shards come back as suspects: split into single rows and run
-  isolated (alone on their worker), so the next death is attributed exactly. Shards that were only
-  being written are requeued as they were. A failing
-  shard of several rows is split into single rows, so one poison prompt cannot take its neighbours
-  down; a row that fails more than `max_retries` times is recorded as failed and the job goes on.
+- A worker that dies (process killed, node lost, CUDA error, out of memory: any Ray error that is
+  not an exception raised inside the worker's methods) loses only its unfinished shards. Rows that
+  came back before are kept; every other row it held (generating or being written) was in flight
+  at that death, which is counted for the row. A row in flight at `max_deaths` deaths is recorded
+  failed, naming the last death's cause (the pool's `WorkerLost` text: out of memory when the
+  worker was killed for memory) and the row's input, and is never handed out again in this job;
+  the others go back to the front of the queue as single rows run isolated (alone on their
+  worker), so a later death is pinned on exactly one row. The slot gets a new actor, which warms
+  up like the first.
+- Restarts (`max_restarts` per slot) count only deaths not pinned on a row: a death at which a
+  row that was then failed for its deaths was in flight costs that row, not the slot's budget, so
+  a poison row among a million costs one failed row, with one worker or many. The budget stops a
+  worker that keeps dying of something else (its node, its start-up).
+- A shard that raises in the worker (`TaskError`: the worker lives) is charged one attempt. A
+  failing shard of several rows is split into single rows, so one poison prompt cannot take its
+  neighbours down; a row that raises more than `max_retries` times is recorded as failed and the
+  job goes on.
+- Canaries (`canary_every` items, `canary_every_s` seconds; `runner.canary`): a ready slot whose
+  actor was handed that many items (or had that time) since its last canary, and which has more
+  to do, is asked for one in turn with its shards (`Pool.canary`: it runs after the GPU work of
+  the shards handed out before it). Its shards carry the number of canaries asked before them
+  (an epoch); the ok rows they return are kept until a canary after them passes. A canary that
+  fails stops the worker: every ok row it made since its last good canary (returned, or done by
+  then) is marked `suspect` (`on_canary_failed` gets the rows returned earlier, to record again;
+  rows done by then go to `on_rows` as suspect), its unfinished shards go back to the queue as
+  they were (no row is blamed), and the slot restarts like after a death not pinned on a row (a
+  fresh process reloads the weights; its own first canary is its reference). The outputs after
+  a worker's last canary are not checked.
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
@@ -45,6 +61,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from . import canary
 from .prompts import Item, Shard
 from .results import error_cause, failed_row
 from .storage import StoreTimeout
@@ -97,6 +114,10 @@ class Pool(Protocol):
         """Create the worker of slot `rank` and begin its warm-up: (handle, future of the
         warm-up's ready info)."""
 
+    def canary(self, worker: Any, seq: int) -> Any:
+        """Turn `seq` of this worker: its canary (`WorkerContract.canary`): future of the
+        verdict (`runner.canary.compare`'s dict, with `s`, `rank`, `device`)."""
+
     def submit(self, worker: Any, seq: int, items: list[Item]) -> tuple[Any, Any]:
         """Shard number `seq` of this worker (`start_shard`, `finish_shard`): (future done when
         its GPU work is, future of its rows once written)."""
@@ -127,6 +148,10 @@ class Pool(Protocol):
         the job's last lines (Ray: errors of calls never read, workers' log lines)."""
 
 
+def _short(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
 def cause(e: BaseException) -> str:
     """`Type: message` of the exception raised in the worker (Ray's wrapper holds it as `cause`),
     first line, for logs and the summary; Ray's own error text for what has no cause (a lost
@@ -149,6 +174,13 @@ class Slot:
     next_seq: int = 0                                 # the next shard number for this actor
     ready_info: dict | None = None
     last_error: str | None = None
+    # canaries (the module docstring): epochs are counted in canaries asked of this actor
+    epoch: int = 0                   # the epoch of the shards it is handed now
+    good: int = 0                    # epochs before this one passed their canary
+    since: int = 0                   # items handed to it since its last canary (or since ready)
+    canary_at: float = 0.0           # when it was last asked for one (or became ready)
+    checking: bool = False           # a canary of it is in flight
+    made: dict = field(default_factory=dict)   # epoch -> ok rows it returned, not yet verified
 
 
 class Dispatcher:
@@ -158,21 +190,34 @@ class Dispatcher:
     def __init__(self, pool: Pool, n_workers: int, shards: list[Shard],
                  on_rows: Callable[[list[dict]], None],
                  inflight: int = 2, max_retries: int = 2, max_restarts: int = 3,
-                 start_timeout_s: float = 900.0, on_ready: Callable[[Slot], None] | None = None,
+                 max_deaths: int = 2, start_timeout_s: float = 900.0,
+                 on_ready: Callable[[Slot], None] | None = None,
                  slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.pool, self.n_workers, self.on_rows = pool, n_workers, on_rows
+                 clock: Callable[[], float] = time.monotonic, canary_every: int = 0,
+                 canary_every_s: float | None = None,
+                 on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None):
+        self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
+        self.max_deaths = max_deaths
+        self.canary_every, self.canary_every_s = canary_every, canary_every_s
+        self.canary_on = canary_every > 0 or canary_every_s is not None
+        self.on_canary_failed = on_canary_failed
+        self.canaries = 0                       # canaries that passed
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
         self.slots = [] if slots is None else slots     # the caller's list, kept current
         self.queue = deque(shards)
         self.next_index = max((s.index for s in shards), default=-1) + 1   # for split shards
-        self.futures: dict[Any, tuple[Slot, Shard, Any]] = {}   # finish -> (slot, shard, start)
+        # a shard's finish future (or a canary's) -> (slot, shard or None for a canary, epoch)
+        self.futures: dict[Any, tuple[Slot, Shard | None, int]] = {}
         # Kept as they change, so that a loop iteration costs O(what happened), not O(slots):
         self.warming: dict[Any, Slot] = {}     # warm-up future -> its starting slot
         self.hungry: dict[Slot, None] = {}     # ready slots with room for another shard
-        self.attempts: dict[int, int] = {}      # shard index -> failed attempts charged
+        self.attempts: dict[int, int] = {}      # shard index -> raised attempts charged
+        self.deaths: dict[str, list[int]] = {}  # row id -> the deaths (numbers) it was in flight at
+        self.death_of: dict[int, tuple[int, str]] = {}  # death number -> (its slot's rank, cause)
+        self.unresolved: dict[int, set[str]] = {}   # death -> rows in flight at it, fate unknown
+        self.charged: dict[int, int] = {}       # rank -> its deaths known not to be a row's
         self.suspects: set[int] = set()         # shard indices that run isolated
         self.streak: dict[str, set] = {}        # cause -> shards failed of it since a success
         self.startup_errors: dict[str, int] = {}   # start-up exceptions seen, by cause
@@ -229,17 +274,21 @@ class Dispatcher:
                              f"for it")
 
     def fill(self, slot: Slot) -> None:
-        """Up to `inflight` shards on a ready slot; a suspect runs alone."""
-        while slot.state == "ready" and self.queue and len(slot.running) < self.inflight:
-            if slot.running and (self.queue[0].index in self.suspects or any(
-                    self.futures[f][1].index in self.suspects for f in slot.running)):
+        """Up to `inflight` shards (and canaries) on a ready slot; a suspect runs alone."""
+        while slot.state == "ready" and len(slot.running) < self.inflight:
+            if self._canary_due(slot):
+                self._ask_canary(slot)
+                continue
+            if not self.queue or slot.running and (self.queue[0].index in self.suspects or any(
+                    self._suspect(f) for f in slot.running)):
                 break
             shard = self.queue.popleft()
-            started, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
+            _, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
+            slot.since += len(shard.items)
             self.submitted += 1
             slot.running.append(finished)
-            self.futures[finished] = (slot, shard, started)
+            self.futures[finished] = (slot, shard, slot.epoch)
         if slot.state == "ready" and len(slot.running) < self.inflight:
             self.hungry[slot] = None
         else:
@@ -263,14 +312,16 @@ class Dispatcher:
                               slot.rank, error)
             self.lose(slot, error, restart=self.startup_errors.get(error, 0) <= 1)
             return
-        slot.state = "ready"
+        slot.state, slot.canary_at = "ready", self.clock()
         if self.on_ready:
             self.on_ready(slot)
         self.fill(slot)
 
     def on_done(self, finished) -> None:
         """A shard's rows are in, or it raised (retried), or its worker is lost."""
-        slot, shard, _ = self.futures[finished]
+        slot, shard, epoch = self.futures[finished]
+        if shard is None:
+            return self._on_canary(finished)
         try:
             rows = self.pool.result(finished)
         except WorkerLost as e:
@@ -283,7 +334,9 @@ class Dispatcher:
             return
         self._retire(finished)
         self.streak.clear()
-        self.on_rows(rows)
+        if self.canary_on and epoch >= slot.good:     # (a canary after it passed: verified)
+            slot.made.setdefault(epoch, []).extend(r for r in rows if r["status"] == "ok")
+        self._rows(rows)
 
     def _retire(self, finished) -> None:
         slot, _, _ = self.futures.pop(finished)
@@ -303,58 +356,198 @@ class Dispatcher:
                 f"{error.splitlines()[0]}. Finished outputs are kept: fix the cause (disk space, "
                 f"storage access) and rerun the same command to resume.")
 
-    def retry(self, shard: Shard, error: str, count: bool = True) -> None:
-        """Requeue `shard` at the front as a suspect. `count`: one more failed attempt, after which
-        a single row over `max_retries` is recorded failed. A shard of several rows is split."""
-        n = self.attempts.get(shard.index, 0) + int(count)
+    def retry(self, shard: Shard, error: str) -> None:
+        """`shard` raised: one more failed attempt, after which a single row over `max_retries` is
+        recorded failed; else requeued at the front as a suspect (a shard of several rows split)."""
+        n = self.attempts.get(shard.index, 0) + 1
         items = shard.items
         if len(items) > 1:
             log.warning("shard %s[%d:%d] failed (%s); retrying its %d rows one by one",
                         shard.file, shard.start, shard.stop, error.splitlines()[0][:200], len(items))
-            singles = [Shard(self.next_index + k, (it,)) for k, it in enumerate(items)]
-            self.next_index += len(singles)
-            for s in singles:
-                self.attempts[s.index] = n
-                self.suspects.add(s.index)
-            self.queue.extendleft(reversed(singles))
+            self._requeue_alone(items, n)
         elif n > self.max_retries:
             log.error("giving up on %s after %d attempts: %s", [i.id for i in items], n,
                       error.splitlines()[0][:300])
-            self.on_rows([failed_row(it, f"failed {n} times: {error}") for it in items])
+            self._rows([failed_row(it, f"failed {n} times: {error}") for it in items])
         elif items:
             self.attempts[shard.index] = n
             self.suspects.add(shard.index)
             self.queue.appendleft(shard)
 
-    def lose(self, slot: Slot, error: str, restart: bool = True) -> None:
-        """The slot's worker is gone: keep what it finished, requeue the rest, restart it if
-        allowed. Which shard it died of: see the module docstring."""
+    def _requeue_alone(self, items, attempts: int) -> None:
+        """`items` back at the front of the queue, in order, each a shard of its own that runs
+        isolated, with `attempts` raised attempts charged."""
+        singles = [Shard(self.next_index + k, (it,)) for k, it in enumerate(items)]
+        self.next_index += len(singles)
+        for s in singles:
+            self.attempts[s.index] = attempts
+            self.suspects.add(s.index)
+        self.queue.extendleft(reversed(singles))
+
+    def lose(self, slot: Slot, error: str, restart: bool = True, blame: bool = True) -> None:
+        """The slot's worker is gone: keep what it finished, count the death for the rows it held
+        (`_died_with`; not `blame`: they go back as they were), restart it if its budget of
+        deaths not pinned on a row allows."""
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
         self.warming.pop(slot.warm_ref, None)
         self.hungry.pop(slot, None)
-        unfinished, written = [], []
+        held = []
         for f in slot.running:
-            _, shard, started = self.futures.pop(f)
+            _, shard, _ = self.futures.pop(f)
+            if shard is None:                # a canary: no row of the job
+                continue
             rows = self._value(f)
             if rows is not None:
-                self.on_rows(rows)           # finished before the worker died
-            elif self._value(started) is None:
-                unfinished.append(shard)     # its GPU work had not finished
+                self._rows(rows)             # finished before the worker died
             else:
-                written.append(shard)        # only its files were being written
-        self.queue.extendleft(reversed(written))
-        for shard in reversed(unfinished):
-            self.retry(shard, error, count=len(unfinished) == 1)
+                held.append(shard)           # generating, or its files being written
         slot.running = []
         self.pool.kill(slot.actor)
-        if restart and slot.restarts < self.max_restarts and (self.queue or self.futures):
-            log.warning("worker %d lost (%s); starting a replacement (%d/%d)", slot.rank,
-                        error.splitlines()[0][:200], slot.restarts + 1, self.max_restarts)
+        death = len(self.death_of) + 1
+        self.death_of[death] = (slot.rank, error)
+        ids = [it.id for s in held for it in s.items]
+        if ids and blame:                    # pinned on them until each is seen to be innocent
+            self.unresolved[death] = set(ids)
+            self._died_with(held, death)
+        else:
+            self.queue.extendleft(reversed(held))
+            self._charge(death)
+        charged = self.charged.get(slot.rank, 0)
+        what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
+            f"; in flight: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}" if ids else "")
+        if restart and charged <= self.max_restarts and (self.queue or self.futures):
+            log.warning("worker %d lost (%s); starting a replacement (deaths not pinned on a row: "
+                        "%d of ray.max_worker_restarts=%d)", slot.rank, what, charged,
+                        self.max_restarts)
             self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1)
         else:
-            log.warning("worker %d lost (%s); not restarted", slot.rank, error.splitlines()[0][:200])
+            log.warning("worker %d lost (%s); not restarted", slot.rank, what)
+
+    def _died_with(self, shards: list[Shard], death: int) -> None:
+        """Every row of `shards` was in flight at `death`. A row at `max_deaths` is recorded failed
+        and each death it was in flight at is pinned on it (no longer charged to its slot); the
+        others go back to the front of the queue, alone, so that their next death is theirs."""
+        back, failed = [], []
+        for shard in shards:
+            for it in shard.items:
+                seen = self.deaths.setdefault(it.id, [])
+                seen.append(death)
+                (failed if len(seen) >= self.max_deaths else back).append((it, shard.index))
+        for it, _ in failed:                 # its deaths are its own: none counts as a restart
+            for d in self.deaths[it.id]:
+                self.unresolved.pop(d, None)
+        if failed:
+            rows = [failed_row(it, self._death_message(it)) for it, _ in failed]
+            for r in rows:
+                log.error("giving up on row %s: %s", r["id"], r["error"].replace("\n", "; "))
+            self._rows(rows)
+        for it, index in reversed(back):
+            self._requeue_alone([it], self.attempts.get(index, 0))
+
+    def _rows(self, rows: list[dict]) -> None:
+        """Rows to the caller. A row that was in flight at deaths and came back (ok, or failed
+        of its own error) did not cause them: a death none of whose rows caused it counts
+        against its slot's restarts."""
+        for r in rows:
+            for d in self.deaths.get(r["id"], ()):
+                left = self.unresolved.get(d)
+                if left is not None:
+                    left.discard(r["id"])
+                    if not left:
+                        del self.unresolved[d]
+                        self._charge(d)
+        self.rows_to(rows)
+
+    def _charge(self, death: int) -> None:
+        rank = self.death_of[death][0]
+        self.charged[rank] = self.charged.get(rank, 0) + 1
+
+    def _death_message(self, it: Item) -> str:
+        """A row failed for its deaths: the cause first (its first line is what the summary
+        groups by: no id, no input in it), then the row and its input."""
+        deaths = self.deaths[it.id]
+        errors = [self.death_of[d][1].splitlines() or ["?"] for d in deaths]
+        last = errors[-1]
+        text = (f"killed its worker {len(deaths)} times (run.max_row_deaths={self.max_deaths}): "
+                f"{last[0]}\nrow {it.id!r} ({it.source}): prompt {_short(it.prompt)!r}")
+        if it.image is not None:
+            text += f", image {it.image!r}"
+        earlier = list(dict.fromkeys(e[0] for e in errors[:-1] if e[0] != last[0]))
+        return text + "".join(f"\n{line}" for line in last[1:]) + "".join(
+            f"\nan earlier death: {e}" for e in earlier)
+
+    # -- canaries (the module docstring) --------------------------------------------------------
+
+    def _suspect(self, f) -> bool:
+        shard = self.futures[f][1]
+        return shard is not None and shard.index in self.suspects
+
+    def _canary_due(self, slot: Slot) -> bool:
+        """A ready slot with work to do was handed `canary_every` items, or has had
+        `canary_every_s` seconds, since its last canary (or since ready)."""
+        if not self.canary_on or slot.checking or not slot.since or not self.queue:
+            return False
+        return 0 < self.canary_every <= slot.since or (
+            self.canary_every_s is not None
+            and self.clock() - slot.canary_at >= self.canary_every_s)
+
+    def _ask_canary(self, slot: Slot) -> None:
+        future = self.pool.canary(slot.actor, slot.next_seq)
+        slot.next_seq += 1
+        slot.running.append(future)
+        self.futures[future] = (slot, None, slot.epoch)      # it closes the epoch of its shards
+        slot.epoch += 1
+        slot.since, slot.canary_at, slot.checking = 0, self.clock(), True
+
+    def _on_canary(self, future) -> None:
+        """A canary's verdict: the epochs up to its own verified, or the worker stopped."""
+        slot, _, epoch = self.futures[future]
+        slot.checking = False
+        try:
+            verdict = self.pool.result(future)
+        except WorkerLost as e:
+            self.lose(slot, str(e))
+            return
+        except TaskError as e:               # it could not run: nothing is known either way
+            self._retire(future)
+            log.warning("worker %d: its canary raised (%s); its outputs since its last good canary "
+                        "stay unverified", slot.rank, str(e).splitlines()[0][:200])
+            return
+        self._retire(future)
+        if verdict.get("ok"):
+            self.canaries += 1
+            slot.good = epoch + 1
+            for e in [e for e in slot.made if e <= epoch]:
+                del slot.made[e]
+            return
+        self._canary_failed(slot, verdict)
+
+    def _canary_failed(self, slot: Slot, verdict: dict) -> None:
+        """Every ok row the worker made since its last good canary is suspect: those it returned
+        (recorded again by `on_canary_failed`) and those done by now; the rest of its shards go
+        back to the queue as they were; the worker is stopped (a restart reloads the weights)."""
+        earlier = [r for e in sorted(slot.made) for r in slot.made[e]]
+        dev = verdict.get("device") or {}
+        why = canary.describe(verdict)
+        error = (f"suspect: worker {slot.rank} ({canary.where(dev)}) failed its canary ({why}) "
+                 f"after making this output, since its last good canary; a rerun regenerates it")
+        done = []
+        for f in [f for f in slot.running if self.futures[f][1] is not None]:
+            epoch = self.futures[f][2]
+            rows = self._value(f)
+            if rows is not None:       # done by now: suspect, unless a canary after it passed
+                self._retire(f)
+                done += [dict(r, status="suspect", error=error)
+                         if r["status"] == "ok" and epoch >= slot.good else r for r in rows]
+        slot.made.clear()
+        marked = [dict(r, status="suspect", error=error) for r in earlier]
+        if self.on_canary_failed:
+            self.on_canary_failed(slot, verdict, marked, [r["id"] for r in marked + done
+                                                          if r["status"] == "suspect"])
+        self._rows(done)
+        self.lose(slot, f"its canary failed ({why}) on {canary.where(dev)}", blame=False)
 
     def _value(self, future) -> Any:
         """The value of a finished future, or None (still running, or failed)."""

@@ -18,11 +18,11 @@ rows are recorded as they arrive (one `records/` object per shard); `results.par
 report.html are rewritten atomically at most every `output.results_every_s` by a background thread
 (the dispatch loop never waits for a full rewrite), and at the end. This module imports no Ray.
 
-Exit status: 0 all ok (or a dry run, or nothing to do); 1 some items failed; 2 bad input or the job
-could not run (the message names the key or file and the fix); 3 stopped early on a persistent
-fault, or the store of the job's images did not answer the checks before the start
-(`images.check_sample`); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: `ray job stop`,
-Kubernetes, Slurm).
+Exit status: 0 all ok (or a dry run, or nothing to do); 1 some items failed (or are suspect: a
+worker's canary failed after it made them); 2 bad input or the job could not run (the message
+names the key or file and the fix); 3 stopped early on a persistent fault, or the store of the
+job's images did not answer the checks before the start (`images.check_sample`); 130
+interrupted (Ctrl-C); 143 terminated (SIGTERM: `ray job stop`, Kubernetes, Slurm).
 Interrupted or terminated, the workers are stopped, finished outputs are kept and the summary and
 metrics of what was done are written.
 """
@@ -47,8 +47,8 @@ import pyarrow.fs as pafs
 from omegaconf import OmegaConf
 
 from . import step_cache
-from .config import (ConfigError, OutputOptions, RayOptions, WorkerConfig, help_text, load_config,
-                     split)
+from .config import (ConfigError, OutputOptions, RayOptions, RunOptions, WorkerConfig, help_text,
+                     load_config, split)
 from .dispatch import DispatchError, Dispatcher, PersistentFault, Pool
 from .ending import Ending, first_line
 from .images import StoreUnreachable, fill_hashes
@@ -154,10 +154,11 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
         return 3
     for line in summary.get("notes") or ():   # the report not written (a full disk): said last
         print(f"note: {line}", file=sys.stderr)
-    # 1: some items failed (see summary.txt); the others are complete. Every output complete with
-    # only the report missing is still 0: the report is a view of the outputs, made again by
-    # `python -m runner.report DIR`, and a pipeline must not redo a finished job for it.
-    return 0 if summary["failed"] == 0 else 1
+    # 1: some items failed, or are suspect (see summary.txt); the others are complete. Every
+    # output complete with only the report missing is still 0: the report is a view of the
+    # outputs, made again by `python -m runner.report DIR`, and a pipeline must not redo a
+    # finished job for it.
+    return 0 if summary["failed"] == 0 and not summary.get("suspect") else 1
 
 
 def _configure_logging() -> None:
@@ -283,7 +284,7 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     # 4. Workers and stream: shards handed out, rows recorded as they arrive.
     run = JobRun(results, items, plan, out, _head(job), checked.skipped, clock, ending)
     if shards:
-        run.serve(start_pool(job, checked.limits), shards, job["run"].max_shard_retries, job["ray"])
+        run.serve(start_pool(job, checked.limits), shards, job["run"], job["ray"])
     # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
     return run.finish()
 
@@ -374,6 +375,8 @@ class JobRun:
         # first worker is ready (Ray's start): the rest is what serving the shards costs it.
         self.cpu_start, self.driver_cpu_s, self.startup_cpu_s = time.process_time(), None, None
         self.shards = 0                         # shards handed to workers (the dispatcher's count)
+        self.canaries = 0                       # canaries that passed (the dispatcher's count)
+        self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.steady_items = 0.0                 # items' worth of work done once all were ready
         self.stopped: KeyboardInterrupt | None = None
@@ -383,16 +386,19 @@ class JobRun:
 
     # -- 4. serving ------------------------------------------------------------------------------
 
-    def serve(self, pool: Pool, shards: list[Shard], max_retries: int, ray: RayOptions) -> None:
+    def serve(self, pool: Pool, shards: list[Shard], opts: RunOptions, ray: RayOptions) -> None:
         """Every shard through the dispatcher, until done, stopped (Ctrl-C, SIGTERM) or aborted
         (a persistent fault). Every worker gone: the record is closed, then JobError."""
         _handle_stop_signals()           # again: starting the pool may have replaced them
         self.pool, self.phases = pool, PhasePrinter(pool)
         self.progress = Progress(sum(map(len, shards)))
-        dispatcher = Dispatcher(pool, pool.size, shards, self.on_rows, INFLIGHT, max_retries,
-                                ray.max_worker_restarts, ray.worker_start_timeout_s,
+        dispatcher = Dispatcher(pool, pool.size, shards, self.on_rows, INFLIGHT,
+                                opts.max_shard_retries, ray.max_worker_restarts,
+                                opts.max_row_deaths, ray.worker_start_timeout_s,
                                 on_ready=self.on_ready, slots=self.slots, on_tick=self.on_tick,
-                                clock=self.clock)
+                                clock=self.clock, canary_every=opts.canary_items,
+                                canary_every_s=opts.canary_every_s,
+                                on_canary_failed=self.on_canary_failed)
         try:
             with self.progress.logging():
                 dispatcher.run()
@@ -413,13 +419,11 @@ class JobRun:
         finally:
             self.progress.close()
             self._settle_snapshot()       # a stale snapshot must not land after the final write
-            self.shards = dispatcher.submitted
+            self.shards, self.canaries = dispatcher.submitted, dispatcher.canaries
         self.t_done = self.clock()
         self.driver_cpu_s = time.process_time() - self.cpu_start
 
-    def on_rows(self, rows: list[dict]) -> None:
-        """A shard's rows: recorded (one object), counted, and a snapshot started when one is due
-        (at most one at a time)."""
+    def _record(self, rows: list[dict]) -> None:
         try:
             self.results.add(rows)
         except OSError as e:     # the record cannot be written: nothing further can count
@@ -427,6 +431,11 @@ class JobRun:
             raise PersistentFault(f"the job's record could not be written ({first_line(e)}). "
                                   f"Finished outputs are kept: fix the storage and rerun the "
                                   f"same command to resume.")
+
+    def on_rows(self, rows: list[dict]) -> None:
+        """A shard's rows: recorded (one object), counted, and a snapshot started when one is due
+        (at most one at a time)."""
+        self._record(rows)
         self.progress.update(len(rows))
         now = self.clock()
         n_ok, n_failed = self.timeline[-1][1:] if self.timeline else (0, 0)
@@ -438,6 +447,24 @@ class JobRun:
                 self.pending is None or self.pending.done()):
             self.pending = self.snapshots.submit(self._snapshot)
             self.last_snapshot = now
+
+    def on_canary_failed(self, slot, verdict: dict, rows: list[dict], suspect: list[str]) -> None:
+        """A worker failed its canary: `rows`, ok rows it returned since its last good canary,
+        recorded again as suspect; the failure named (worker, node, GPU) in the log and, at the
+        end, in the summary and report."""
+        from .canary import describe, where
+        self._record(rows)
+        now = self.clock()
+        if self.timeline:            # they were counted ok
+            _, n_ok, n_failed = self.timeline[-1]
+            self.timeline.append((now - self.t_start, n_ok - len(rows), n_failed + len(rows)))
+        dev = verdict.get("device") or {}
+        self.canary_failures.append(dict(rank=slot.rank, at_s=round(now - self.t_start, 1),
+                                         device=dev, verdict=describe(verdict),
+                                         suspect=len(suspect), suspect_ids=suspect[:10]))
+        log.error("worker %d (%s) failed its canary (%s): it is stopped; its %d outputs made since "
+                  "its last good canary are marked suspect (%s): a rerun regenerates them",
+                  slot.rank, where(dev), describe(verdict), len(suspect), _few(suspect, 5))
 
     def _snapshot(self) -> None:
         """results.parquet and report.html so far, off the dispatch loop's thread (a full rewrite
@@ -586,6 +613,7 @@ class JobRun:
                           steady_items_per_s=self.steady_items / (self.t_done - self.t_all_ready))
         timing["aborted"] = self.aborted
         timing["skipped_empty"] = self.skipped   # rows never run: empty prompts, on_empty=skip
+        timing.update(canaries=self.canaries, canary_failures=self.canary_failures)
         return timing
 
     def _metrics(self) -> list[dict]:
@@ -655,6 +683,9 @@ def _report(job_dir: str, *args, **kw) -> None:
 
 
 def _log_plan(plan: Plan, job_dir: str) -> None:
+    if plan.suspect:
+        log.warning("%d outputs are suspect (a worker's canary failed after it made them): "
+                    "regenerating them: %s", len(plan.suspect), _few(plan.suspect, 5))
     if plan.changed:
         log.warning("%d rows changed since their outputs were made (%s): regenerating them",
                     len(plan.changed), plan.changed_by_file())
@@ -683,7 +714,8 @@ def _dry_run(cfg, job, items) -> dict:
     stale = sum(map(len, plan.stale.values()))     # old outputs of changed rows, removed first
     lines = [f"dry run of {out.job_dir}"
              + (" (output.overwrite=true: everything regenerated)" if cfg.output.overwrite else "") + ":",
-             f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed{changed})",
+             f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed{changed}"
+             + (f", {len(plan.suspect)} suspect" if plan.suspect else "") + ")",
              *([f"  {stale} old outputs of changed rows would be removed before they run: "
                 f"{_few(sorted(plan.stale), 5)}"] if stale else []),
              f"  {len(plan.done)} already done",
@@ -710,7 +742,8 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool) -> WorkerConfig:
                         step_cache=job["step_cache"], encode_batch=job["run"].shard_size,
                         num_threads=None if on_gpu else job["ray"].cpus_per_worker,
                         cache_wait_s=job["ray"].worker_start_timeout_s,
-                        max_image_bytes=job["prompts"].max_image_bytes)
+                        max_image_bytes=job["prompts"].max_image_bytes, canary=job["run"].canary,
+                        canary_min_psnr_db=job["run"].canary_min_psnr_db)
 
 
 def _open_results(cfg, out) -> Results:

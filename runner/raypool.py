@@ -8,9 +8,12 @@ Contract:
   `worker_config(on_gpu)`, spread over nodes, never restarted by Ray itself (the dispatcher decides).
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
 - The Pool calls map one to one onto actor calls (`warmup`, `start_shard` + `finish_shard`,
-  `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into `TaskError` (our code raised in the worker:
-  its cause, `Type: message`) or `WorkerLost` (the actor or its node is gone); `stop` kills and
-  waits until each actor's process is gone, so nothing it writes lands after the caller goes on.
+  `canary`, `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
+  `TaskError` (our code raised in the worker: its cause, `Type: message`) or `WorkerLost` (the
+  actor or its node is gone: what it died of, `lost_cause`: its first line a cause that deaths
+  share, "out of memory: ..." when it was killed for memory, the particulars on the next); `stop`
+  kills and waits until each actor's process is gone, so nothing it writes lands after the caller
+  goes on.
 - Only this module (and the worker's side: `runner.worker`, `runner.compile_cache`) imports Ray:
   the job, the dispatcher and the progress display run, and are tested, without it.
 """
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Any, Callable
 
 import ray
 
+from . import oom
 from .config import RayOptions
 from .dispatch import TaskError, WorkerLost, cause
 
@@ -35,6 +40,8 @@ class RayPool:
 
     def __init__(self, make_actor: Callable[[int], Any], size: int):
         self.make_actor, self.size = make_actor, size
+        self.warming: dict[Any, Any] = {}    # warm-up ref -> its actor, until its result is read
+        self.memory: dict[str, dict | None] = {}   # actor id -> its `oom.baseline` (ready info)
 
     @classmethod
     def open(cls, opts: RayOptions, gpu: bool, worker_config: Callable[[bool], Any],
@@ -59,10 +66,15 @@ class RayPool:
 
     def start(self, rank: int) -> tuple[Any, Any]:
         actor = self.make_actor(rank)
-        return actor, actor.warmup.remote()
+        ref = actor.warmup.remote()
+        self.warming[ref] = actor
+        return actor, ref
 
     def submit(self, actor, seq: int, items: list) -> tuple[Any, Any]:
         return actor.start_shard.remote(seq, items), actor.finish_shard.remote(seq)
+
+    def canary(self, actor, seq: int) -> Any:
+        return actor.canary.remote(seq)
 
     def phases(self, actor, since: int) -> Any:
         return actor.phases.remote(since)
@@ -80,16 +92,22 @@ class RayPool:
 
     def result(self, ref) -> Any:
         errors = ray.exceptions
+        actor = self.warming.pop(ref, None)
         try:
-            return ray.get(ref)
+            value = ray.get(ref)
         except errors.RayError as e:
             # a RayTaskError wraps our code's exception; a dead actor is no such thing even in the
             # Ray versions where RayActorError subclasses RayTaskError
             if isinstance(e, errors.RayTaskError) and not isinstance(e, errors.RayActorError):
                 raise TaskError(cause(e)) from e
-            raise WorkerLost(cause(e)) from e
+            raise WorkerLost(lost_cause(e, self.memory.get(getattr(e, "actor_id", None)))) from e
+        if actor is not None and isinstance(value, dict):      # a warm-up's ready info
+            self.memory[actor._actor_id.hex()] = value.get("memory")
+        return value
 
     def kill(self, actor) -> None:
+        for ref in [r for r, a in self.warming.items() if a is actor]:
+            del self.warming[ref]
         try:
             ray.kill(actor, no_restart=True)
         except Exception:              # already gone: nothing left to stop
@@ -125,6 +143,50 @@ class RayPool:
         and the repeats it held back, when it disconnects, which was at the process's exit."""
         os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"     # read when such an error is dropped
         ray.shutdown()
+
+
+# Ray 2.60's texts (measured: a SIGKILL, SIGSEGV and os._exit(70) all read "connection error code
+# 2. End of file"; a Python exit "exits with an exit code N"; the memory monitor raises
+# OutOfMemoryError "... killed due to the node running low on memory. Memory on the node (...) was
+# 1.61GB used / 23.54GB limit ...", and ActorDiedError says NODE_OUT_OF_MEMORY for its other calls).
+_EXIT = re.compile(r"Worker exit type: (\w+) Worker exit detail: (.*?\.)(?=\s|$)")
+_NODE_MEMORY = re.compile(r"Memory on the node \(IP: ([^,]+),.*?\) was ([^(]*?) \(")
+_WHERE = re.compile(r"\tpid: (\d+)\n(?:.*\n)*?\tip: (\S+)")
+_KILLED_PID = re.compile(r"Selected to kill: .*?\bpid=(\d+)")       # the memory monitor's choice
+
+
+def lost_cause(e: Exception, memory: dict | None = None) -> str:
+    """What a lost worker died of, from Ray's error: a first line that names the cause alone (the
+    summary groups rows by it: no pid, address or figure), the particulars on a second. A process
+    killed without a word (SIGKILL, a crash) whose memory cgroup counted an out-of-memory kill
+    since it became ready (`memory`, its `oom.baseline`; read when it ran on this machine) was
+    killed for memory."""
+    text = str(e)
+    exit_ = _EXIT.search(text)
+    where = _WHERE.search(text)
+    at = f"worker pid {where.group(1)} on {where.group(2)}" if where else "the worker"
+    killed_for_memory = exit_ is not None and exit_.group(1) == "NODE_OUT_OF_MEMORY"
+    if isinstance(e, ray.exceptions.OutOfMemoryError) or killed_for_memory:
+        node, pid = _NODE_MEMORY.search(text), _KILLED_PID.search(text)
+        if pid and node and not where:
+            at = f"worker pid {pid.group(1)} on {node.group(1)}"
+        detail = f"node {node.group(1)}: {node.group(2)}" if node else (
+            exit_.group(2) if exit_ else text.splitlines()[0][:300])
+        return (f"out of memory: Ray's memory monitor killed the worker (RAY_memory_usage_threshold)"
+                f"\n{at}; {detail}")
+    if exit_ and "connection error code" in exit_.group(2):
+        counted = oom.killed(memory)
+        if counted:
+            return (f"out of memory: the kernel's out-of-memory killer ended the worker"
+                    f"\n{at}; {counted}")
+        return (f"the worker process ended without an error of its own: killed (SIGKILL; the "
+                f"kernel's out-of-memory killer does that too) or crashed (SIGSEGV, a CUDA error)"
+                f"\n{at}; Ray: {exit_.group(1)}: {exit_.group(2)}")
+    if exit_:
+        return f"the worker process ended: {exit_.group(2)}\n{at}; Ray: {exit_.group(1)}"
+    if "killed by `ray.kill`" in text:
+        return f"the worker was killed (ray.kill)\n{at}"
+    return cause(e)
 
 
 class _StartedOffTheMainThread(logging.Filter):

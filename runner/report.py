@@ -46,7 +46,7 @@ import numpy as np
 
 from .outputs import atomic_path, write_json
 from .results import group_errors
-from .summary import not_ready_text
+from .summary import canary_lines, not_ready_text
 from .storage import Store, resolve
 
 log = logging.getLogger("runner")
@@ -80,7 +80,7 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics, (summary or {}).get("workers_not_ready") or ()),
-        failures=_failure_list(rows),
+        failures=_failure_list(rows) + _suspect_list(summary or {}),
         gallery="\n".join(_entry(job_dir, r, deadline, store, no_thumb) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
@@ -356,7 +356,7 @@ def _entry(job_dir: str, r: dict, deadline: float | None, store: Store | None = 
         pic = (f"<a href='{_url(r['output'])}'><img src='{_url(thumb)}' loading='lazy' "
                f"alt='{html.escape(r['id'], True)}'></a>")
     else:
-        pic = f"<div class='nopic'>{'failed' if not ok else 'preview pending'}</div>"
+        pic = f"<div class='nopic'>{html.escape(str(r.get('status'))) if not ok else 'preview pending'}</div>"
     video = "<span class='badge'>video</span>" if str(r.get("output") or "").endswith(".mp4") else ""
     err = "" if ok else f"<pre class='error'>{html.escape(str(r.get('error') or '?'))}</pre>"
     return (f"<figure class='item {'ok' if ok else 'failed'}' id='item-{html.escape(r['id'], True)}'>"
@@ -380,8 +380,10 @@ def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
         s.get("model") and f"model {s['model']} ({s.get('source')})",
         s.get("compile_mode") and f"compile {s['compile_mode']}",
         time.strftime("updated %Y-%m-%d %H:%M UTC", time.gmtime())) if x)
+    suspect = sum(1 for r in rows if r.get("status") == "suspect")
     stats = [("outputs ok", f"{ok} / {total}"), ("failed", failed),
-             ("not run", s.get("not_run", total - ok - failed)),
+             *([("suspect", suspect)] if suspect else []),
+             ("not run", s.get("not_run", total - ok - failed - suspect)),
              ("workers", s.get("workers", len(metrics)) or "-")]
     if not running:
         stats += [("ready after", _secs(s.get("startup_s"))),
@@ -391,7 +393,7 @@ def _header(rows: list[dict], s: dict, metrics: list[dict]) -> str:
                   ("worker restarts", s.get("worker_restarts", 0))]
         if s.get("resumed"):
             stats.append(("done by an earlier run", s["resumed"]))
-    cards = "".join(f"<div class='stat{' bad' if k == 'failed' and v else ''}'><b>{html.escape(str(v))}"
+    cards = "".join(f"<div class='stat{' bad' if k in ('failed', 'suspect') and v else ''}'><b>{html.escape(str(v))}"
                     f"</b><span>{k}</span></div>" for k, v in stats)
     return (f"<span class='state {state}'>{state}</span><p class='sub'>{line}</p>"
             f"<div class='stats'>{cards}</div>")
@@ -450,6 +452,15 @@ def _failure_list(rows: list[dict]) -> str:
                     f"{html.escape(', '.join(ids[:20]))}{' ...' if len(ids) > 20 else ''}</li>"
                     for cause, ids in groups)
     return f"<h2>Failures</h2><ul class='failures'>{items}</ul>"
+
+
+def _suspect_list(s: dict) -> str:
+    """Each worker whose canary failed: where it ran (host, node, GPU) and its suspect outputs."""
+    lines = canary_lines(s)
+    if not lines:
+        return ""
+    return ("<h2>Suspect outputs</h2><ul class='failures'>"
+            + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
 
 
 def _timeline(assets: str, timeline: list | None) -> list:

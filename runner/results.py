@@ -17,10 +17,12 @@ Contract:
   latest row of an id wins), written atomically.
 - Every row records what its output was made from: the row's parameters (`prompts.PARAMS`) and
   `settings`, a short hash of the job settings that shape every output (`settings_id`).
-- A row's `status`: `ok` (its output is `output`), `failed` (`error` says why), or `changed`: its
+- A row's `status`: `ok` (its output is `output`), `failed` (`error` says why), `changed`: its
   inputs changed since its output was made, and that output was removed before regenerating it
   (`Results.retire`, called before the changed rows are dispatched), so that no file made from
-  old inputs stays under the row's name if the regeneration fails or never runs.
+  old inputs stays under the row's name if the regeneration fails or never runs; or `suspect`:
+  its output (still under `output`) was made by a worker after its last good canary, before one
+  that failed (`runner.canary`): not done, so a rerun regenerates it.
 - Failure reasons group by cause (`group_errors`): the first line of `error`, with the paths and
   URIs it names, the row's own id and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
@@ -214,6 +216,7 @@ class Plan:
     changed: list = field(default_factory=list)   # items whose recorded parameters differ
     gone: list = field(default_factory=list)      # ids with an ok output, no longer in the input
     stale: dict = field(default_factory=dict)     # changed id -> its media files made from old inputs
+    suspect: list = field(default_factory=list)   # ids whose output a failed canary put in doubt
 
     def changed_by_file(self) -> str:
         counts: dict[str, int] = {}
@@ -266,6 +269,8 @@ class Results:
                 plan.changed.append(it)
             elif r["status"] == "ok" and media.get(_media_name(r["output"]), 0) > 0:
                 plan.done.add(it.id)
+            elif r["status"] == "suspect":
+                plan.suspect.append(it.id)
         if plan.changed:         # their files under their names: made from the old inputs
             by_id: dict[str, list[str]] = {}
             for name in media:

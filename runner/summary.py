@@ -8,10 +8,12 @@ slots; `metrics` the workers' `metrics()` that came back; `timing` the run's fig
 generate_s, span_s, driver_cpu_s, driver_startup_cpu_s, shards, and all_ready_s /
 steady_items_per_s when every worker served; aborted, skipped_empty). Every time "at X s" is
 seconds since the job started (`JobRun`'s start, after the input checks), the clock of the log's
-"worker k: ready at X s". A row is ok, failed, or not run:
-never generated, or `changed` (its old output removed, its regeneration not run). Failures are
-grouped by cause (`results.group_errors`). `work_after` is the steady-rate rule (see its
-docstring).
+"worker k: ready at X s". A row is ok, failed, suspect (made by a worker after its last good
+canary, before one that failed: `canary_failures` names each such worker, its node and GPU), or
+not run: never generated, or `changed` (its old output removed, its regeneration not run).
+Failures are grouped by cause (`results.group_errors`). `work_after` is the steady-rate rule (see
+its docstring). `canary_s` and `canary_share`: the workers' seconds in canaries after the first,
+and their share of the workers' serving time.
 
 Times run from the driver's start of the run (`JobRun`: after the config, prompt checks and resume
 plan, before the pool and Ray start) to the dispatch loop's end (the last rows in): `startup_s` to
@@ -111,10 +113,15 @@ def summarize(head: dict, n_items: int, table: list[dict], slots, metrics: list[
     ok = sum(r["status"] == "ok" for r in table)
     groups = group_errors(failed_rows(table))
     failed = sum(len(ids) for _, ids in groups)
+    suspect = [r["id"] for r in table if r["status"] == "suspect"]
     gen_s = timing["generate_s"]
+    canary_s = sum(m.get("canary_s") or 0.0 for m in metrics)
+    serving_s = sum(m.get("serving_s") or 0.0 for m in metrics)
     return dict(
         **head, workers=served(slots, metrics), items=n_items, ok=ok, failed=failed,
-        not_run=n_items - ok - failed, resumed=resumed,
+        suspect=len(suspect), suspect_ids=suspect[:MAX_IDS],
+        not_run=n_items - ok - failed - len(suspect), resumed=resumed,
+        canary_s=canary_s, canary_share=canary_s / serving_s if serving_s else None,
         changed_not_run=sum(r["status"] == "changed" for r in table),
         worker_restarts=sum(s.restarts for s in slots), interrupted=interrupted,
         errors={cause: len(ids) for cause, ids in groups},        # by cause, largest first
@@ -131,6 +138,20 @@ def summarize(head: dict, n_items: int, table: list[dict], slots, metrics: list[
     )
 
 
+def canary_lines(s: dict) -> list[str]:
+    """Each failed canary: the worker, where it ran (host, node, GPU), what differed and the
+    outputs marked suspect (summary.txt, report.html)."""
+    from .canary import where
+    lines = []
+    for f in s.get("canary_failures") or ():
+        ids = ", ".join(f["suspect_ids"]) + (" ..." if f["suspect"] > len(f["suspect_ids"]) else "")
+        lines.append(f"SUSPECT: worker {f['rank']} ({where(f['device'])}) failed its canary at "
+                     f"{f['at_s']:.1f} s ({f['verdict']}); it was stopped, and the {f['suspect']} "
+                     f"outputs it made since its last good canary are marked suspect"
+                     + (f": {ids}" if ids else "") + "; a rerun regenerates them")
+    return lines
+
+
 def failed_rows(table: list[dict]) -> list[dict]:
     """The rows that failed (a `changed` row not regenerated is not run, not failed)."""
     return [r for r in table if r["status"] == "failed"]
@@ -139,7 +160,8 @@ def failed_rows(table: list[dict]) -> list[dict]:
 def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
     table_txt = format_table(s["workers_detail"], COLUMNS) + "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{s['items_per_s']:.3g} items/s" if s["items_per_s"] else "-"
-    text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed"
+    suspect = f", {s['suspect']} suspect" if s.get("suspect") else ""
+    text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed{suspect}"
             f", {s['not_run']} not run ({s['resumed']} done by an earlier run)"
             f"{', INTERRUPTED' if s['interrupted'] else ''}; model {s['model']} "
             f"({s['source']}), compile {s['compile_mode']}\n"
@@ -166,6 +188,7 @@ def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
+    text += "".join(f"\n{line}\n" for line in canary_lines(s))
     failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
     if failures:   # last: what the user acts on (the console's last lines)
         text += ("\nfailures by cause (a rerun retries them):\n"

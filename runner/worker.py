@@ -49,7 +49,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import images, step_cache
+from . import canary, images, oom, step_cache
 from .config import WorkerConfig
 from .families import Family
 from .models import ModelSpec, build_pipeline, check_gpu_memory
@@ -188,6 +188,10 @@ class WorkerContract(Protocol):
     def finish_shard(self, seq: int) -> list[dict]:
         """Shard `seq`'s result rows, once its files are complete under their final names."""
 
+    def canary(self, seq: int) -> dict:
+        """At turn `seq` of the shards: the canary batch again against the worker's first
+        (`runner.canary`); the verdict."""
+
     def metrics(self) -> dict:
         """The worker's performance figures."""
 
@@ -236,7 +240,10 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
                       model_load_s=time.perf_counter() - t0, items=0, failed=0, steps=0,
-                      steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0))
+                      steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0),
+                      canaries=0, canary_s=0.0, canary_ref_s=None)
+        self.device = canary.device(self.cuda, self.m["node_id"])   # named by a failed canary
+        self._reference: np.ndarray | None = None     # the canary batch as first made (uint8)
         self.ready_at = None
         self._window = [None, None]           # first batch start, last batch on the host
         self._gpu_idle_since = time.perf_counter()
@@ -291,6 +298,13 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 ray.get(self.broker.publish.remote(cache["cache_key"], None))  # waiters: compile
             raise
         self._sync()
+        if self.cfg.canary:                  # the reference, with the graphs the job will run
+            t_ref = time.perf_counter()
+            self._reference, finite = self._canary_output()
+            if not finite:
+                raise FloatingPointError("the canary batch (the job's default shape) is not "
+                                         "finite: this worker's model or GPU computes NaN or inf")
+            self.m["canary_ref_s"] = time.perf_counter() - t_ref
         t_end = time.perf_counter()
         self.m["compile_mode"] = opts.mode
         self.m["warmup_s"] = t_end - t0
@@ -302,7 +316,10 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.ready_at = self._gpu_idle_since = time.perf_counter()
         keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
                 "warmup_with_cache_s", "cache_hit", "cache_wait_s")
-        return {k: self.m[k] for k in keys if k in self.m}
+        # where the kernel counts this process's out-of-memory kills (the driver reads it again
+        # if the worker dies: runner.oom)
+        return {**{k: self.m[k] for k in keys if k in self.m}, "memory": oom.baseline(),
+                "device": self.device}
 
     def _record_compile(self, cache, t0: float, t_compile: float, t_end: float) -> None:
         # Warm-up from the moment compiling (or loading the artifact) starts; waiting for the
@@ -338,7 +355,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         if not self.cfg.warmup_steps:
             return
         g = self.cfg.generation
-        items = [Item(id="warmup", prompt="warm up", negative_prompt=g.negative_prompt, seed=k,
+        items = [Item(id="warmup", prompt=canary.PROMPT, negative_prompt=g.negative_prompt, seed=k,
                       height=g.height, width=g.width, num_frames=self._warmup_frames(),
                       guidance_scale=g.guidance_scale,
                       num_inference_steps=step_cache.warmup_steps(   # a reused step too, if any
@@ -422,8 +439,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         """Ray entry, part 1. The driver numbers its shards for this worker 0, 1, 2, ... and calls
         `start_shard` then `finish_shard` for each; the actor is threaded, so calls may arrive on
         different threads, and this turnstile queues the GPU work in `seq` order. Returns once the
-        shard's GPU work is done: a worker that dies after that did not die of this shard's
-        prompts (see dispatch.py)."""
+        shard's GPU work is done."""
         with self._turn:
             self._turn.wait_for(lambda: self._next_seq == seq)
             run = self._runs[seq] = self.submit(items)
@@ -442,6 +458,49 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         finally:
             with self._turn:
                 del self._runs[seq]
+
+    def canary(self, seq: int) -> dict:
+        """Ray entry: at turn `seq` of this worker's shards (after the GPU work of those before
+        it, before that of those after), the canary batch again, compared with the reference
+        (`runner.canary.compare`): the verdict, with its seconds and this worker's device."""
+        if self._reference is None:
+            raise RuntimeError("no canary reference: this worker was started with run.canary off")
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_seq == seq)
+            check = self._gpu.submit(self._canary_check)
+            self._next_seq += 1
+            self._turn.notify_all()
+        return check.result()
+
+    def _canary_check(self) -> dict:
+        """gpu thread. Its seconds are the canary's own (neither a stage nor waiting)."""
+        t0 = time.perf_counter()
+        try:
+            out, finite = self._canary_output()
+        except Exception as e:
+            _fatal(e)          # a CUDA error poisons the context: the process exits (see _fatal)
+            raise
+        verdict = canary.compare(self._reference, out, finite,
+                                 exact=self.cfg.compile.options.lossless,
+                                 min_psnr_db=self.cfg.canary_min_psnr_db)
+        seconds = time.perf_counter() - t0
+        self._gpu_idle_since = time.perf_counter()
+        with self._lock:
+            self.m["canaries"] += 1
+            self.m["canary_s"] += seconds
+        return {**verdict, "s": seconds, "rank": self.rank, "device": self.device}
+
+    def _canary_output(self) -> tuple[np.ndarray, bool]:
+        """gpu thread: the canary batch as the job's batches are made (the same call, conversion
+        and graphs), uint8 on the host, and whether it was finite."""
+        g = self.cfg.generation
+        items = canary.items(g, self._warmup_frames(), self.cfg.batch_size)
+        image = images.placeholder(g.width, g.height) if self.family.image == "required" else None
+        with torch.inference_mode():
+            x = generate(self.pipe, self.family, items, self.spec.device,
+                         mask_feature=self.spec.mask_feature, output_type="pt", image=image)
+            u8, finite = to_host_uint8(x, pin=False)
+        return u8.cpu().numpy(), bool(finite.all())
 
     def _generate(self, batch: list[Item], enc: Future | None = None,
                   image: Future | None = None) -> list[Generated]:

@@ -185,6 +185,62 @@ def full_disk(path, size: str = "4k"):
         yield path
 
 
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A new memory cgroup limited to `limit_bytes`, under this process's own (cgroup v1's memory
+    controller, or v2 where the memory controller is enabled for children): its directory, which
+    a process joins by writing its pid to `cgroup.procs`; removed after (once its processes are
+    gone: 10 s at most). Skipped, with the reason, where none can be made (not root, no memory
+    controller, a read-only /sys/fs/cgroup)."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError as e:
+        pytest.skip(f"no cgroups here ({e})")
+    parents = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            parents.append(("v1", os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))))
+        elif controllers == "":
+            d = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+            try:
+                if "memory" in open(os.path.join(d, "cgroup.subtree_control")).read().split():
+                    parents.append(("v2", d))
+            except OSError:
+                pass
+    if not parents:
+        pytest.skip("no memory cgroup controller this process may divide (cgroup v1 memory, or v2 "
+                    "with memory in cgroup.subtree_control)")
+    version, parent = parents[0]
+    d = os.path.join(parent, f"runner-test-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(d)
+        with open(os.path.join(d, "memory.limit_in_bytes" if version == "v1" else "memory.max"),
+                  "w") as f:
+            f.write(str(limit_bytes))
+        if version == "v1":          # no swap either (where swap accounting exists)
+            with contextlib.suppress(OSError):
+                with open(os.path.join(d, "memory.memsw.limit_in_bytes"), "w") as f:
+                    f.write(str(limit_bytes))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+        pytest.skip(f"cannot make a memory cgroup under {parent} ({e}; needs root and a "
+                    f"writable /sys/fs/cgroup)")
+    try:
+        yield d
+    finally:
+        deadline = time.time() + 10
+        while True:
+            try:
+                os.rmdir(d)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
 def compile_cache() -> str:
     """The session's compile cache directory (Inductor's and Triton's caches under it, as
     `compiler.cache.configure_cache_dir` lays them out): every in-process compile of the session

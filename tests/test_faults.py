@@ -11,7 +11,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import GUARD_S, fault_env, fill_disk, ray_workers_of, tmpfs
+from conftest import GUARD_S, fault_env, fill_disk, memory_cgroup, ray_workers_of, tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.e2e
@@ -88,6 +88,95 @@ def test_worker_process_killed_from_outside(job):
     out, err = p.communicate(timeout=GUARD_S)
     assert p.returncode == 0, err[-3000:]
     assert_complete(job["dir"])
+
+
+def three_rows(write_prompts, tmp_path, poison: str, *extra):
+    """good1, <poison>, good2 on one CPU worker, shards of 1 (the order they run in)."""
+    ids = ["good1", poison, "good2"]
+    p = write_prompts({"prompt": ["a red fox", "the row that kills", "a city at night"], "id": ids})
+    out = tmp_path / "out"
+    return ["job=demo_image", f"prompts.path={p}", f"output.dir={out}", "job.name=j",
+            "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
+            "run.shard_size=1", "run.batch_size=1", "output.results_every_s=0",
+            "ray.cpu_workers=1", *extra], out / "j", p
+
+
+def assert_failed_alone(job_dir, poison: str, prompts: str, cause: str):
+    """Every row but `poison` ok with its file; `poison` failed at its second death, its error
+    naming the cause (first line: what the summary groups by), then its id and input."""
+    table = {r["id"]: r for r in rows(job_dir)}
+    assert {i: r["status"] for i, r in table.items()} == {
+        "good1": "ok", poison: "failed", "good2": "ok"}
+    assert sorted(os.listdir(os.path.join(job_dir, "media"))) == ["good1.png", "good2.png"]
+    first, second, *_ = table[poison]["error"].splitlines()
+    assert first.startswith(f"killed its worker 2 times (run.max_row_deaths=2): {cause}"), first
+    assert second == f"row '{poison}' ({prompts}:1): prompt 'the row that kills'"
+    summary = json.load(open(os.path.join(job_dir, "summary.json")))
+    assert (summary["ok"], summary["failed"], summary["worker_restarts"]) == (2, 1, 2)
+    assert f"1 x {first[:60]}" in open(os.path.join(job_dir, "summary.txt")).read()
+    return table[poison]["error"]
+
+
+def test_a_row_that_kills_its_one_worker_fails_alone_and_the_job_goes_on(tmp_path, write_prompts):
+    """Issue 47: one worker, shards of 1, a row whose worker process dies (SIGKILL) each time it
+    takes it: the job ended with exit 2, "every worker is gone", after 4 deaths and never ran
+    the third row. Now: the row is failed at its second death, the job goes on: exit 1."""
+    args, job_dir, prompts = three_rows(write_prompts, tmp_path, "poison",
+                                        "ray.max_worker_restarts=1")
+    t0 = time.time()
+    code, out, err = cli(args, faults="kill:poison")
+    assert code == 1, err[-4000:]
+    assert_failed_alone(job_dir, "poison", prompts, "the worker process ended without an error "
+                                                    "of its own: killed (SIGKILL")
+    assert "every worker is gone" not in err
+    print(f"3 rows, 3 worker starts: {time.time() - t0:.0f} s")
+
+
+def test_a_row_that_runs_its_worker_out_of_memory_fails_naming_it(tmp_path, write_prompts):
+    """The same with a real out-of-memory kill: the worker process joins a memory cgroup of its
+    own (768 MiB; the driver and Ray stay outside) and the row allocates past it, so the kernel's
+    out-of-memory killer ends it. Ray says of that only what it says of any SIGKILL; the worker's
+    cgroup counted the kill, which names it: "out of memory"."""
+    args, job_dir, prompts = three_rows(write_prompts, tmp_path, "hungry")
+    with memory_cgroup(768 << 20) as cgroup:
+        code, out, err = cli(args, faults=f"cgroup:{cgroup},oom:hungry")
+        assert code == 1, err[-4000:]
+        error = assert_failed_alone(job_dir, "hungry", prompts, "out of memory: the kernel's "
+                                                               "out-of-memory killer ended the worker")
+        assert f"memory cgroup {cgroup}, limit 0.75 GiB: oom_kill 1 -> 2" in error   # 2nd death
+        assert "out of memory" in err and "giving up on row hungry" in err
+
+
+def test_a_worker_whose_outputs_change_is_caught_by_its_canary_and_a_rerun_redoes_them(job):
+    """The real CLI on Ray, one worker, shards of 2, a canary every 4 items; the worker process
+    starts computing wrong after its 6th item (tests/faults: `drift`, its canaries too). Its
+    canary after p00-p03 passes; the one after p04-p07 fails: those outputs (and any made after
+    it that came back by then) are recorded suspect, naming the worker and its device; it is
+    replaced, and its replacement (which computes right) does the rest: exit 1. A rerun
+    regenerates exactly the suspect outputs."""
+    args = [a for a in job["args"] if not a.startswith("run.shard_size")] + [
+        "run.shard_size=2", "run.canary_every_items=4"]
+    code, out, err = cli(args, faults="drift:6")
+    assert code == 1, err[-4000:]
+    table = {r["id"]: r for r in rows(job["dir"])}
+    suspect = sorted(i for i, r in table.items() if r["status"] == "suspect")
+    assert suspect[:4] == ["p04", "p05", "p06", "p07"] and set(suspect) <= set(IDS[4:10])
+    assert all(table[i]["status"] == "ok" for i in IDS if i not in suspect)
+    error = table["p05"]["error"]
+    assert error.startswith("suspect: worker 0 (host ") and "failed its canary (bit for bit: " in error
+    summary = json.load(open(os.path.join(job["dir"], "summary.json")))
+    assert summary["suspect"] == len(suspect) and summary["worker_restarts"] == 1
+    (failure,) = summary["canary_failures"]
+    assert failure["device"]["pid"] and failure["suspect_ids"] == suspect
+    assert "SUSPECT: worker 0 (host " in open(os.path.join(job["dir"], "summary.txt")).read()
+    media = os.path.join(job["dir"], "media")
+    before = {n: os.stat(os.path.join(media, n)).st_mtime_ns for n in os.listdir(media)}
+    code, out, err = cli(args)
+    assert code == 0, err[-4000:]
+    assert_complete(job["dir"])
+    after = {n: os.stat(os.path.join(media, n)).st_mtime_ns for n in os.listdir(media)}
+    assert sorted(n[:-4] for n in after if after[n] != before[n]) == suspect    # exactly those
+    assert json.load(open(os.path.join(job["dir"], "summary.json")))["resumed"] == 12 - len(suspect)
 
 
 def test_a_disk_filling_mid_job_is_exit_3_with_the_error_last(tmp_path, write_prompts):

@@ -29,18 +29,20 @@ def stop_signals(monkeypatch):
 class Cluster:
     """What `main(start_pool=...)` starts: a SimPool per run, on one virtual clock, its workers
     taking `item_s` per item after `startup_s`, writing each ok output's media file into the job
-    directory. `fate(item)` decides an item (SimPool); `generated` lists every item id handed to
-    a worker (up to the one a worker dies of), `pools` every pool."""
+    directory. `fate(item)` decides an item, `drift` which worker computes wrong (SimPool);
+    `generated` lists every item id handed to a worker (up to the one a worker dies of), `pools`
+    every pool."""
 
-    def __init__(self, fate=None, warm_fate=None, item_s=1.0, startup_s=(5.0, 5.0)):
+    def __init__(self, fate=None, warm_fate=None, item_s=1.0, startup_s=(5.0, 5.0), drift=None):
         self.clock, self.fate, self.warm_fate = VirtualClock(), fate, warm_fate
-        self.item_s, self.startup_s = item_s, startup_s
+        self.item_s, self.startup_s, self.drift = item_s, startup_s, drift
         self.generated, self.pools = [], []
 
     def __call__(self, j, limits) -> SimPool:
         pool = SimPool(j["ray"].num_workers or j["ray"].cpu_workers, self.item_s, self.clock,
                        jitter=0.0, startup_s=self.startup_s, fate=self._fate,
-                       warm_fate=self.warm_fate, media=resolve(j["output"].job_dir))
+                       warm_fate=self.warm_fate, media=resolve(j["output"].job_dir),
+                       drift=self.drift)
         self.pools.append(pool)
         return pool
 
@@ -156,26 +158,115 @@ def test_a_worker_dying_mid_job_loses_nothing_and_is_replaced(prompts, tmp_path,
 
 
 def test_poison_rows_are_recorded_failed_and_their_neighbours_succeed(prompts, tmp_path):
-    """p07 kills its worker every time (retried alone, then given up); p02's output is not finite
-    (a failed row from a living worker); p09 raises in the worker every time: each fails alone."""
+    """p07 kills its worker every time (run alone after its first death, failed at its second);
+    p02's output is not finite (a failed row from a living worker); p09 raises in the worker every
+    time: each fails alone."""
     fates = {"p07": "die", "p02": "fail:FloatingPointError: non-finite values in the output of 'p02'",
              "p09": "raise:ValueError: bad row"}
     c = Cluster(lambda it: fates.get(it.id, "ok"))
     assert c.main(job_args(prompts, tmp_path, "ray.cpu_workers=2", "run.max_shard_retries=1",
-                           "ray.max_worker_restarts=5")) == 1       # done, some failed
+                           "ray.max_worker_restarts=0")) == 1       # done, some failed
     table = assert_complete(tmp_path / "j", failed={"p07", "p02", "p09"})
     error = {r["id"]: r["error"] for r in table}
-    assert error["p07"] == "failed 2 times: actor died (simulated)"   # 1 try + 1 retry
+    assert error["p07"].startswith("killed its worker 2 times (run.max_row_deaths=2): actor died "
+                                   "(simulated)\nrow 'p07' (")
     assert error["p09"] == "failed 2 times: ValueError: bad row"
     assert "non-finite" in error["p02"]
     s = summary(tmp_path / "j")
-    assert s["failed"] == 3 and s["ok"] == 9
+    assert s["failed"] == 3 and s["ok"] == 9 and s["worker_restarts"] == 2
     assert s["shards"] > 4      # the 4 planned, then the split and retried ones: every hand-out
-    assert "2 x failed 2 times" not in (tmp_path / "j" / "summary.txt").read_text()
-    assert "1 x failed 2 times: actor died" in (tmp_path / "j" / "summary.txt").read_text()
-    # bounded: its shard (its worker's death with two shards in flight charges neither), then
-    # alone until charged twice
-    assert c.generated.count("p07") == 3 and c.generated.count("p09") <= 3
+    text = (tmp_path / "j" / "summary.txt").read_text()
+    assert "1 x killed its worker 2 times (run.max_row_deaths=2): actor died (simulated): p07" in text
+    # bounded: its shard, then alone once
+    assert c.generated.count("p07") == 2 and c.generated.count("p09") <= 3
+
+
+@pytest.mark.parametrize("workers, shard_size, n", [(1, 1, 3), (2, 3, 12)])
+def test_a_row_that_kills_its_worker_every_time_fails_alone_and_the_job_goes_on(
+        tmp_path, write_prompts, capsys, caplog, workers, shard_size, n):
+    """Issue 47: with one worker and shards of 1, the row's worker died, was restarted, took the
+    same row and died again until the restarts were spent: exit 2, "every worker is gone", later
+    rows never ran. Now the row is failed at its second death, naming its id, input and the
+    cause; every other row (of its shard too) is ok; exit 1; the deaths cost no restart budget
+    (ray.max_worker_restarts=1: two restarts happen)."""
+    ids = [f"r{i:02d}" for i in range(n)]
+    bad = ids[n // 2]
+    p = write_prompts({"prompt": [f"prompt {i}" for i in range(n)], "id": ids})
+    c = Cluster(lambda it: "die" if it.id == bad else "ok")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(job_args(p, tmp_path, f"ray.cpu_workers={workers}",
+                               f"run.shard_size={shard_size}", "ray.max_worker_restarts=1")) == 1
+    d = tmp_path / "j"
+    table = assert_complete(d, ids, failed={bad})
+    error = {r["id"]: r["error"] for r in table}[bad]
+    assert error == (f"killed its worker 2 times (run.max_row_deaths=2): actor died (simulated)\n"
+                     f"row '{bad}' ({p}:{n // 2}): prompt 'prompt {n // 2}'")
+    assert c.generated.count(bad) == 2
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["worker_restarts"]) == (n - 1, 1, 2)
+    assert f"giving up on row {bad}: killed its worker 2 times" in caplog.text
+    out = capsys.readouterr().out
+    assert f"1 x killed its worker 2 times (run.max_row_deaths=2): actor died (simulated): {bad}" in out
+
+
+def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_path, capsys,
+                                                                    caplog):
+    """Issue 47: one worker, shards of 2, a canary every 4 items; its GPU goes wrong after its 6th
+    item. Its canary after p00-p03 passes; the one after p04-p07 fails: those 4 outputs (made
+    since the last good canary) are recorded suspect, the worker is stopped and replaced (its
+    unfinished shard p08-p09 goes back as it was), the rest is done by the replacement. The
+    summary, its text and the report name the worker and its GPU; exit 1. A rerun regenerates
+    exactly the suspect outputs."""
+    c = Cluster(drift={0: 6})
+    args = job_args(prompts, tmp_path, "run.shard_size=2", "run.canary_every_items=4")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(args) == 1
+    d = tmp_path / "j"
+    suspect = ["p04", "p05", "p06", "p07"]
+    table = {r["id"]: r for r in rows(d)}
+    assert sorted(i for i, r in table.items() if r["status"] == "suspect") == suspect
+    assert all(table[i]["status"] == "ok" for i in IDS if i not in suspect)
+    assert all(table[i]["output"] == f"media/{i}.png" for i in suspect)     # kept, in doubt
+    error = table["p06"]["error"]
+    assert error.startswith("suspect: worker 0 (host sim, GPU 0 simulated) failed its canary "
+                            "(bit for bit: 50 % of values differ, largest by 40, PSNR 20.0 dB)")
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["suspect"], s["not_run"]) == (8, 0, 4, 0)
+    assert s["suspect_ids"] == suspect and s["worker_restarts"] == 1 and s["canaries"] == 1
+    (failure,) = s["canary_failures"]
+    assert failure["rank"] == 0 and failure["suspect_ids"] == suspect
+    assert failure["device"]["gpu_index"] == "0" and failure["at_s"] == pytest.approx(15, abs=0.1)
+    line = (f"SUSPECT: worker 0 (host sim, GPU 0 simulated) failed its canary at 15.0 s (bit for "
+            f"bit: 50 % of values differ, largest by 40, PSNR 20.0 dB); it was stopped, and the 4 "
+            f"outputs it made since its last good canary are marked suspect: "
+            f"{', '.join(suspect)}; a rerun regenerates them")
+    assert line in (d / "summary.txt").read_text() and line in capsys.readouterr().out
+    assert "<h2>Suspect outputs</h2>" in (d / "report.html").read_text()
+    assert "worker 0 (host sim, GPU 0 simulated) failed its canary" in caplog.text
+    assert c.generated.count("p08") == 2          # handed back as it was, run by the replacement
+
+    c.drift, c.generated = None, []
+    kept = mtimes(d, [i for i in IDS if i not in suspect])
+    with caplog.at_level(logging.INFO, logger="runner"):
+        assert c.main(args) == 0
+    assert sorted(c.generated) == suspect          # exactly the suspect outputs, again
+    assert_complete(d) and mtimes(d, kept) == kept
+    assert "4 outputs are suspect (a worker's canary failed after it made them)" in caplog.text
+
+
+def test_canaries_run_every_k_items_while_there_is_work(tmp_path, write_prompts):
+    """24 items on 2 workers in shards of 2, a canary every 4 items a worker was handed, while
+    the queue holds more: 12 items each, canaries after 4 and 8 (not after 12: nothing left);
+    none fails. Each costs one item's time (1 s) on its worker's GPU."""
+    ids = [f"c{i:02d}" for i in range(24)]
+    c = Cluster()
+    p = write_prompts({"prompt": [f"p {i}" for i in range(24)], "id": ids})
+    assert c.main(job_args(p, tmp_path, "ray.cpu_workers=2", "run.shard_size=2",
+                           "run.canary_every_items=4")) == 0
+    s = summary(tmp_path / "j")
+    assert s["canaries"] == 4 and s["canary_failures"] == [] and s["suspect"] == 0
+    assert [w.canaries for w in c.pools[0].workers] == [2, 2]
+    assert s["canary_s"] == pytest.approx(4.0) and 0 < s["canary_share"] < 0.2
 
 
 def test_a_persistent_fault_stops_the_job_exit_3_and_a_rerun_does_the_rest(prompts, tmp_path,
@@ -198,12 +289,21 @@ def test_a_persistent_fault_stops_the_job_exit_3_and_a_rerun_does_the_rest(promp
 
 
 def test_every_worker_gone_is_exit_2_naming_the_cause(prompts, tmp_path, capsys):
-    c = Cluster(lambda it: "die" if it.id == "p00" else "ok")
-    assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=1",
-                           "run.max_shard_retries=9")) == 2
+    """p00's worker dies once (p00 is not a poison row: it is done later), then no replacement
+    starts (a different start-up error each time): every worker is gone, exit 2."""
+    died = []
+
+    def fate(item):
+        if item.id == "p00" and not died:
+            died.append(1)
+            return "die"
+        return "ok"
+    c = Cluster(fate, warm_fate=lambda rank, attempt: None if attempt == 1 else
+                f"RuntimeError: no GPU ({attempt})")
+    assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=1")) == 2
     err = capsys.readouterr().err
     assert "every worker is gone and none could be restarted" in err and "rerun" in err
-    assert "worker 0: actor died (simulated)" in err
+    assert "worker 0: start-up failed: RuntimeError: no GPU (3)" in err
     assert (tmp_path / "j" / "results.parquet").is_file()      # what finished is in the table
 
 
@@ -274,21 +374,23 @@ def test_a_stop_signal_writes_the_summary_of_what_was_done_and_a_rerun_resumes(
 def test_a_worker_dying_while_writing_leaves_no_partial_output_and_the_rerun_does_the_rest(
         prompts, tmp_path, capsys):
     """Its half-written file stays under a temporary name, which the driver removes; what the
-    record holds is complete and not made again by the rerun."""
+    record holds is complete and not made again by the rerun. p07's worker dies writing it every
+    time: failed at its second death, no file under its name."""
     c = Cluster(lambda it: "die_writing" if it.id == "p07" else "ok")
-    assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=0")) == 2
-    assert "every worker is gone" in capsys.readouterr().err
+    assert c.main(job_args(prompts, tmp_path, "ray.max_worker_restarts=0")) == 1
     d = tmp_path / "j"
     assert not (d / "media" / "p07.png").exists()
     assert [f for f in os.listdir(d / "media") if f.startswith(".tmp-")] == []   # removed
-    done = {r["id"] for r in record_rows(d)}
-    assert "p07" not in done and done
+    done = {r["id"] for r in record_rows(d) if r["status"] == "ok"}
+    assert done == set(IDS) - {"p07"}
     assert sorted(os.listdir(d / "media")) == sorted(f"{i}.png" for i in done)
     kept = mtimes(d, done)
     c.fate = None
+    c.generated.clear()
     assert c.main(job_args(prompts, tmp_path)) == 0
     assert_complete(d)
     assert summary(d)["resumed"] == len(done) and mtimes(d, done) == kept
+    assert c.generated == ["p07"]
 
 
 def test_a_rerun_skips_done_work_a_config_change_is_refused_overwrite_regenerates(prompts, tmp_path,

@@ -407,3 +407,44 @@ def test_a_pretrained_job_from_a_saved_directory(tmp_path):
     rows = w.run_shard(its[:2])
     assert [r["status"] for r in rows] == ["ok", "ok"] and w.spec.source == "pretrained"
     assert all(iio.imread(job_dir / r["output"]).shape == (64, 64, 3) for r in rows)
+
+
+def test_the_canary_is_bit_exact_and_catches_a_weight_gone_wrong(tmp_path):
+    """The real Worker on a tiny model: its canary batch (made when it became ready) comes out bit
+    for bit the same between shards, in turn with them; a weight changed in place (a flipped bit
+    in GPU memory would do the same) is caught at the next canary, naming the device."""
+    import dataclasses
+    cfg = dataclasses.replace(make_worker(tmp_path).cfg, canary=True)
+    w = Worker(0, cfg)
+    ready = w.warmup()
+    assert ready["device"]["host"] and ready["device"]["pid"] == os.getpid()
+    assert w._reference.shape == (2, 64, 64, 3) and w.m["canary_ref_s"] > 0   # batch_size rows
+    w.start_shard(0, items("ab"))
+    ok = w.canary(1)
+    assert ok["ok"] and (ok["rule"], ok["max_abs"], ok["differing"]) == ("bit for bit", 0, 0.0)
+    assert ok["rank"] == 0 and ok["device"] == ready["device"] and ok["s"] > 0
+    assert [r["status"] for r in w.finish_shard(0)] == ["ok", "ok"]
+    with torch.no_grad():
+        weight = next(p for p in w.pipe.transformer.parameters() if p.dim() == 2)
+        weight.view(-1)[:64] *= -1
+    bad = w.canary(2)
+    assert not bad["ok"] and bad["max_abs"] > 0 and 0 < bad["differing"] <= 1
+    m = w.metrics()
+    assert m["canaries"] == 2 and m["canary_s"] >= ok["s"] + bad["s"]
+
+
+def test_a_canary_compares_bit_for_bit_or_within_the_lossy_tolerance():
+    from runner.canary import compare, describe
+    ref = np.full((1, 8, 8, 3), 100, np.uint8)
+    near = ref.copy()
+    near[0, 0, 0, 0] = 101                                    # one value off by one: 66.9 dB
+    assert compare(ref, ref, True, True, 40)["ok"]
+    v = compare(ref, near, True, True, 40)
+    assert not v["ok"] and v["max_abs"] == 1 and v["differing"] == pytest.approx(1 / 192)
+    assert compare(ref, near, True, False, 40)["ok"]          # lossy: PSNR >= 40 dB
+    far = (ref + np.random.default_rng(0).integers(0, 30, ref.shape)).astype(np.uint8)
+    v = compare(ref, far, True, False, 40)
+    assert not v["ok"] and v["psnr_db"] < 40
+    assert describe(v).startswith("PSNR >= 40 dB: ") and "largest by" in describe(v)
+    assert not compare(ref, ref, False, True, 40)["ok"]      # not finite: never passes
+    assert describe(compare(ref, ref, False, True, 40)) == "bit for bit: non-finite values"

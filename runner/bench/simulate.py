@@ -132,12 +132,15 @@ class SimWorker:
     rank: int
     started: float
     ready_at: float
+    attempt: int = 1                       # 1: the slot's first worker, 2: its replacement...
     warm_error: str | None = None          # its warm-up raises this
     dead_at: float | None = None
     busy_until: float = 0.0                # its GPU's work queued until then
     pending: list = field(default_factory=list)   # futures not completed yet
     items: int = 0
     failed: int = 0
+    generated: int = 0                     # items handed to its GPU (canaries not counted)
+    canaries: int = 0
     busy_s: float = 0.0                    # GPU seconds of the shards it ran
     idle_s: float = 0.0                    # closed periods of waiting for work while ready
     ready: bool = False
@@ -148,8 +151,10 @@ class SimPool:
     item: "ok", "fail:<error>" (a failed row, the worker lives: a NaN output), "raise:<error>" (the
     shard raises in the worker: `TaskError`), "die" (the worker dies generating it), "die_writing"
     (it dies writing the shard's files, after its GPU work: half a file under a temporary name).
-    `warm_fate(rank, attempt)` is None or the error its warm-up raises. `media`: a Store to write
-    each ok row's media file into when its shard is delivered (tests; the bench writes none).
+    `warm_fate(rank, attempt)` is None or the error its warm-up raises. `drift`: {rank: n}: that
+    slot's first worker computes wrong after its n-th item, so its canaries fail from then on (a
+    canary takes one item's time on its GPU). `media`: a Store to write each ok row's media file
+    into when its shard is delivered (tests; the bench writes none).
     Everything runs on the caller's thread, inside `wait`; `sim_cpu_s` is the CPU it took."""
 
     def __init__(self, size: int, item_s: float, clock=RealClock(), jitter: float = 0.2,
@@ -157,10 +162,10 @@ class SimPool:
                  deaths_per_min: float = 0.0, shard_size: int = 8,
                  fate: Callable[[Item], str] | None = None,
                  warm_fate: Callable[[int, int], str | None] | None = None,
-                 media=None, seed: int = 0):
+                 media=None, seed: int = 0, drift: dict[int, int] | None = None):
         self.size, self.item_s, self.clock, self.jitter = size, item_s, clock, jitter
         self.startup_s, self.write_s, self.media = startup_s, write_s, media
-        self.fate, self.warm_fate = fate, warm_fate
+        self.fate, self.warm_fate, self.drift = fate, warm_fate, drift or {}
         self.rng = random.Random(seed)
         # a death per shard with this chance: `deaths_per_min` in all at full speed
         self.death_p = deaths_per_min / 60 * shard_size * item_s / size if size else 0.0
@@ -179,7 +184,7 @@ class SimPool:
         t0 = time.thread_time()
         now = self.clock.time()
         attempt = self.attempts[rank] = self.attempts.get(rank, 0) + 1
-        w = SimWorker(rank, now, now + self.rng.uniform(*self.startup_s))
+        w = SimWorker(rank, now, now + self.rng.uniform(*self.startup_s), attempt=attempt)
         w.warm_error = self.warm_fate(rank, attempt) if self.warm_fate else None
         self.workers.append(w)
         f = self._future(w, w.ready_at, self._warmed)
@@ -196,6 +201,22 @@ class SimPool:
             started, finished = self._run_shard(w, items, now)
         self.sim_cpu_s += time.thread_time() - t0
         return started, finished
+
+    def canary(self, w: SimWorker, seq: int) -> SimFuture:
+        now = self.clock.time()
+        if w.dead_at is not None:
+            return self._future(w, now, lambda f: self._set(f, "lost", "killed"))
+        start = max(now, w.busy_until, w.ready_at)
+        w.busy_until = start + self.item_s
+        w.busy_s += self.item_s
+        w.canaries += 1
+        wrong = w.attempt == 1 and self.drift.get(w.rank, math.inf) < w.generated
+        verdict = dict(ok=not wrong, rule="bit for bit", differing=0.5 if wrong else 0.0,
+                       max_abs=40 if wrong else 0, psnr_db=20.0 if wrong else math.inf,
+                       s=self.item_s, rank=w.rank,
+                       device=dict(host="sim", node_id=None, pid=None, gpu_index=str(w.rank),
+                                   gpu_uuid=None, gpu_name="simulated"))
+        return self._future(w, w.busy_until, lambda f: self._set(f, "ok", verdict))
 
     def phases(self, w: SimWorker, since: int) -> SimFuture:
         events = [("warming up", w.ready_at - w.started)][since:]
@@ -253,8 +274,8 @@ class SimPool:
 
     def _set(self, f: SimFuture, state: str, value, watched: bool = True) -> None:
         """`f` completes. `watched`: kept for `wait`'s bulk path until returned (what the driver
-        waits on in bulk: warm-ups, finishes, phases, metrics); a shard's start future is asked
-        for alone (`Dispatcher._value`), when its worker is lost."""
+        waits on in bulk: warm-ups, finishes, phases, metrics); a shard's start future is not
+        waited on."""
         f.state, f.value = state, value
         f.worker.pending.remove(f)
         if watched:
@@ -277,6 +298,7 @@ class SimPool:
         rows, t, death, error, writing = [], start, None, None, None
         die_at = self.rng.randrange(len(items)) if self.rng.random() < self.death_p else None
         for k, it in enumerate(items):
+            w.generated += 1
             fate = self.fate(it) if self.fate else "ok"
             dt = self.item_s * (1 + self.jitter * (2 * self.rng.random() - 1))
             if fate == "die" or k == die_at:
@@ -363,7 +385,8 @@ class SimPool:
                 "warmup_s": w.ready_at - w.started, "steady_it_s": None, "e2e_mean_s": None,
                 "e2e_p95_s": None, "peak_mem_gb": None, "gpu_util": None, "serving_s": serving,
                 "busy_fraction": min(1.0, w.busy_s / serving) if serving else None,
-                "gpu_ms_per_item": None, "time_s": {"denoise": w.busy_s, "wait": self._idle(w, now)}}
+                "gpu_ms_per_item": None, "canaries": w.canaries, "canary_s": w.canaries * self.item_s,
+                "time_s": {"denoise": w.busy_s, "wait": self._idle(w, now)}}
 
     # -- figures -----------------------------------------------------------------------------
 

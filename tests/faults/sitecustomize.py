@@ -10,14 +10,26 @@ two of that module's functions. Faults, comma-separated:
                       `ray.cpu_workers` in its config.yaml) has warmed up: each leaves a marker,
                       named by its job directory, in RUNNER_FAULT_DIR; waits 900 s at most. So
                       every worker serves, however slowly the machine starts them.
-Worker deaths, raising rows and warm-up errors are the simulated pool's (tests/test_jobrun.py);
-the CLI tests kill real processes from outside.
+    kill:<id>         the worker process sends itself SIGKILL when it is about to generate <id>
+                      (a row that kills its worker every time)
+    oom:<id>          the worker allocates memory, 32 MiB at a time, every page touched, when it is
+                      about to generate <id>, until the kernel kills it (4 GiB at most, then
+                      MemoryError): with `cgroup`, the out-of-memory killer's kill
+    cgroup:<dir>      the worker process joins the cgroup <dir> (writes its pid to cgroup.procs)
+                      before it builds its model: a memory limit that is the worker's alone
+    drift:<n>         a GPU that starts computing wrong: once a worker process has generated
+                      more than n items, every output it makes (its canaries too:
+                      `runner.canary`) is brightened by 0.2. Only the first worker of the job to get there (a marker
+                      in RUNNER_FAULT_DIR): its replacement computes right.
+Other worker deaths, raising rows and warm-up errors are the simulated pool's
+(tests/test_jobrun.py); the CLI tests also kill real processes from outside.
 """
 
 import hashlib
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 
@@ -25,22 +37,62 @@ FAULTS = [f.partition(":")[::2] for f in os.environ.get("RUNNER_FAULTS", "").spl
 _JOB_DIR = []    # the worker's job directory, from its first `resolve` call (Worker.__init__)
 
 
+_GENERATED = [0]      # items this process generated (not warm-up or canary items)
+
+
 def _generate_with_faults(generate):
     def wrapped(pipe, family, items, *args, **kwargs):
-        if items[0].file != "warmup":
+        if items[0].file not in ("warmup", "canary"):
             for kind, arg in FAULTS:
                 if kind == "wait_ready":
                     _wait_for_every_worker(timeout_s=900)
                 if kind == "slow":
                     time.sleep(float(arg))
+            for it in items:
+                if ("kill", it.id) in FAULTS:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if ("oom", it.id) in FAULTS:
+                    _eat_memory(limit=4 << 30)
         out = generate(pipe, family, items, *args, **kwargs)
         if items[0].file == "warmup" and _JOB_DIR and "RUNNER_FAULT_DIR" in os.environ:
             open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"{_ready_prefix()}{os.getpid()}"), "w").close()
         for k, it in enumerate(items):
             if ("nan", it.id) in FAULTS:
                 out[k] = float("nan")
+        if items[0].file not in ("warmup", "canary"):
+            _GENERATED[0] += len(items)
+        drift = [int(arg) for kind, arg in FAULTS if kind == "drift"]
+        if drift and _drifting(drift[0]):
+            out = (out + 0.2).clamp(0, 1) if hasattr(out, "clamp") else (out + 0.2).clip(0, 1)
         return out
     return wrapped
+
+
+def _eat_memory(limit: int) -> None:
+    held, chunk = [], 32 << 20
+    while len(held) * chunk < limit:
+        block = bytearray(chunk)
+        block[::4096] = b"x" * len(range(0, chunk, 4096))     # every page resident
+        held.append(block)
+    raise MemoryError(f"allocated {limit} bytes and was not killed")
+
+
+_DRIFT = []   # [True]: this process is the one that computes wrong
+
+
+def _drifting(n: int) -> bool:
+    """Whether this call's output is wrong: the process made more than `n` items (this call's
+    own counted), and it is the job's one drifting worker."""
+    if _GENERATED[0] <= n:
+        return False
+    if not _DRIFT:
+        try:
+            os.close(os.open(os.path.join(os.environ["RUNNER_FAULT_DIR"], "drift"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            _DRIFT.append(True)
+        except FileExistsError:
+            _DRIFT.append(False)
+    return _DRIFT[0]
 
 
 def _ready_prefix() -> str:
@@ -71,6 +123,10 @@ def _resolve_noting_the_job_dir(resolve):
 def _patch(worker):
     # Module functions only: Ray ships an actor class's methods from the driver by value, so a
     # patched method would run the driver's copy.
+    for kind, arg in FAULTS:
+        if kind == "cgroup":
+            with open(os.path.join(arg, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
     worker.generate = _generate_with_faults(worker.generate)
     worker.resolve = _resolve_noting_the_job_dir(worker.resolve)
 
