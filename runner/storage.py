@@ -288,15 +288,24 @@ class Store:
     def atomic_local(self, rel: str):
         """Yields a local temporary path (a `Path`, same suffix as rel, so writers pick the format);
         its content lands at rel only if the block finishes. Local stores: renamed in place, no
-        copy."""
+        copy. Object stores: the file is in a `runner-upload-*` temporary directory, removed
+        once the file is memory-mapped, before the upload starts: an upload on a stalled store
+        outlives its call (`StoreTimeout` cannot cancel it), and its process may end meanwhile
+        without cleaning up (a stopping job's workers are killed, `ray.kill`; a driver ends at
+        once, `job.EXIT_AT_ONCE`)."""
         if self.local:
             with atomic_path(self.path(rel)) as tmp:
                 yield tmp
             return
-        with tempfile.TemporaryDirectory(prefix="runner-upload-") as d:
+        d = tempfile.mkdtemp(prefix="runner-upload-")
+        try:
             tmp = Path(d) / os.path.basename(rel)
             yield tmp
-            self.write_file_atomic(rel, tmp)
+            with pa.memory_map(os.fspath(tmp)) as src:   # the mapping outlives the file's name
+                shutil.rmtree(d)
+                self.write_bytes_atomic(rel, src.read_buffer())
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes_atomic(rel, text.encode())

@@ -298,6 +298,39 @@ def test_calls_on_a_stalled_store_fail_in_bounded_time_naming_the_store(stalled_
     assert store.read_bytes("media/big.mp4") == b"v" * (2 << 20)
 
 
+UPLOADER = """
+import sys
+from runner.storage import resolve
+with resolve(sys.argv[1]).atomic_local("media/a.mp4") as tmp:
+    tmp.write_bytes(b"v" * 100_000)
+    print("written", flush=True)
+"""
+
+
+def test_an_upload_killed_on_a_stalled_store_leaves_no_temporary_file(stalled_s3, tmp_path):
+    """A worker whose upload waits on a stalled store is killed as its job stops (`ray.kill`):
+    nothing of the upload stays in its temp folder."""
+    import psutil
+    import subprocess
+    import sys
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    stalled_s3.pause()
+    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    p = subprocess.Popen([sys.executable, "-c", UPLOADER, f"s3://{stalled_s3.bucket}/job"],
+                         env={**os.environ, "TMPDIR": str(temp)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "written\n"
+        # the upload is under way once its request is sent: a connection to the stopped server
+        assert wait_for(lambda: any(c.raddr and c.raddr.port == port
+                                    for c in psutil.Process(p.pid).net_connections()), 60)
+        assert p.poll() is None                       # still waiting (20 s before it gives up)
+    finally:
+        p.kill()
+        p.wait()
+    assert os.listdir(temp) == []
+
+
 def test_the_lock_on_a_stalled_store_is_named_and_removed_once_it_answers(stalled_s3, caplog):
     from runner.lock import LOCK, job_lock
     store = resolve(f"s3://{stalled_s3.bucket}/job")
