@@ -253,14 +253,17 @@ def compile_cache() -> str:
 
 def pytest_configure(config):
     """The session's temp folder, compile cache directory and Ray cluster, made once by the main
-    process (pytest -n's workers inherit the environment)."""
+    process (pytest -n's workers inherit the environment). Every test process configures the
+    compile cache for its in-process compiles: the environment does not carry where Inductor
+    puts its precompiled headers (`compiler.cache.configure_cache_dir`)."""
+    from compiler.cache import configure_cache_dir
     if hasattr(config, "workerinput"):
+        configure_cache_dir(compile_cache())
         return
     session_temp_folder()
     if not os.environ.get("RUNNER_TEST_COMPILE_CACHE"):
         os.environ["RUNNER_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="runner-test-cc-")
         _SESSION["compile_cache"] = os.environ["RUNNER_TEST_COMPILE_CACHE"]
-    from compiler.cache import configure_cache_dir
     configure_cache_dir(compile_cache())
     if not (os.environ.get("RAY_ADDRESS") or os.environ.get("RUNNER_TEST_RAY") == "local"):
         start_shared_ray(config)

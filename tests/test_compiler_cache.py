@@ -55,11 +55,11 @@ def test_key_changes_with_model_dtype_shapes_mode_and_options(pipe):
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    """A real save_cache_artifacts payload from compiling a small function on CPU."""
-    import os
-    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    cache.configure_cache_dir(tmp_path_factory.mktemp("cc"))
+def compiled(tmp_path_factory):
+    """A small function compiled on CPU into a fresh cache directory: (the directory, a real
+    save_cache_artifacts payload)."""
+    from conftest import compile_cache
+    cc = cache.configure_cache_dir(tmp_path_factory.mktemp("cc"))
     torch._dynamo.reset()
 
     @torch.compile(fullgraph=True)
@@ -68,10 +68,21 @@ def artifact(tmp_path_factory):
 
     f(torch.randn(8, 8))
     blob = cache.pack_artifact("k1")
-    for k, v in saved.items():  # leave the process's cache dir as it was for other test modules
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    cache.configure_cache_dir(compile_cache())  # the session's again, for other test modules
     assert blob is not None
-    return blob
+    return cc, blob
+
+
+@pytest.fixture(scope="module")
+def artifact(compiled):
+    return compiled[1]
+
+
+def test_precompiled_headers_go_under_the_cache_directory(compiled):
+    """Inductor's precompiled C++ header of the CPU kernels (~150 MB) goes with the rest of the
+    compile, not to `<temp folder>/torchinductor_<user>`, where it was left (issue 47)."""
+    cc, _ = compiled
+    assert list((cc / "inductor" / "precompiled_headers").glob("*.h.gch"))
 
 
 @pytest.fixture
