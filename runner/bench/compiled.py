@@ -11,7 +11,8 @@ Builds `source=random` (published size, random weights) fp16 on CUDA and measure
   3. eager: warm-up call, then `reps` timed calls (default 3): median denoising it/s over steps 2..N
      from CUDA events recorded in the step callback, median E2E wall time of a call, peak memory
      (reset after warm-up);
-  4. compiled (`compile.mode`) on a fresh cache directory: warm-up with compilation (first call),
+  4. compiled (`compile.mode`) on a fresh cache directory (a temporary one, removed at the end;
+     `cache_dir=DIR`: yours, kept): warm-up with compilation (first call),
      then the same timed calls; max abs error and PSNR of the decoded output vs eager (same seed);
      with `step_cache.method=...` (step reuse, runner/step_cache.py; keys as in a job) the step cache
      is also measured alone on the eager pipeline (it/s, speed-up, error and PSNR vs eager) and
@@ -35,6 +36,7 @@ import datetime
 import inspect
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -302,7 +304,15 @@ def main(argv: list[str]) -> dict:
 
     if args["device"] == "cuda":
         assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU (or: source=tiny device=cpu)"
-    cache_dir = args["cache_dir"] or tempfile.mkdtemp(prefix="compile-cache-")
+    if args["cache_dir"]:
+        return bench(args, argv, args["cache_dir"])
+    # a fresh cache directory of this run's own (a real model's is gigabytes): gone at its end
+    with tempfile.TemporaryDirectory(prefix="compile-cache-") as cache_dir:
+        return bench(args, argv, cache_dir)
+
+
+def bench(args: dict, argv: list[str], cache_dir: str) -> dict:
+    """Steps 1-6 of the module docstring, compiling into `cache_dir`; the result (`out=`)."""
     cache.configure_cache_dir(cache_dir)  # fresh: warm-up with compilation compiles everything
     res: dict = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                  "versions": versions(), "argv": argv, "args": {k: (dataclasses.asdict(v) if k == "step_cache" else v)
@@ -421,16 +431,8 @@ def main(argv: list[str]) -> dict:
         if args["out"]:
             json.dump(res, open(args["out"], "w"), indent=2, default=str)
         return res
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        child_out = f.name
-    cmd = [sys.executable, "-m", "runner.bench.compiled", *argv, f"cache_dir={cache_dir}", f"child={child_out}"]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode == 0:
-        res["cache_process"] = json.load(open(child_out))
-        res["warmup_with_cache_s"] = res["cache_process"]["warmup_with_cache_s"]
-    else:
-        res["cache_process_error"] = p.stderr[-3000:]
+    res.update(cache_process(argv, cache_dir))
     res["cache_process_wall_s"] = time.perf_counter() - t0
 
     peak = res["matmul_tflops"]["bf16" if args["dtype"] == "bf16" else "fp16"] * 1e12
@@ -442,6 +444,22 @@ def main(argv: list[str]) -> dict:
         with open(args["out"], "w") as f:
             json.dump(res, f, indent=2, default=str)
     return res
+
+
+def cache_process(argv: list[str], cache_dir: str) -> dict:
+    """Step 5: this benchmark again in a second process on the filled `cache_dir` (`child=`: it
+    writes its result to a file of ours, removed after). Its result and warm-up time, or its
+    error."""
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as d:
+        child_out = os.path.join(d, "result.json")
+        cmd = [sys.executable, "-m", "runner.bench.compiled", *argv, f"cache_dir={cache_dir}",
+               f"child={child_out}"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            return {"cache_process_error": p.stderr[-3000:]}
+        with open(child_out) as f:
+            result = json.load(f)
+    return {"cache_process": result, "warmup_with_cache_s": result["warmup_with_cache_s"]}
 
 
 def table(r: dict) -> str:
