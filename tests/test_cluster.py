@@ -57,15 +57,20 @@ def agent_port() -> list[str]:
 
 @pytest.fixture
 def ray_cluster():
+    """A head (with the dashboard `ray job submit` talks to) and a worker node. Their processes'
+    temporary files go under the cluster's own temp dir (TMPDIR), removed with it: the processes
+    are killed at the end (`stop_ray`), so what they would remove at their exit stays (the
+    dashboard's multiprocessing `pymp-*` directory)."""
     port, dash = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")    # short: Ray's socket paths
+    env = {**ENV, "TMPDIR": temp_dir}
     sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
         "--num-gpus=1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-        *agent_port()])
+        *agent_port()], env=env)
     try:
         sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-            "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()])
+            "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()], env=env)
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
         stop_ray(temp_dir)

@@ -55,7 +55,10 @@ def probe(tmp_path):
         out.mkdir()
         e = {k: v for k, v in os.environ.items()
              if k not in ("CUDA_VISIBLE_DEVICES", "RUNNER_TEST_GPUS") and not k.startswith("PYTEST_")}
+        # TMPDIR: the probe suite's own temp files (its pytest's base temp, `pytest-of-*`: the
+        # PYTEST_ variables are not passed on) under this test's directory, not the session's
         e.update(PATH=f"{tmp_path / 'bin'}{os.pathsep}{e['PATH']}", PROBE_OUT=str(out),
+                 TMPDIR=str(tmp_path),
                  PYTHONPATH=os.pathsep.join(p for p in (TESTS, e.get("PYTHONPATH")) if p), **env)
         r = subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_spread", "-p", "no:cacheprovider",
                             *args], cwd=tmp_path / "suite", env=e, capture_output=True, text=True,
