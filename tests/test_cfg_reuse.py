@@ -355,7 +355,9 @@ def test_job_with_cfg_reuse_writes_other_outputs_and_its_directory_refuses_mixin
     assert frames["res"].keys() == frames["cfg"].keys() and len(frames["cfg"]) == 2
     assert all(not np.array_equal(frames["res"][f], frames["cfg"][f]) for f in frames["cfg"])
     assert metrics["res"]["step_cache_uncond_skipped"] == 0
-    assert metrics["cfg"]["step_cache_uncond_skipped"] == 2 * 6      # 2 items, 6 skipped each
+    # 2 items and the canary's reference batch made at ready (one item: run.batch_size=1), 6 each
+    assert metrics["cfg"]["canary_ref_s"] is not None
+    assert metrics["cfg"]["step_cache_uncond_skipped"] == (2 + 1) * 6
     c = Cluster()
     args = common + ["step_cache.cfg_reuse=fastercache", f"output.dir={tmp_path / 'job'}"]
     assert c.main(args) == 0
