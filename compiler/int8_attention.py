@@ -41,8 +41,6 @@ import torch
 import torch.nn.functional as F
 
 MIN_TOKENS = 16384     # below this cuDNN's BF16/FP16 kernel is faster (H100, head dim 128)
-
-
 SRC = Path(__file__).parent / "csrc" / "sage_sm90"
 HEAD_DIMS = (64, 128)   # the kernel's; Wan's is 128
 

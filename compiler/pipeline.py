@@ -11,7 +11,6 @@ import torch
 
 from .options import FLAGS, CompileOptions, parse_options
 from . import block_pairs, int8_attention, quant, transforms, video_vae
-from . import int8_attention as int8_attention_module
 from .cudagraph import StepGraph, wrap_step
 from .cross_attention import use_short_cross_attention
 from .short_attention import use_short_attention
@@ -41,7 +40,7 @@ def denoisers_of(pipe) -> list[torch.nn.Module]:
 ENCODERS = ("text_encoder", "text_encoder_2")
 
 
-def prewarm(int8_attention: bool = False) -> threading.Thread:
+def prewarm(build_int8_attention: bool = False) -> threading.Thread:
     """Start importing what a compiled call needs (Dynamo, Inductor with its lowerings and kernel
     templates, the Triton runtime) and the torch source hash Inductor's caches are keyed on, in a
     daemon thread, so that this overlaps with loading the model instead of adding to the first call.
@@ -50,13 +49,11 @@ def prewarm(int8_attention: bool = False) -> threading.Thread:
     the cache: 2-3 s of a warm start (more where Python cannot keep bytecode, e.g. under
     PYTHONDONTWRITEBYTECODE). Purely an optimisation: any failure is logged and ignored (the
     first call imports whatever is missing as it would anyway).
-    `int8_attention`: also build (or load) the `int8-attention` kernel now, ~1 min of nvcc on a
+    `build_int8_attention`: also build (or load) the `int8-attention` kernel now, ~1 min of nvcc on a
     machine that has not built it yet, instead of in `compile_pipe` after the model loaded.
     """
     def work():
         import importlib
-        if int8_attention:
-            int8_attention_module.unavailable()   # cached: compile_pipe's call returns at once
         try:
             for name in ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor.lowering",
                          "torch._inductor.kernel", "torch._inductor.select_algorithm",
@@ -66,6 +63,8 @@ def prewarm(int8_attention: bool = False) -> threading.Thread:
             codecache.torch_key()   # hash of torch's own sources (cached per process)
         except Exception as e:
             log.debug("prewarm stopped early: %s: %s", type(e).__name__, e)
+        if build_int8_attention:   # after the imports (seconds), not before them (a minute)
+            int8_attention.unavailable()   # cached: compile_pipe's call returns at once
 
     t = threading.Thread(target=work, name="compiler-prewarm", daemon=True)
     t.start()

@@ -225,7 +225,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self._next_seq, self._runs = 0, {}
         if cfg.compile.enabled:  # Inductor's imports (and a kernel build) overlap with loading the model
             import compiler
-            compiler.prewarm(int8_attention=cfg.compile.options.has("int8_attention")
+            compiler.prewarm(build_int8_attention=cfg.compile.options.has("int8_attention")
                              and self.family.long_attention and self.cuda)
         t0 = time.perf_counter()
         check_gpu_memory(self.spec)   # a model that cannot fit: named now, not an OOM minutes in
