@@ -56,3 +56,40 @@ def test_two_lanes_need_two_gpus(tmp_path):
     with pytest.raises(SystemExit, match="lanes=2 needs two GPUs"):
         main(["job=demo_image", "prompts=2", f"out={tmp_path}", "arms=loop,job", "lanes=2"])
     assert not os.path.exists(tmp_path / "loop")
+
+
+def test_half_the_prompts_carry_an_image_and_bad_images_value_is_named(tmp_path):
+    """`images=half` (Wan 2.2 TI2V's text and image rows in one table): every other row has its own
+    drawn still; an unknown value is refused before anything is built."""
+    import pyarrow.parquet as pq
+
+    from runner.bench.vs_loop import _write_prompts, main
+    rows = pq.read_table(_write_prompts(str(tmp_path), 4, images="half")).to_pylist()
+    assert [r["image"] for r in rows] == ["images/v00000.png", None, "images/v00002.png", None]
+    assert sorted(os.listdir(tmp_path / "images")) == ["v00000.png", "v00002.png"]
+    with pytest.raises(SystemExit, match="images='some': one of auto, all, half, none"):
+        main(["job=demo_image", "prompts=2", f"out={tmp_path}/x", "images=some"])
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_failing_arm_is_a_row_with_its_error_and_the_next_arm_runs(tmp_path, monkeypatch):
+    """A peer arm whose backend will not run (here: the job arm's command fails) leaves a row with
+    its error, and the arms after it still run and are compared."""
+    from runner.bench import vs_loop
+    calls = []
+
+    def fake_loop(job, prompts, out, arm):
+        calls.append(arm)
+        if arm == "cachedit_sage":
+            raise RuntimeError("Sage attention backend is not available")
+        return dict(items=len(prompts), items_per_s=2.0, call_items_per_s=2.5, ready_s=1.0)
+
+    monkeypatch.setattr(vs_loop, "run_loop", fake_loop)
+    monkeypatch.setattr(vs_loop, "_compare", lambda *a: None)
+    rows = vs_loop.main(["job=demo_image", "prompts=2", f"out={tmp_path}", "arms=cachedit_sage,cachedit"])
+    assert calls == ["cachedit_sage", "cachedit"]
+    assert rows[0]["error"] == "RuntimeError: Sage attention backend is not available"
+    assert rows[0]["items"] == 0 and rows[1]["items_per_s"] == 2.0
+    assert rows[1]["x_peer_calls"] == 2.0 / 2.5      # against the faster peer's pipe-call rate
+    saved = json.load(open(tmp_path / "vs_loop.json"))["rows"]
+    assert saved[1]["x_peer_calls"] == rows[1]["x_peer_calls"]

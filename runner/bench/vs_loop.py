@@ -14,6 +14,9 @@ The same generated prompts (ids, seeds) go through:
                 `torch.compile(pipe.transformer)`; its outputs are compared with the `loop` arm's
                 (its own no-reuse output, when that arm runs: PSNR per output). cache-dit is the
                 optional `bench` extra, never a runtime dependency;
+  cachedit_sage the same with cache-dit's `sage` attention backend (`cache_dit.set_attn_backend`:
+                sageattention's INT8 QK kernels, the peer's 8-bit attention), compared with the
+                `cachedit` arm's outputs (else the loop's);
   job           `python -m runner` with each `compile.mode` of `modes` (its own process and
                 local Ray, one worker on the GPU); `MODE+METHOD` (e.g. `O3+residual`) runs that
                 mode with `step_cache.method=METHOD`, `+cfg` with `step_cache.cfg_reuse=fastercache`
@@ -38,7 +41,11 @@ second at the same time, as two child processes of this command: one table in ab
 `ends_items_per_s`: every arm's rate from its first output written to its last (the loops'
 `items_per_s`; for the job, from results.parquet, next to its steady figure, which also counts the
 first item's fill and the last write). A loop's `call_items_per_s` is its rate without the serial write (pipe calls only: outputs kept as
-arrays), for a peer whose loop would not write files.
+arrays), for a peer whose loop would not write files. `peak_mem_gb`: the GPU memory peak (torch's
+allocator, weights included): a loop's over its whole run, the job's while serving.
+`images=auto|all|half|none`: which generated prompts carry an image (`auto`: all of them for a
+model that takes one; `half`: every other row, for a model where it is optional: Wan 2.2 TI2V).
+An arm that fails is a row with its `error` (the table goes on with the next arm).
 """
 
 from __future__ import annotations
@@ -56,37 +63,44 @@ import pyarrow.parquet as pq
 from ..outputs import format_table, write_json
 from . import parse_args
 
-ARMS = ("loop", "loop_compile", "cachedit", "job")
-LOOPS = {"loop": "eager", "loop_compile": "torch.compile", "cachedit": "cache-dit F1B0 + torch.compile"}
+ARMS = ("loop", "loop_compile", "cachedit", "cachedit_sage", "job")
+LOOPS = {"loop": "eager", "loop_compile": "torch.compile", "cachedit": "cache-dit F1B0 + torch.compile",
+         "cachedit_sage": "cache-dit F1B0 + sage attention + torch.compile"}
+IMAGES = ("auto", "all", "half", "none")
 
 
 USAGE = (f"python -m runner.bench.vs_loop job=NAME [prompts=N] [modes=none,O3] "
-         f"[arms={','.join(ARMS)}] [lanes=1|2] [out=DIR] [key=value ...]")
+         f"[arms={','.join(ARMS)}] [lanes=1|2] [images={'|'.join(IMAGES)}] [out=DIR] [key=value ...]")
 
 
 def _args(argv: list[str]) -> tuple[dict, list[str]]:
     opts, rest = parse_args(argv, {"job": None, "prompts": "40", "modes": "none,O3",
                                    "arms": ",".join(ARMS), "out": "vs_loop",
-                                   "lanes": "1", "record": "vs_loop.json"}, USAGE, passthrough=True)
+                                   "lanes": "1", "record": "vs_loop.json", "images": "auto"},
+                           USAGE, passthrough=True)
     bad = set(opts["arms"].split(",")) - set(ARMS)
     if opts["lanes"] not in ("1", "2"):
         raise SystemExit(f"lanes={opts['lanes']!r}: 1 (every arm on one GPU, one after another) or 2 "
                          "(the job's arms on the first GPU, the loops' on the second, at once)")
+    if opts["images"] not in IMAGES:
+        raise SystemExit(f"images={opts['images']!r}: one of {', '.join(IMAGES)} (which prompts carry "
+                         "an image; auto: all of them for a model that takes one)")
     if not opts["job"] or bad:
         raise SystemExit(f"usage: {USAGE}" + (f"\nunknown arms {sorted(bad)}" if bad else ""))
     return opts, rest
 
 
-def _write_prompts(out: str, n: int, images: bool = False) -> str:
-    """`n` prompts; for an image-to-video model each with its own drawn 640x480 still (a colour
-    gradient per prompt) under out/images, in the `image` column (relative to the Parquet file)."""
+def _write_prompts(out: str, n: int, images: str = "none") -> str:
+    """`n` prompts; with `images` "all" each with its own drawn 640x480 still (a colour gradient
+    per prompt) under out/images, in the `image` column (relative to the Parquet file); "half":
+    every other row (the first has one), the rest none."""
     words = "cat dog robot castle river forest city ocean mountain flower".split()
     path = os.path.join(out, "prompts.parquet")
     cols = {"id": [f"v{i:05d}" for i in range(n)],
             "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}" for i in range(n)],
             "seed": list(range(n))}
-    if images:
-        cols["image"] = [_draw(out, i) for i in range(n)]
+    if images in ("all", "half"):
+        cols["image"] = [_draw(out, i) if images == "all" or i % 2 == 0 else None for i in range(n)]
     pq.write_table(pa.table(cols), path)
     return path
 
@@ -110,39 +124,44 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     from ..timing import UtilSampler
     t0 = time.perf_counter()
     spec, g = job["model"].resolved(), job["generation"]
+    cuda = spec.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()   # this arm's peak, not an earlier arm's
     pipe = build_pipeline(spec)
-    mask = _cachedit(pipe, job["step_cache"], g.num_inference_steps) if arm == "cachedit" else None
-    if arm in ("loop_compile", "cachedit"):
+    peer = arm in ("cachedit", "cachedit_sage")
+    mask = _cachedit(pipe, job["step_cache"], g.num_inference_steps) if peer else None
+    if arm == "cachedit_sage":
+        _sage(pipe)
+    if arm != "loop":
         names = ["unet"] if hasattr(pipe, "unet") else ["transformer", "transformer_2"]
         for name in names:          # a second expert (Wan 2.2 A14B) compiled as the first
             if getattr(pipe, name, None) is not None:
                 setattr(pipe, name, torch.compile(getattr(pipe, name)))
     video = spec.family.kind == "video"
     extra = spec.family.call_args(pipe, g.num_frames if video else None)   # as the job calls it
-    runner = pipe
     if spec.family.image:   # image-to-video: the row's image, fitted as the job fits it
         from .. import images
-        runner = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
+        i2v = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
     os.makedirs(out, exist_ok=True)
-    util = UtilSampler.start(spec.device.startswith("cuda"))
+    util = UtilSampler.start(cuda)
     ends, calls = [], []   # end of each item (written); seconds of each pipe call alone
     for p in prompts:
-        if spec.family.image:
+        runner, kw = pipe, dict(extra)
+        if spec.family.image and p.get("image"):
             with open(os.path.join(os.path.dirname(out), p["image"]), "rb") as f:
-                extra["image"] = images.fit(f.read(), g.width, g.height)
+                runner, kw["image"] = i2v, images.fit(f.read(), g.width, g.height)
         t_call = time.perf_counter()
         result = runner(prompt=p["prompt"], height=g.height, width=g.width,
                         num_inference_steps=g.num_inference_steps, guidance_scale=g.guidance_scale,
-                        generator=torch.Generator(spec.device).manual_seed(p["seed"]), **extra)
+                        generator=torch.Generator(spec.device).manual_seed(p["seed"]), **kw)
         calls.append(time.perf_counter() - t_call)
         if video:
             export_to_video(result.frames[0], os.path.join(out, f"{p['id']}.mp4"), fps=8)
         else:
             result.images[0].save(os.path.join(out, f"{p['id']}.png"))
         ends.append(time.perf_counter())
-    del pipe
-    if spec.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    del pipe, runner
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None   # weights included
     window = (ends[0], ends[-1]) if len(ends) > 1 else None
     rate = (len(ends) - 1) / (window[1] - window[0]) if window else None
     return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
@@ -150,7 +169,16 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
                 gpu_util=util.mean(*window) if util and window else None,
                 # the rate without the loop's serial write (outputs kept as arrays): pipe calls only
                 call_items_per_s=(len(calls) - 1) / sum(calls[1:]) if len(calls) > 1 else None,
-                computed_steps=sum(mask) if mask else None)
+                computed_steps=sum(mask) if mask else None, peak_mem_gb=peak)
+
+
+def _sage(pipe) -> None:
+    """cache-dit's `sage` attention backend on every denoiser of `pipe` (sageattention's Triton
+    INT8 QK / FP16 PV kernels), as cache-dit's examples set it (`--attn sage`)."""
+    import cache_dit
+    for name in ("transformer", "transformer_2"):
+        if getattr(pipe, name, None) is not None:
+            cache_dit.set_attn_backend(getattr(pipe, name), attention_backend="sage")
 
 
 def reuse_plan(sc, steps: int) -> tuple[bool, ...]:
@@ -173,6 +201,24 @@ def _cachedit(pipe, sc, steps: int) -> list[int]:
         steps_computation_mask=mask, steps_computation_policy="static"))
     cache_dit.set_compile_configs()
     return mask
+
+
+def _arm(fn, *args) -> dict:
+    """One arm's figures, or its error: a failed arm (a peer's backend that will not run, an OOM)
+    is a row of the table, and the next arm still runs."""
+    try:
+        return fn(*args)
+    except (Exception, SystemExit) as e:
+        import gc
+        gc.collect()
+        try:
+            import torch
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+        msg = f"{type(e).__name__}: {e}"
+        print(f"arm failed: {msg[-3000:]}", file=sys.stderr, flush=True)
+        return dict(items=0, items_per_s=None, error=msg[-2000:])
 
 
 def _job_name(mode: str) -> str:
@@ -239,7 +285,7 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
                 + r.stderr.count("Recompiling function"),
                 gpu_util=ms[0].get("gpu_util") if ms else None,
                 it_s=m.get("steady_it_s"),   # denoising steps/s (the worker's steady figure)
-                gpu_ms_per_item=m.get("gpu_ms_per_item"),
+                gpu_ms_per_item=m.get("gpu_ms_per_item"), peak_mem_gb=m.get("peak_mem_gb"),
                 time_s=ms[0].get("time_s") if ms else None)
 
 
@@ -282,15 +328,19 @@ def _compare(out: str, rows: list[dict], arms: list[str], modes: list[str]) -> N
     """The PSNRs whose two sides have finished and are not yet in the rows (called after each arm,
     so a table cut short by a time limit keeps them): cache-dit against its own no-reuse output (the
     eager loop); each job mode with step reuse against the same mode without it (else the first)."""
-    done = {(r["arm"], r["mode"]): r for r in rows}
-    cd = next((r for r in rows if r["arm"] == "cachedit"), None)
-    if cd and "psnr_ref" not in cd and any(r["arm"] == "loop" for r in rows):
-        cd.update(psnr_ref="loop", **compare_dirs(
-            os.path.join(out, "cachedit"), os.path.join(out, "loop"),
-            os.path.join(out, "psnr_cachedit_vs_loop.json"), "loop"))
+    done = {(r["arm"], r["mode"]): r for r in rows if r.get("items")}
+    ran = {r["arm"] for r in rows if r.get("items")}
+    for arm, refs in (("cachedit", ("loop",)), ("cachedit_sage", ("cachedit", "loop"))):
+        cd = next((r for r in rows if r["arm"] == arm and r.get("items")), None)
+        ref = next((a for a in refs if a in ran), None)
+        if cd and ref and "psnr_ref" not in cd:
+            cd.update(psnr_ref=ref, **compare_dirs(
+                os.path.join(out, arm), os.path.join(out, ref),
+                os.path.join(out, f"psnr_{arm}_vs_{ref}.json"), ref))
     for r in rows:
         ref = mode_reference(r["mode"], modes)
-        if (r["arm"] == "job" and "+" in r["mode"] and ref != r["mode"] and "psnr_ref" not in r
+        if (r["arm"] == "job" and r.get("items") and "+" in r["mode"] and ref != r["mode"]
+                and "psnr_ref" not in r
                 and ("job", ref) in done):
             r.update(compare_outputs(out, r["mode"], ref))
 
@@ -335,7 +385,9 @@ def main(argv: list[str]) -> list[dict]:
     job = split(cfg)
     path = os.path.join(opts["out"], "prompts.parquet")
     if opts["record"] == "vs_loop.json" or not os.path.exists(path):   # a lane's parent wrote them
-        path = _write_prompts(opts["out"], int(opts["prompts"]), images=bool(job["model"].family.image))
+        images = opts["images"] if opts["images"] != "auto" else (
+            "all" if job["model"].family.image else "none")
+        path = _write_prompts(opts["out"], int(opts["prompts"]), images=images)
     prompts = pq.read_table(path).to_pylist()
     arms = opts["arms"].split(",")
     rows = []
@@ -357,24 +409,31 @@ def main(argv: list[str]) -> list[dict]:
         arms = []
     for arm in dict.fromkeys(arms):   # in the order given (a table cut short keeps the first)
         if arm in LOOPS:
-            done(dict(arm=arm, mode=LOOPS[arm], **run_loop(job, prompts, os.path.join(opts["out"], arm), arm)))
+            done(dict(arm=arm, mode=LOOPS[arm], **_arm(
+                run_loop, job, prompts, os.path.join(opts["out"], arm), arm)))
         for mode in modes if arm == "job" else ():
-            done(dict(arm="job", mode=mode, **run_job(opts, rest, path, mode),
+            done(dict(arm="job", mode=mode, **_arm(run_job, opts, rest, path, mode),
                       **mode_calls(job["step_cache"], mode, steps, two_calls)))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
             r[f"x_{arm}"] = r["items_per_s"] / rate if rate and r["items_per_s"] else None
-    write_json(os.path.join(opts["out"], "vs_loop.json"),
-               dict(argv=argv, config=OmegaConf.to_container(cfg), rows=rows))
+    # the faster peer at its rate without the serial file write (outputs kept as arrays)
+    peer = max((r["call_items_per_s"] for r in rows if r["arm"].startswith("cachedit")
+                and r.get("call_items_per_s")), default=None)
+    for r in rows:
+        r["x_peer_calls"] = r["items_per_s"] / peer if peer and r["items_per_s"] else None
     jobs = {r["mode"]: r["items_per_s"] for r in rows if r["arm"] == "job"}
     for r in rows:   # step reuse: the speed-up over the arm its outputs are compared with
-        plain = jobs.get(mode_reference(r["mode"], list(jobs))) if "+" in r["mode"] else None
+        plain = (jobs.get(mode_reference(r["mode"], list(jobs)))
+                 if r["arm"] == "job" and "+" in r["mode"] else None)
         r["x_same_mode"] = r["items_per_s"] / plain if plain and r["items_per_s"] else None
+    write_json(os.path.join(opts["out"], "vs_loop.json"),
+               dict(argv=argv, config=OmegaConf.to_container(cfg), rows=rows))
     print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ends_items_per_s", "call_items_per_s", "it_s", "ready_s", "recompiles",
                               "gpu_util", "computed_steps", "computed_calls",
                               *[f"x_{a}" for a in base],
-                              "x_same_mode", "psnr_ref", "psnr_median_db", "psnr_min_db"]))
+                              "x_same_mode", "x_peer_calls", "psnr_ref", "psnr_median_db", "psnr_min_db", "peak_mem_gb", "error"]))
     return rows
 
 
