@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issues 46 and 48 on a 4-GPU machine (nvidia-h100-x4), in the background so it outlives one device
+# command: the whole gpu suite on the 4 GPUs first (its wall time is the figure), then the family
+# tables, each `runner.bench.vs_loop` command alone on one GPU, the four GPUs taking the next
+# table of the list as they free up (priority order). From the checkout root, with the bundle:
+#   source .devbundle/install.sh && setsid nohup bash benchmarks/families_x4.sh /tmp/q >/dev/null 2>&1 &
+#   bash benchmarks/families_x4.sh /tmp/q status        # what ran, what runs (any later command)
+#   touch /tmp/q/stop                                   # start no further table
+# SKIP_SUITE=1 goes straight to the tables; TABLES="wan81 flux" runs only those (in that order).
+# Everything lands in /tmp/q: suite.log (+ junit.xml), <table>.log, <table>/vs_loop.json with each
+# job's summary.json and metrics/ (the media stay in /tmp/q/media-<table>).
+set -u
+Q=${1:?usage: families_x4.sh DIR [status]}
+mkdir -p "$Q"
+if [ "${2:-}" = status ]; then
+  for f in "$Q"/*.state; do [ -e "$f" ] && echo "$(basename "$f" .state): $(cat "$f")"; done
+  tail -3 "$Q"/suite.log 2>/dev/null; exit 0
+fi
+export TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor   # one Inductor cache and one kernel build for all
+CC="compile.cache_dir=/tmp/cc"
+LEMICA='[0,1,2,3,4,5,6,7,8,9,10,11,12,14,16,18,21,24,29,35,40,44,47,48,49]'
+BEFORE=cudagraphs:cache-all:max-optimize:low-precision   # O3 as it was before int8-attention
+R="model.source=random $CC"
+
+table() {   # the vs_loop arguments of each table
+  case $1 in
+    ti2v)  echo "job=wan22_ti2v_batch $R prompts=2 images=none arms=job,cachedit,cachedit_sage \
+                 modes=$BEFORE+residual,O3+residual+cfg step_cache.compute_ratio=0.5" ;;
+    wan81) echo "job=wan_batch $R prompts=2 arms=job,cachedit,cachedit_sage \
+                 modes=$BEFORE+residual,O3+residual+cfg generation.num_frames=81 \
+                 generation.num_inference_steps=50 step_cache.compute_steps=$LEMICA step_cache.first_blocks=1" ;;
+    i2v14b) echo "job=wan_i2v_batch $R prompts=2 arms=job,cachedit modes=O3+residual \
+                 generation.num_inference_steps=40 step_cache.compute_ratio=0.5" ;;
+    a14b)  echo "job=wan22_a14b_batch $R prompts=2 arms=job,cachedit modes=O3+residual \
+                 step_cache.compute_ratio=0.5" ;;
+    flux)  echo "job=flux_batch $R prompts=6 arms=job,cachedit modes=O3,O3+residual step_cache.compute_ratio=0.75" ;;
+    pixart) echo "job=pixart_batch $R prompts=16 arms=job,cachedit modes=O3,O3+residual \
+                 generation.num_inference_steps=20 step_cache.compute_ratio=0.7" ;;
+    latte) echo "job=latte_batch $R prompts=8 arms=job modes=O3+residual" ;;
+    ti2v_img) echo "job=wan22_ti2v_batch $R prompts=2 images=all arms=job modes=O3+residual+cfg \
+                 step_cache.compute_ratio=0.5" ;;
+  esac
+}
+TABLES=${TABLES:-"ti2v wan81 i2v14b a14b flux pixart latte ti2v_img"}
+
+lane() {   # GPU $1: claim the next unclaimed table (mkdir is atomic), run it, repeat
+  local gpu=$1 t
+  for t in $TABLES; do
+    [ -e "$Q/stop" ] && return
+    mkdir "$Q/claim-$t" 2>/dev/null || continue
+    echo "running on GPU $gpu since $(date +%T)" > "$Q/$t.state"
+    local t0=$SECONDS
+    set -f   # the step lists ([0,1,...]) are arguments, not glob patterns
+    # shellcheck disable=SC2046
+    CUDA_VISIBLE_DEVICES=$gpu timeout 1500 python3 -m runner.bench.vs_loop $(table "$t") \
+        out="$Q/media-$t" > "$Q/$t.log" 2>&1
+    local rc=$?
+    set +f
+    mkdir -p "$Q/$t"
+    cp "$Q/media-$t"/vs_loop.json "$Q/media-$t"/psnr_*.json "$Q/$t/" 2>/dev/null
+    for j in "$Q/media-$t"/job-*/; do
+      [ -d "$j" ] && mkdir -p "$Q/$t/$(basename "$j")" && \
+        cp -r "$j"summary.json "$j"metrics "$j"config.yaml "$Q/$t/$(basename "$j")/" 2>/dev/null
+    done
+    echo "rc=$rc in $((SECONDS - t0)) s on GPU $gpu" > "$Q/$t.state"
+  done
+}
+
+{
+  python3 -c "import torch, triton, diffusers, ray, cache_dit; print('torch', torch.__version__, \
+'triton', triton.__version__, 'diffusers', diffusers.__version__, 'ray', ray.__version__, \
+'cache-dit', cache_dit.__version__)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+} > "$Q/versions.txt" 2>&1
+if [ -z "${SKIP_SUITE:-}" ]; then
+  echo "running since $(date +%T)" > "$Q/suite.state"
+  t0=$SECONDS
+  timeout 1500 python3 -m pytest -m gpu -n auto --dist loadgroup -q -p no:cacheprovider \
+      --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
+  echo "rc=$? in $((SECONDS - t0)) s" > "$Q/suite.state"
+fi
+for g in 0 1 2 3; do lane $g & done
+wait
+echo done > "$Q/all.state"
