@@ -12,8 +12,9 @@ The same generated prompts (ids, seeds) go through:
                 step-computation mask with exactly the steps the job's `step_cache` schedule
                 computes, `runner.step_cache.plan`; Wan 2.2 A14B: each expert its slice, the
                 second expert's first step computed, as the job does),
-                `cache_dit.set_compile_configs()`, then `torch.compile(pipe.transformer)`; its outputs are compared with the `loop` arm's
-                (its own no-reuse output, when that arm runs: PSNR per output). cache-dit is the
+                `cache_dit.set_compile_configs()`, then `torch.compile(pipe.transformer)`; its
+                outputs are compared with the `loop` arm's (its own no-reuse output, when that arm
+                runs: PSNR per output). cache-dit is the
                 optional `bench` extra, never a runtime dependency;
   cachedit_sage the same with cache-dit's `sage` attention backend (`cache_dit.set_attn_backend`:
                 sageattention's INT8 QK kernels, the peer's 8-bit attention), compared with the
