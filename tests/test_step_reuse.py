@@ -223,6 +223,51 @@ def test_cachedit_arm_computes_the_steps_of_the_jobs_schedule():
     assert ran.count(0) == 2 * STEPS and ran.count(1) == 2 * sum(mask)
 
 
+
+def _block_steps(pipe, run) -> dict:
+    """{(expert, block): {step: calls}} for blocks 0 and 1 of each expert during `run()`: the step
+    is the index of the pipeline's current timestep in the call's schedule."""
+    from collections import Counter
+    seen = {}
+    for name in ("transformer", "transformer_2"):
+        for b in (0, 1):
+            getattr(pipe, name).blocks[b].register_forward_pre_hook(
+                lambda m, a, k=(name, b): seen.setdefault(k, []).append(float(pipe._current_timestep)))
+    run()
+    ts = [float(t) for t in pipe.scheduler.timesteps]
+    return {k: Counter(ts.index(t) for t in v) for k, v in seen.items()}
+
+
+def test_cachedit_arm_computes_the_jobs_steps_on_each_a14b_expert():
+    """Wan 2.2 A14B, 8 steps: transformer on steps 0-2, transformer_2 on 3-7 (t < 875). The job
+    (residual, F1B0) computes the plan's {0, 1, 6, 7} and transformer_2's first step 3; cache-dit
+    counts each expert's steps from 0 in its own context, so one 8-step mask would compute
+    transformer_2's own steps 0 and 1 (steps 3, 4): the arm gives each expert its slice."""
+    pytest.importorskip("cache_dit", reason="cache-dit: the `bench` extra (installed by `.[test]`)")
+    from runner.bench.vs_loop import _cachedit, expert_split
+    fam, steps = FAMILIES["wan22_a14b"], 8
+    sc = StepCacheSection(method="residual", compute_ratio=0.5, first_blocks=1)
+    job = build_pipeline(ModelSpec("wan22_t2v_a14b", source="tiny"))
+    assert expert_split(job, steps) == 3 and expert_split(job, 40) == 13
+    step_cache.apply(job, sc, fam)
+    with torch.inference_mode():
+        ours = _block_steps(job, lambda: generate(job, fam, [_a14b_item(1, steps)], "cpu",
+                                                  output_type="pt"))
+    peer = build_pipeline(ModelSpec("wan22_t2v_a14b", source="tiny"))
+    mask = _cachedit(peer, sc, steps)
+    with torch.inference_mode():
+        theirs = _block_steps(peer, lambda: peer(
+            "a cat walking in the city", height=64, width=48, num_frames=5, num_inference_steps=steps,
+            guidance_scale=4.0, generator=torch.Generator().manual_seed(1), output_type="np"))
+    computed = {1: [0, 1], 2: [3, 6, 7]}
+    assert [i for i, m in enumerate(mask) if m] == computed[1] + computed[2]
+    for run in (ours, theirs):   # both guidance branches per step: 2 calls
+        for name, served, comp in (("transformer", range(3), computed[1]),
+                                   ("transformer_2", range(3, 8), computed[2])):
+            assert run[(name, 0)] == {i: 2 for i in served}, name      # F1: every step it serves
+            assert run[(name, 1)] == {i: 2 for i in comp}, name        # B0: its computed steps
+    assert ours == theirs
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the published architectures
 

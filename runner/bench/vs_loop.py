@@ -10,9 +10,11 @@ The same generated prompts (ids, seeds) go through:
   cachedit      the peer stack users pip-install: the loop with cache-dit's DBCache as its docs
                 recommend for speed (first block computed on every step, F1B0; a static
                 step-computation mask with exactly the steps the job's `step_cache` schedule
-                computes, `runner.step_cache.plan`), `cache_dit.set_compile_configs()`, then
-                `torch.compile(pipe.transformer)`; its outputs are compared with the `loop` arm's
-                (its own no-reuse output, when that arm runs: PSNR per output). cache-dit is the
+                computes, `runner.step_cache.plan`; Wan 2.2 A14B: each expert its slice, the
+                second expert's first step computed, as the job does),
+                `cache_dit.set_compile_configs()`, then `torch.compile(pipe.transformer)`; its
+                outputs are compared with the `loop` arm's (its own no-reuse output, when that arm
+                runs: PSNR per output). cache-dit is the
                 optional `bench` extra, never a runtime dependency;
   cachedit_sage the same with cache-dit's `sage` attention backend (`cache_dit.set_attn_backend`:
                 sageattention's INT8 QK kernels, the peer's 8-bit attention), compared with the
@@ -190,15 +192,42 @@ def reuse_plan(sc, steps: int) -> tuple[bool, ...]:
     return plan(steps, dataclasses.replace(sc, method="residual"))
 
 
+def expert_split(pipe, steps: int) -> int | None:
+    """The first step a two-expert pipeline (Wan 2.2 A14B) runs on `transformer_2`, as diffusers'
+    WanPipeline decides it: the first timestep < boundary_ratio * num_train_timesteps (None: one
+    denoiser for every step)."""
+    import copy
+    ratio = getattr(pipe.config, "boundary_ratio", None)
+    if getattr(pipe, "transformer_2", None) is None or ratio is None:
+        return None
+    sched = copy.deepcopy(pipe.scheduler)      # the pipeline's own is set again by its call
+    sched.set_timesteps(steps, device="cpu")
+    bound = ratio * sched.config.num_train_timesteps
+    return next((i for i, t in enumerate(sched.timesteps) if t < bound), steps)
+
+
 def _cachedit(pipe, sc, steps: int) -> list[int]:
     """cache-dit's DBCache on `pipe` as its docs recommend for speed: F1B0, a static mask of the
-    steps the job's schedule computes. Returns the mask (1 = computed)."""
+    steps the job's schedule computes. Returns the mask over the pipeline call's steps (1 =
+    computed). Two experts (Wan 2.2 A14B): cache-dit keeps a context per expert that counts that
+    expert's own calls from 0, so each gets its slice of the mask (`ParamsModifier`), and the
+    second's first step is computed, as the job computes it (`runner.step_cache.Scheduled`: an
+    expert's first call has nothing of its own to reuse)."""
     import cache_dit
-    from cache_dit import DBCacheConfig
+    from cache_dit import DBCacheConfig, ParamsModifier
     mask = [int(c) for c in reuse_plan(sc, steps)]
-    cache_dit.enable_cache(pipe, cache_config=DBCacheConfig(
-        Fn_compute_blocks=1, Bn_compute_blocks=0, num_inference_steps=steps,
-        steps_computation_mask=mask, steps_computation_policy="static"))
+    k = expert_split(pipe, steps)
+
+    def config(part):
+        return DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, num_inference_steps=len(part),
+                             steps_computation_mask=part, steps_computation_policy="static")
+    if k is None or not 0 < k < steps:      # one denoiser runs every step: the whole mask
+        cache_dit.enable_cache(pipe, cache_config=config(mask))
+    else:
+        mask[k] = 1
+        cache_dit.enable_cache(pipe, cache_config=config(mask), params_modifiers=[
+            ParamsModifier(cache_config=config(mask[:k])),
+            ParamsModifier(cache_config=config(mask[k:]))])
     cache_dit.set_compile_configs()
     return mask
 
