@@ -80,7 +80,7 @@ def test_the_flag_falls_back_with_one_line_where_the_kernel_cannot_run(monkeypat
         if unavailable:
             assert report["int8_attention_off"] == unavailable and "int8_attention" not in report
             assert [r.getMessage() for r in caplog.records if "int8 attention off" in r.getMessage()] == \
-                [f"int8 attention off, Wan self-attention stays on cuDNN: {unavailable}"]
+                [f"int8 attention off, Wan self-attention stays on SDPA (cuDNN): {unavailable}"]
             assert not any(isinstance(b.attn1.processor, ia.LongSelfAttnProcessor) for b in den.blocks)
         else:
             assert report["int8_attention"] == len(den.blocks) and "int8_attention_off" not in report
