@@ -16,7 +16,9 @@ Contract:
 - `results.parquet` is derived from the record: one row per prompt of the current prompt set (the
   latest row of an id wins), written atomically.
 - Every row records what its output was made from: the row's parameters (`prompts.PARAMS`) and
-  `settings`, a short hash of the job settings that shape every output (`settings_id`).
+  `settings`, a short hash of the job settings that shape every output (`settings_id`); a row
+  whose worker could not run int8-attention's kernel (`int8_attention: false`) gets the id of the
+  job's settings without it (`fallback_settings_id`), never the job's own.
 - A row's `status`: `ok` (its output is `output`), `failed` (`error` says why), `changed`: its
   inputs changed since its output was made, and that output was removed before regenerating it
   (`Results.retire`, called before the changed rows are dispatched), so that no file made from
@@ -27,8 +29,9 @@ Contract:
   URIs it names, the row's own id and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
   listing of `media/`, not a stat per row), and it was made from exactly the current row's
-  parameters and settings (`Results.plan`); a rerun generates the rest: new rows, rows whose
-  parameters changed, failed rows. Ids of the record that are no longer in the input keep their
+  parameters and settings, or its fallback settings (`Plan.fallback`: the driver remakes those
+  on workers that run the kernel, if any) (`Results.plan`); a rerun generates the rest: new rows,
+  rows whose parameters changed, failed rows. Ids of the record that are no longer in the input keep their
   outputs and rows and are reported, never dropped silently.
 - `fingerprint()` is the job-level part that must not change between runs into one directory
   (model, dtype, fps, lossy compilation, step reuse, `generation.*` defaults): a change is refused unless
