@@ -136,14 +136,23 @@ def _gpu_transforms(den, opts: CompileOptions, fused: bool, report: dict) -> Non
         add("short_attention", use_short_attention(den))
     if opts.short_cross_attention and fused:
         add("short_cross_attention", use_short_cross_attention(den))
-    if opts.has("int8_attention") and int8_attention.has_long_attention(den):
-        why = int8_attention.unavailable()
-        if why:   # said once per process; the attention stays cuDNN's
-            if "int8_attention_off" not in report:
-                log.warning("int8 attention off, Wan self-attention stays on cuDNN: %s", why)
-            report["int8_attention_off"] = why
-        else:
-            add("int8_attention", int8_attention.use_int8_attention(den))
+    _int8_attention(den, opts, "cuda", report)
+
+
+def _int8_attention(den, opts: CompileOptions, device: str, report: dict) -> None:
+    """Flag `int8-attention` on one denoiser: its Wan self-attentions on the kernel (the count in
+    `report["int8_attention"]`), or, where it cannot run (`device` not CUDA, another GPU, no
+    nvcc), `report["int8_attention_off"]` says why and the attention stays SDPA's: the caller
+    records which outputs were made without it."""
+    if not (opts.has("int8_attention") and int8_attention.has_long_attention(den)):
+        return
+    why = int8_attention.unavailable() if device == "cuda" else f"no CUDA device ({device})"
+    if why:   # said once per process
+        if "int8_attention_off" not in report:
+            log.warning("int8 attention off, Wan self-attention stays on SDPA (cuDNN): %s", why)
+        report["int8_attention_off"] = why
+    else:
+        report["int8_attention"] = report.get("int8_attention", 0) + int8_attention.use_int8_attention(den)
 
 
 def _add_counts(counts) -> dict[str, int]:
@@ -177,6 +186,9 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
     if opts.compile and device == "cuda":
         for d in dens:   # every expert the same transforms: counts add up over them
             _gpu_transforms(d, opts, fused, report)
+    elif opts.compile:   # the CPU: no INT8 kernel, said as on a GPU without it
+        for d in dens:
+            _int8_attention(d, opts, device, report)
 
     if opts.memory_format == "channels_last":   # 2-D convolutions only (Wan's VAE is 3-D)
         for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)):

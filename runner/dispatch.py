@@ -40,6 +40,10 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   the job stops with `DispatchError` instead of hanging.
 - `slots` (optional) is a list the caller owns, filled with the live slots as they change: after an
   interrupt (an exception out of dispatch) the caller still knows which workers served.
+- `later` (optional): shards handed out once the others are, only to slots `takes_later(slot)`
+  accepts (the job's outputs made without int8-attention's kernel, remade by workers that run
+  it); left when no slot that takes them is ready and none is starting. A retried or split one
+  joins the queue like any shard.
 - `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
 - A loop iteration costs O(what happened) plus one `Pool.wait` over the shards in flight, not
   O(slots): starting and hungry (ready, with room for a shard) slots are kept as they change
@@ -195,8 +199,11 @@ class Dispatcher:
                  slots: list[Slot] | None = None, on_tick: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, canary_every: int = 0,
                  canary_every_s: float | None = None,
-                 on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None):
+                 on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None,
+                 later: list[Shard] = (), takes_later: Callable[[Slot], bool] = lambda s: False):
         self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
+        # shards only some workers should take, once `shards` are handed out (module docstring)
+        self.later, self.takes_later = deque(later), takes_later
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
         self.max_deaths = max_deaths
         self.canary_every, self.canary_every_s = canary_every, canary_every_s
@@ -227,7 +234,7 @@ class Dispatcher:
         """Until every shard is done (its rows to `on_rows`); returns the slots."""
         for rank in range(self.n_workers):
             self.slots.append(self._start(rank))
-        while self.queue or self.futures:
+        while self.queue or self.futures or self.later and self._later_taken():
             self._check_alive()
             ready = self.pool.wait(list(self.futures) + list(self.warming), timeout=1.0)
             if self.on_tick:                 # about once a second: start-up phases, progress lines
@@ -239,7 +246,7 @@ class Dispatcher:
                 elif f in self.futures:      # (not retired meanwhile with its lost worker)
                     self.on_done(f)
             # every path that retires a shard or readies a slot marks it hungry: refill those
-            for s in sorted(self.hungry, key=lambda s: s.rank) if self.queue else ():
+            for s in sorted(self.hungry, key=lambda s: s.rank) if self.queue or self.later else ():
                 self.fill(s)
         for s in list(self.warming.values()):   # replacements nobody needs any more
             self.pool.kill(s.actor)
@@ -252,6 +259,16 @@ class Dispatcher:
         slot = Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
         self.warming[warm] = slot
         return slot
+
+    def _later_taken(self) -> bool:
+        """A slot that takes the `later` shards is ready, or one may be (starting): else they are
+        left (O(slots), only once every other shard is done)."""
+        return any(s.state == "starting" or s.state == "ready" and self.takes_later(s)
+                   for s in self.slots)
+
+    def _next_queue(self, slot: Slot) -> deque:
+        """The queue `slot` takes from: the shards, then the `later` ones if it takes those."""
+        return self.queue or (self.later if self.takes_later(slot) else self.queue)
 
     def _check_alive(self) -> None:
         """No slot ready or starting: stop rather than wait for nothing."""
@@ -279,10 +296,11 @@ class Dispatcher:
             if self._canary_due(slot):
                 self._ask_canary(slot)
                 continue
-            if not self.queue or slot.running and (self.queue[0].index in self.suspects or any(
+            queue = self._next_queue(slot)
+            if not queue or slot.running and (queue[0].index in self.suspects or any(
                     self._suspect(f) for f in slot.running)):
                 break
-            shard = self.queue.popleft()
+            shard = queue.popleft()
             _, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
             slot.since += len(shard.items)
@@ -417,7 +435,7 @@ class Dispatcher:
         charged = self.charged.get(slot.rank, 0)
         what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
             f"; in flight: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}" if ids else "")
-        if restart and charged <= self.max_restarts and (self.queue or self.futures):
+        if restart and charged <= self.max_restarts and (self.queue or self.futures or self.later):
             log.warning("worker %d lost (%s); starting a replacement (deaths not pinned on a row: "
                         "%d of ray.max_worker_restarts=%d)", slot.rank, what, charged,
                         self.max_restarts)
@@ -487,7 +505,7 @@ class Dispatcher:
     def _canary_due(self, slot: Slot) -> bool:
         """A ready slot with work to do was handed `canary_every` items, or has had
         `canary_every_s` seconds, since its last canary (or since ready)."""
-        if not self.canary_on or slot.checking or not slot.since or not self.queue:
+        if not self.canary_on or slot.checking or not slot.since or not self._next_queue(slot):
             return False
         return 0 < self.canary_every <= slot.since or (
             self.canary_every_s is not None

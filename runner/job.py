@@ -55,8 +55,8 @@ from .images import StoreUnreachable, fill_hashes
 from .lock import LockedError, job_lock, holder as lock_holder
 from .progress import PhasePrinter, Progress
 from .prompts import Constraints, Item, PromptError, Shard, check_prompts, plan_shards
-from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fingerprint,
-                      remove_temp_files, settings_id, start_fresh, write_parquet)
+from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fallback_settings_id,
+                      fingerprint, remove_temp_files, settings_id, start_fresh, write_parquet)
 from .storage import Store, StoreTimeout, resolve
 from .summary import json_text, summarize, summary_text, work_after
 
@@ -274,7 +274,8 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
     shards = plan_shards(items, job["run"].shard_size, plan.done)
-    if items and not shards:   # the last run's config.yaml and summary stay as they are
+    later = fallback_shards(plan, items, job["run"].shard_size, len(shards))
+    if items and not shards and not later:   # the last run's config.yaml and summary stay as they are
         return _nothing_to_do(results, items, out)
     _write_config(cfg, out.job_dir)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
@@ -283,10 +284,28 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     _retire(results, plan)      # no old output stays under a changed row's name, whatever follows
     # 4. Workers and stream: shards handed out, rows recorded as they arrive.
     run = JobRun(results, items, plan, out, _head(job), checked.skipped, clock, ending)
-    if shards:
-        run.serve(start_pool(job, checked.limits), shards, job["run"], job["ray"])
+    if shards or later:
+        run.serve(start_pool(job, checked.limits), shards, job["run"], job["ray"], later)
     # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
     return run.finish()
+
+
+def fallback_shards(plan: Plan, items: list[Item], shard_size: int, first: int) -> list[Shard]:
+    """Shards of the outputs an earlier run made without int8-attention's kernel (its workers
+    could not run it: `Plan.fallback`), numbered from `first`: the dispatcher's `later` shards,
+    remade by workers that run the kernel, if any is ready; else they stay as they are."""
+    if not plan.fallback:
+        return []
+    remake = {it.id for it in plan.fallback}
+    log.info("%d outputs were made without int8-attention's kernel by an earlier run: remade by "
+             "workers that run it, if any", len(remake))
+    keep = {it.id for it in items} - remake
+    return [Shard(first + k, s.items) for k, s in enumerate(plan_shards(items, shard_size, keep))]
+
+
+def runs_int8_attention(slot) -> bool:
+    """Whether a ready worker runs int8-attention's kernel (its warm-up's ready info)."""
+    return (slot.ready_info or {}).get("int8_attention") is True
 
 
 def start_ray_pool(job: dict, limits: Constraints) -> Pool:
@@ -378,6 +397,7 @@ class JobRun:
         self.canaries = 0                       # canaries that passed (the dispatcher's count)
         self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
+        self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
         self.steady_items = 0.0                 # items' worth of work done once all were ready
         self.stopped: KeyboardInterrupt | None = None
         self.aborted: str | None = None
@@ -386,19 +406,22 @@ class JobRun:
 
     # -- 4. serving ------------------------------------------------------------------------------
 
-    def serve(self, pool: Pool, shards: list[Shard], opts: RunOptions, ray: RayOptions) -> None:
+    def serve(self, pool: Pool, shards: list[Shard], opts: RunOptions, ray: RayOptions,
+              later: list[Shard] = ()) -> None:
         """Every shard through the dispatcher, until done, stopped (Ctrl-C, SIGTERM) or aborted
-        (a persistent fault). Every worker gone: the record is closed, then JobError."""
+        (a persistent fault); then `later` (`fallback_shards`) on workers that run int8-attention's
+        kernel. Every worker gone: the record is closed, then JobError."""
         _handle_stop_signals()           # again: starting the pool may have replaced them
         self.pool, self.phases = pool, PhasePrinter(pool)
-        self.progress = Progress(sum(map(len, shards)))
+        self.progress = Progress(sum(map(len, shards)) + sum(map(len, later)))
         dispatcher = Dispatcher(pool, pool.size, shards, self.on_rows, INFLIGHT,
                                 opts.max_shard_retries, ray.max_worker_restarts,
                                 opts.max_row_deaths, ray.worker_start_timeout_s,
                                 on_ready=self.on_ready, slots=self.slots, on_tick=self.on_tick,
                                 clock=self.clock, canary_every=opts.canary_items,
                                 canary_every_s=opts.canary_every_s,
-                                on_canary_failed=self.on_canary_failed)
+                                on_canary_failed=self.on_canary_failed,
+                                later=later, takes_later=runs_int8_attention)
         try:
             with self.progress.logging():
                 dispatcher.run()
@@ -493,6 +516,12 @@ class JobRun:
         self.ready_ranks.add(slot.rank)
         if len(self.ready_ranks) == self.pool.size and self.t_all_ready is None:
             self.t_all_ready = now
+        info = slot.ready_info or {}
+        if info.get("int8_attention") is False:
+            why = self.int8_off[slot.rank] = info.get("int8_attention_off") or "?"
+            log.warning("worker %d: int8-attention's kernel cannot run here (%s): its outputs are "
+                        "made with SDPA and recorded under the settings without it (%s); a rerun "
+                        "where the kernel runs remakes them", slot.rank, why, self.results.fallback)
 
     def on_tick(self) -> None:
         """About once a second: a stop signal raises here; start-up phases, progress lines."""
@@ -519,6 +548,11 @@ class JobRun:
         self._write_results(table)                # first: what a rerun reads
         if self.ending.stopping:
             summary["unrecorded_media"] = self._unrecorded_media()
+        if self.results.fallback:
+            summary["int8_fallback"] = dict(
+                outputs=sum(r.get("settings") == self.results.fallback and r["status"] == "ok"
+                            for r in table),
+                settings=self.results.fallback, workers=self.int8_off)
         text = summary_text(summary, metrics, self.plan, table)
         self.ending.write("summary.json", self.store.write_text, "summary.json", json_text(summary))
         self.ending.write("summary.txt", self.store.write_text, "summary.txt", text)
@@ -701,7 +735,7 @@ def _few(ids: list[str], n: int = 10) -> str:
 def _dry_run(cfg, job, items) -> dict:
     """run.dry_run=true: the plan against the job directory; nothing written, no Ray."""
     out, opts, r = job["output"], job["run"], job["ray"]
-    results = Results(_store(out.job_dir), settings_id(cfg))
+    results = Results(_store(out.job_dir), settings_id(cfg), fallback_settings_id(cfg))
     if not cfg.output.overwrite:
         _check_same_config(cfg, out)
         results.load()
@@ -756,7 +790,7 @@ def _open_results(cfg, out) -> Results:
     removed = remove_temp_files(out.job_dir)
     if removed:
         log.info("removed %d half-written files left by an earlier run", removed)
-    return Results(_store(out.job_dir), settings_id(cfg)).load()
+    return Results(_store(out.job_dir), settings_id(cfg), fallback_settings_id(cfg)).load()
 
 
 def _check_same_config(cfg, out) -> None:

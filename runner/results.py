@@ -16,7 +16,9 @@ Contract:
 - `results.parquet` is derived from the record: one row per prompt of the current prompt set (the
   latest row of an id wins), written atomically.
 - Every row records what its output was made from: the row's parameters (`prompts.PARAMS`) and
-  `settings`, a short hash of the job settings that shape every output (`settings_id`).
+  `settings`, a short hash of the job settings that shape every output (`settings_id`); a row
+  whose worker could not run int8-attention's kernel (`int8_attention: false`) gets the id of the
+  job's settings without it (`fallback_settings_id`), never the job's own.
 - A row's `status`: `ok` (its output is `output`), `failed` (`error` says why), `changed`: its
   inputs changed since its output was made, and that output was removed before regenerating it
   (`Results.retire`, called before the changed rows are dispatched), so that no file made from
@@ -27,8 +29,9 @@ Contract:
   URIs it names, the row's own id and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
   listing of `media/`, not a stat per row), and it was made from exactly the current row's
-  parameters and settings (`Results.plan`); a rerun generates the rest: new rows, rows whose
-  parameters changed, failed rows. Ids of the record that are no longer in the input keep their
+  parameters and settings, or its fallback settings (`Plan.fallback`: the driver remakes those
+  on workers that run the kernel, if any) (`Results.plan`); a rerun generates the rest: new rows,
+  rows whose parameters changed, failed rows. Ids of the record that are no longer in the input keep their
   outputs and rows and are reported, never dropped silently.
 - `fingerprint()` is the job-level part that must not change between runs into one directory
   (model, dtype, fps, lossy compilation, step reuse, `generation.*` defaults): a change is refused unless
@@ -102,7 +105,19 @@ def fingerprint(cfg: DictConfig) -> dict:
 
 def settings_id(cfg: DictConfig) -> str:
     """Short hash of the output settings, stamped on every journal line."""
-    blob = json.dumps(_output_settings(cfg), sort_keys=True, default=str)
+    return _hash(_output_settings(cfg))
+
+
+def fallback_settings_id(cfg: DictConfig) -> str | None:
+    """The settings id of the outputs a worker makes where flag `int8-attention` cannot run (the
+    job's settings without it: those of the same job asked without the flag); None where the
+    flag is off or does not apply."""
+    out = _output_settings(cfg)
+    return _hash(out) if out.pop("int8_attention", False) else None
+
+
+def _hash(settings: dict) -> str:
+    blob = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -217,6 +232,7 @@ class Plan:
     gone: list = field(default_factory=list)      # ids with an ok output, no longer in the input
     stale: dict = field(default_factory=dict)     # changed id -> its media files made from old inputs
     suspect: list = field(default_factory=list)   # ids whose output a failed canary put in doubt
+    fallback: list = field(default_factory=list)  # done items made without int8-attention's kernel
 
     def changed_by_file(self) -> str:
         counts: dict[str, int] = {}
@@ -226,9 +242,12 @@ class Plan:
 
 
 class Results:
-    def __init__(self, job_dir: "str | Store", settings: str | None = None):
+    def __init__(self, job_dir: "str | Store", settings: str | None = None,
+                 fallback: str | None = None):
         self.store = job_dir if isinstance(job_dir, Store) else resolve(job_dir)
-        self.settings = settings
+        # `fallback` (`fallback_settings_id`): the settings of a row whose worker could not run
+        # int8-attention's kernel (the row says `int8_attention: false`)
+        self.settings, self.fallback = settings, fallback
         self.rows: dict[str, dict] = {}
         self.run = f"{time.time_ns():020d}-{uuid.uuid4().hex[:6]}"   # this run's record names
         self._seq = 0
@@ -259,16 +278,19 @@ class Results:
     def plan(self, items: list) -> Plan:
         plan = Plan()
         media = self.store.list("media") if self.rows else {}    # one listing, not a stat per row
-        rows, settings = self.rows, self.settings
+        rows, settings = self.rows, (self.settings, self.fallback or self.settings)
         for it in items:
             r = rows.get(it.id)
             if r is None:
                 continue
-            # made from this item: the same settings and parameters (its file/row may move)
-            if r.get("settings") != settings or tuple(map(r.get, PARAMS)) != it.made_from():
+            # made from this item: the same settings and parameters (its file/row may move); made
+            # without int8-attention's kernel where it could not run is done too (`fallback`)
+            if r.get("settings") not in settings or tuple(map(r.get, PARAMS)) != it.made_from():
                 plan.changed.append(it)
             elif r["status"] == "ok" and media.get(_media_name(r["output"]), 0) > 0:
                 plan.done.add(it.id)
+                if r["settings"] != self.settings:
+                    plan.fallback.append(it)
             elif r["status"] == "suspect":
                 plan.suspect.append(it.id)
         if plan.changed:         # their files under their names: made from the old inputs
@@ -307,7 +329,8 @@ class Results:
         if not rows:
             return
         for r in rows:
-            r.setdefault("settings", self.settings)
+            without = r.get("int8_attention") is False and self.fallback
+            r.setdefault("settings", self.fallback if without else self.settings)
             self.rows[r["id"]] = r
         self.store.write_bytes_atomic(f"{RECORDS}/{self.run}-{self._seq:06d}.jsonl", _jsonl(rows))
         self._seq += 1

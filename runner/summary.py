@@ -152,6 +152,18 @@ def canary_lines(s: dict) -> list[str]:
     return lines
 
 
+def int8_fallback_lines(s: dict) -> list[str]:
+    """Outputs of this directory made without int8-attention's kernel (their workers could not
+    run it), in one line: how many, which workers of this run fell back and why (summary.txt)."""
+    f = s.get("int8_fallback")
+    if not f or not (f["outputs"] or f["workers"]):
+        return []
+    who = "; ".join(f"worker {rank}: {why}" for rank, why in sorted(f["workers"].items()))
+    return [f"int8-attention: {f['outputs']} outputs made without its kernel ("
+            + (who or "by an earlier run") + f"), recorded under settings {f['settings']} (the "
+            f"job's without it); a rerun where the kernel runs remakes them"]
+
+
 def failed_rows(table: list[dict]) -> list[dict]:
     """The rows that failed (a `changed` row not regenerated is not run, not failed)."""
     return [r for r in table if r["status"] == "failed"]
@@ -188,7 +200,7 @@ def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
-    text += "".join(f"\n{line}\n" for line in canary_lines(s))
+    text += "".join(f"\n{line}\n" for line in canary_lines(s) + int8_fallback_lines(s))
     failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
     if failures:   # last: what the user acts on (the console's last lines)
         text += ("\nfailures by cause (a rerun retries them):\n"

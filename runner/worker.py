@@ -244,6 +244,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                       canaries=0, canary_s=0.0, canary_ref_s=None)
         self.device = canary.device(self.cuda, self.m["node_id"])   # named by a failed canary
         self._reference: np.ndarray | None = None     # the canary batch as first made (uint8)
+        self._made_with: dict = {}            # what besides the job's settings made its outputs
         self.ready_at = None
         self._window = [None, None]           # first batch start, last batch on the host
         self._gpu_idle_since = time.perf_counter()
@@ -286,6 +287,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                         "compiling and warming up" + (" (compile cache miss)" if cache else ""))
             t_compile = time.perf_counter()
             compiler.compile_pipe(self.pipe, opts.options, fuse_qkv_projections=opts.fuse_qkv)
+            self._record_kernels(self.pipe._compile_report)
         else:
             t_compile = t0
             self._phase("warming up")
@@ -315,11 +317,24 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self._util = UtilSampler.start(self.cuda)
         self.ready_at = self._gpu_idle_since = time.perf_counter()
         keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
-                "warmup_with_cache_s", "cache_hit", "cache_wait_s")
+                "warmup_with_cache_s", "cache_hit", "cache_wait_s", "int8_attention",
+                "int8_attention_off")
         # where the kernel counts this process's out-of-memory kills (the driver reads it again
         # if the worker dies: runner.oom)
         return {**{k: self.m[k] for k in keys if k in self.m}, "memory": oom.baseline(),
                 "device": self.device}
+
+    def _record_kernels(self, report: dict) -> None:
+        """Whether flag `int8-attention` runs its kernel here (`int8_attention`: True, or False and
+        `int8_attention_off` says why; absent where the flag does not apply): in the ready info
+        (the driver names a worker that fell back) and on each output's row (`_made_with`: the
+        driver records it under the settings without the kernel)."""
+        if "int8_attention_off" in report:
+            self.m.update(int8_attention=False, int8_attention_off=report["int8_attention_off"])
+        elif report.get("int8_attention"):
+            self.m["int8_attention"] = True
+        if "int8_attention" in self.m:
+            self._made_with = {"int8_attention": self.m["int8_attention"]}
 
     def _record_compile(self, cache, t0: float, t_compile: float, t_end: float) -> None:
         # Warm-up from the moment compiling (or loading the artifact) starts; waiting for the
@@ -583,7 +598,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                     write_png(tmp, media)
             write_s += time.perf_counter() - t
             rows.append({**item.params(), "status": "ok", "error": None,
-                         "output": rel, "worker": self.rank,
+                         "output": rel, "worker": self.rank, **self._made_with,
                          "node_id": self.m["node_id"], "batch_size": len(g.items),
                          "denoise_it_s": steps / steady_s if steady_s else None})
         t_end = time.perf_counter()

@@ -80,7 +80,7 @@ def test_the_flag_falls_back_with_one_line_where_the_kernel_cannot_run(monkeypat
         if unavailable:
             assert report["int8_attention_off"] == unavailable and "int8_attention" not in report
             assert [r.getMessage() for r in caplog.records if "int8 attention off" in r.getMessage()] == \
-                [f"int8 attention off, Wan self-attention stays on cuDNN: {unavailable}"]
+                [f"int8 attention off, Wan self-attention stays on SDPA (cuDNN): {unavailable}"]
             assert not any(isinstance(b.attn1.processor, ia.LongSelfAttnProcessor) for b in den.blocks)
         else:
             assert report["int8_attention"] == len(den.blocks) and "int8_attention_off" not in report
@@ -105,6 +105,47 @@ def test_output_settings_carry_the_flag_only_where_it_changes_outputs():
     o3_no_int8 = "cudagraphs:cache-all:max-optimize:low-precision"
     assert settings_id(cfg("wan21_t2v_1_3b", "O3")) != settings_id(cfg("wan21_t2v_1_3b", o3_no_int8))
     assert settings_id(cfg("pixart_alpha_1024", "O3")) == settings_id(cfg("pixart_alpha_1024", o3_no_int8))
+
+
+def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
+        tmp_path, write_prompts, caplog):
+    """The real worker (tiny Wan, compiled on the CPU with the flag): the kernel cannot run, so
+    its ready info says so and why, the compiler's one line is logged, each row it makes says
+    `int8_attention: false`, and the job's record puts those rows under the settings without
+    the kernel, which a rerun counts done (`Plan.fallback`: remade only where the kernel runs)."""
+    from runner import job
+    from runner.config import load_config, split
+    from runner.results import Results, fallback_settings_id, settings_id
+    from runner.worker import Worker
+    p = write_prompts({"prompt": ["a cat", "a dog walking"]}, name="p.parquet")
+    cfg = load_config(["job=wan_batch", "model.source=tiny", f"prompts.path={p}",
+                       f"output.dir={tmp_path}", "generation.height=64", "generation.width=48",
+                       "generation.num_frames=5", "generation.num_inference_steps=2",
+                       "run.batch_size=2", "compile.mode=int8-attention",
+                       "compile.compile_text_encoder=false", "compile.compile_vae=false"])
+    j = split(cfg)
+    checked = job.check_input(j)
+    # Inductor imported here first: the tiny model loads before `compiler.prewarm`'s thread has
+    # imported it, and the gpu thread's import of it then races that thread's (ImportError:
+    # "cannot import name 'lowering' from 'torch._inductor'"), which is not this test's subject
+    import compiler.heuristics  # noqa: F401
+    w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
+    with caplog.at_level(logging.WARNING, logger="compiler"):
+        ready = w.warmup()
+    why = "no CUDA device (cpu)"
+    assert (ready["int8_attention"], ready["int8_attention_off"]) == (False, why)
+    assert [r.getMessage() for r in caplog.records if "int8 attention off" in r.getMessage()] == \
+        [f"int8 attention off, Wan self-attention stays on SDPA (cuDNN): {why}"]
+    assert w.metrics()["int8_attention"] is False
+    made = w.run_shard(checked.items)
+    assert [(r["status"], r["int8_attention"]) for r in made] == [("ok", False)] * 2
+    results = Results(j["output"].job_dir, settings_id(cfg), fallback_settings_id(cfg))
+    results.add(made)
+    assert {r["settings"] for r in results.rows.values()} == {fallback_settings_id(cfg)}
+    plan = Results(j["output"].job_dir, settings_id(cfg), fallback_settings_id(cfg)).load() \
+        .plan(checked.items)
+    assert plan.done == {it.id for it in checked.items}
+    assert [it.id for it in plan.fallback] == [it.id for it in checked.items] and not plan.changed
 
 
 # --- on a Hopper GPU -------------------------------------------------------------------------

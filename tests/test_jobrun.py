@@ -729,3 +729,95 @@ def test_rows_whose_image_is_no_image_file_fail_each_with_its_cause(tmp_path, wr
         assert f"image {image}: {cause}: that row will fail" in caplog.text    # the driver's check
     assert summary(tmp_path / "j")["errors"] == {f"ImageError: image <path>: {c}": 1
                                                  for c in causes.values()}
+
+
+# -- int8-attention's kernel where some workers cannot run it -----------------------------------
+
+NO_KERNEL = "the INT8/FP8 attention kernel is built for Hopper (sm90); this GPU is sm80"
+
+
+class Int8Cluster(Cluster):
+    """Workers of ranks in `falls_back` cannot run int8-attention's kernel and say so as a real
+    worker does (`Worker._record_kernels`): in their ready info, and `int8_attention: false` on
+    their rows; the others run it."""
+
+    def __init__(self, falls_back=(), **kw):
+        super().__init__(**kw)
+        self.falls_back = set(falls_back)
+
+    def __call__(self, j, limits):
+        pool = super().__call__(j, limits)
+        result = pool.result
+
+        def said(f):
+            value, off = result(f), f.worker.rank in self.falls_back
+            if isinstance(value, dict) and "warmup_s" in value:          # ready info (or metrics)
+                value = {**value, "int8_attention": not off,
+                         **({"int8_attention_off": NO_KERNEL} if off else {})}
+            elif isinstance(value, list) and value and isinstance(value[0], dict):   # rows
+                value = [{**r, "int8_attention": not off} if r["status"] == "ok" else r
+                         for r in value]
+            return value
+        pool.result = said
+        return pool
+
+
+def wan_o3_args(prompts, out, *extra):
+    return ["job=wan_batch", "model.source=tiny", f"prompts.path={prompts}", f"output.dir={out}",
+            "job.name=j", "generation.height=64", "generation.width=48", "generation.num_frames=5",
+            "generation.num_inference_steps=2", "compile.mode=O3", "run.shard_size=3",
+            "output.results_every_s=0", "ray.cpu_workers=2", *extra]
+
+
+def test_outputs_made_without_the_int8_kernel_are_recorded_so_and_remade_where_it_runs(
+        prompts, tmp_path, caplog):
+    """A mixed cluster: worker 1 cannot run the kernel. Its outputs are recorded under the job's
+    settings without int8_attention, one log line names it and why, and summary.txt says in one
+    line how many outputs were made without the kernel. A rerun on a cluster where no worker runs
+    it regenerates nothing (resume stays idempotent); one where a worker runs it regenerates
+    exactly those outputs, after which every row has the job's settings."""
+    from runner.config import load_config
+    from runner.results import fallback_settings_id, settings_id
+    args = wan_o3_args(prompts, tmp_path)
+    cfg = load_config(args)
+    with_kernel, without = settings_id(cfg), fallback_settings_id(cfg)
+    assert without is not None and without != with_kernel
+    d = tmp_path / "j"
+
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Int8Cluster(falls_back={1}).main(args) == 0
+    said = [r.getMessage() for r in caplog.records if "int8-attention's kernel" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"worker 1: int8-attention's kernel cannot run "
+                                                 f"here ({NO_KERNEL})") and without in said[0]
+    table = rows(d)
+    by_worker = {w: sorted(r["id"] for r in table if r["worker"] == w) for w in (0, 1)}
+    assert by_worker[0] and by_worker[1] and sorted(by_worker[0] + by_worker[1]) == IDS
+    for r in table:   # each row: what made it
+        assert r["status"] == "ok"
+        assert (r["settings"], r["int8_attention"]) == (
+            (without, False) if r["worker"] == 1 else (with_kernel, True)), r
+    fell_back = by_worker[1]
+    line = (f"int8-attention: {len(fell_back)} outputs made without its kernel (worker 1: "
+            f"{NO_KERNEL}), recorded under settings {without} (the job's without it); a rerun "
+            f"where the kernel runs remakes them")
+    assert line in (d / "summary.txt").read_text()
+    assert summary(d)["int8_fallback"]["outputs"] == len(fell_back)
+
+    # no worker runs it: nothing is regenerated (the workers start, take nothing, and stop)
+    c = Int8Cluster(falls_back={0, 1})
+    assert c.main(args) == 0 and c.generated == []
+    assert [r["settings"] for r in rows(d)] == [r["settings"] for r in table]
+
+    # worker 0 runs it: exactly the outputs made without it are made again, by worker 0 only
+    c = Int8Cluster(falls_back={1})
+    assert c.main(args) == 0
+    assert sorted(c.generated) == fell_back
+    after = rows(d)
+    assert {r["settings"] for r in after} == {with_kernel}
+    assert sorted(r["id"] for r in after if r["worker"] == 0) == IDS
+    assert (f"int8-attention: 0 outputs made without its kernel (worker 1: {NO_KERNEL})"
+            in (d / "summary.txt").read_text())          # it fell back again, and made none
+
+    # every output made with it: nothing to do, no worker started
+    c = Int8Cluster()
+    assert c.main(args) == 0 and c.pools == []
