@@ -40,6 +40,12 @@ def denoisers_of(pipe) -> list[torch.nn.Module]:
 ENCODERS = ("text_encoder", "text_encoder_2")
 
 
+# Set once a prewarm thread's imports are done (None: no prewarm in this process). compile_pipe waits
+# for it: importing Inductor from two threads at once can hand one of them the partly initialised
+# package ("cannot import name 'lowering' from 'torch._inductor'") when the model loads fast.
+_imports_done: threading.Event | None = None
+
+
 def prewarm(build_int8_attention: bool = False) -> threading.Thread:
     """Start importing what a compiled call needs (Dynamo, Inductor with its lowerings and kernel
     templates, the Triton runtime) and the torch source hash Inductor's caches are keyed on, in a
@@ -52,6 +58,9 @@ def prewarm(build_int8_attention: bool = False) -> threading.Thread:
     `build_int8_attention`: also build (or load) the `int8-attention` kernel now, ~1 min of nvcc on a
     machine that has not built it yet, instead of in `compile_pipe` after the model loaded.
     """
+    global _imports_done
+    done = _imports_done = threading.Event()
+
     def work():
         import importlib
         try:
@@ -63,6 +72,8 @@ def prewarm(build_int8_attention: bool = False) -> threading.Thread:
             codecache.torch_key()   # hash of torch's own sources (cached per process)
         except Exception as e:
             log.debug("prewarm stopped early: %s: %s", type(e).__name__, e)
+        finally:
+            done.set()
         if build_int8_attention:   # after the imports (seconds), not before them (a minute)
             int8_attention.unavailable()   # cached: compile_pipe's call returns at once
 
@@ -172,6 +183,8 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             return pipe
         raise ValueError(f"pipeline already compiled with mode {done.mode!r}; build a fresh pipeline "
                          f"to compile it with {opts.mode!r}")
+    if _imports_done is not None:   # prewarm's imports first (seconds): see _imports_done
+        _imports_done.wait()
     dens = denoisers_of(pipe)
     den = dens[0]
     device = _device_type(den)

@@ -125,10 +125,8 @@ def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
                        "compile.compile_text_encoder=false", "compile.compile_vae=false"])
     j = split(cfg)
     checked = job.check_input(j)
-    # Inductor imported here first: the tiny model loads before `compiler.prewarm`'s thread has
-    # imported it, and the gpu thread's import of it then races that thread's (ImportError:
-    # "cannot import name 'lowering' from 'torch._inductor'"), which is not this test's subject
-    import compiler.heuristics  # noqa: F401
+    # (the tiny model loads before `compiler.prewarm`'s thread has imported Inductor: compile_pipe
+    # waits for those imports, else it raced them: "cannot import name 'lowering'")
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
     with caplog.at_level(logging.WARNING, logger="compiler"):
         ready = w.warmup()
