@@ -8,9 +8,11 @@ Contract (used by `Worker.warmup` when the compile mode has `cache-all`):
   when it is published; a fetching worker checks the bytes it got against that digest, and
   `compiler.cache.unpack_and_load` checks the artifact's own header and hash, before anything is
   unpickled.
-- The artifact is also written to `compile.cache_dir` (atomically), where the next job's first
-  worker finds it. Artifacts are read only from there or from the broker. `compile.cache_dir` may
-  be a local path or an `s3://`/`gs://` URI (`<cache_dir>/<key>.artifact`, one get / one put
+- The artifact is also written to `compile.cache_dir` (atomically), where the next job's workers
+  find it: each reads it there itself, before any claim's wait, so a job after the first has no
+  worker waiting for another's warm-up (the claimant that found it also publishes it to the broker
+  at once, for workers that cannot read that directory). Artifacts are read only from there or
+  from the broker. `compile.cache_dir` may be a local path or an `s3://`/`gs://` URI (`<cache_dir>/<key>.artifact`, one get / one put
   through `runner.storage`); Inductor's and Triton's own working caches stay on a local disk
   (`local_dir`): the artifact carries everything a warm start needs.
 - Anything wrong (a timeout waiting for the compiling worker, a corrupt or mismatched artifact)
@@ -98,13 +100,26 @@ class CacheBroker:
 
 def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, wait_s: float) -> dict:
     """Before compiling: load a verified artifact if one exists for `key`. Returns the report;
-    report["role"] == "compile" means this worker must publish after its warm-up."""
+    report["role"] == "compile" means this worker must `publish` after its warm-up call.
+
+    Every worker first reads `cache_dir` itself: in a job whose cache a previous job filled, no
+    worker waits for another (the workers' start-ups overlap whole). Only on a miss does a
+    "fetch" worker wait for the compiling one to publish through the broker. The claimant that
+    found the artifact in `cache_dir` publishes it at once, for workers that cannot read it."""
     import ray
     from compiler import cache as cc
 
     report = {"cache_key": key, "cache_hit": False, "cache_source": None, "cache_wait_s": 0.0}
     role = ray.get(broker.claim.remote(key, rank)) if broker is not None else "compile"
     report["role"] = role
+    blob = read_artifact(cache_dir, key)   # a job after the first: every worker, no waiting
+    if blob is not None and cc.unpack_and_load(blob, key):
+        # nothing for `publish` to write; a claimant shares it now, not after its warm-up:
+        # workers that cannot read cache_dir (a local path on another node) wait for the broker
+        report.update(cache_hit=True, cache_source="cache_dir", published=True)
+        if role == "compile" and broker is not None:
+            ray.get(broker.publish.remote(key, blob))
+        return report
     if role == "fetch":
         t0 = time.perf_counter()
         blob, digest = ray.get(broker.fetch.remote(key, wait_s))
@@ -116,10 +131,6 @@ def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, wait_s: 
                         "compiling", key)
         elif cc.unpack_and_load(blob, key):
             report.update(cache_hit=True, cache_source="broker")
-        return report
-    blob = read_artifact(cache_dir, key)
-    if blob is not None and cc.unpack_and_load(blob, key):
-        report.update(cache_hit=True, cache_source="cache_dir", blob=blob)
     return report
 
 
@@ -128,12 +139,12 @@ def publish(broker, report: dict, cache_dir: str) -> None:
     import ray
     from compiler import cache as cc
 
+    if report.get("published"):       # a hit in cache_dir: already there, and already shared
+        return
     key = report["cache_key"]
-    blob = report.pop("blob", None)
-    if blob is None:
-        blob = cc.pack_artifact(key)
-        if blob is not None:
-            write_artifact(cache_dir, key, blob)
-            report["artifact_bytes"] = len(blob)
+    blob = cc.pack_artifact(key)
+    if blob is not None:
+        write_artifact(cache_dir, key, blob)
+        report["artifact_bytes"] = len(blob)
     if broker is not None:
         ray.get(broker.publish.remote(key, blob))

@@ -205,6 +205,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         # warm-up's phases, for the driver (progress.py); it shows "loading model" itself: an
         # actor answers no call before its __init__ returns
         self.t_start, self._phases = time.perf_counter(), []
+        started_at = time.time()   # epoch: start-ups of several workers on one clock (metrics)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.spec = cfg.model.resolved()
@@ -239,7 +240,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(), node_id=_node_id(),
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
-                      model_load_s=time.perf_counter() - t0, items=0, failed=0, steps=0,
+                      model_load_s=time.perf_counter() - t0, started_at=started_at,
+                      loaded_at=time.time(), items=0, failed=0, steps=0,
                       steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0),
                       canaries=0, canary_s=0.0, canary_ref_s=None)
         self.device = canary.device(self.cuda, self.m["node_id"])   # named by a failed canary
@@ -295,11 +297,16 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         try:
             self._warmup_call()
         except BaseException:
-            if cache and cache["role"] == "compile" and self.broker is not None:
+            if (cache and cache["role"] == "compile" and not cache.get("published")
+                    and self.broker is not None):
                 import ray
                 ray.get(self.broker.publish.remote(cache["cache_key"], None))  # waiters: compile
             raise
         self._sync()
+        if cache and cache["role"] == "compile":   # before the canary's call: the others wait
+            from .compile_cache import publish
+            publish(self.broker, cache, opts.cache_dir)
+            self.m["artifact_bytes"] = cache.get("artifact_bytes")
         if self.cfg.canary:                  # the reference, with the graphs the job will run
             t_ref = time.perf_counter()
             self._reference, finite = self._canary_output()
@@ -316,9 +323,10 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             torch.cuda.reset_peak_memory_stats()
         self._util = UtilSampler.start(self.cuda)
         self.ready_at = self._gpu_idle_since = time.perf_counter()
+        self.m["ready_at"] = time.time()
         keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
                 "warmup_with_cache_s", "cache_hit", "cache_wait_s", "int8_attention",
-                "int8_attention_off")
+                "int8_attention_off", "started_at", "loaded_at", "ready_at")
         # where the kernel counts this process's out-of-memory kills (the driver reads it again
         # if the worker dies: runner.oom)
         return {**{k: self.m[k] for k in keys if k in self.m}, "memory": oom.baseline(),
@@ -344,10 +352,6 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.m["warmup_with_cache_s" if hit else "warmup_with_compile_s"] = t_end - t0 - wait
         self.m.update(cache_hit=hit, cache_wait_s=wait, cache_source=cache and cache["cache_source"],
                       compile_call_s=t_end - t_compile)
-        if cache and cache["role"] == "compile":
-            from .compile_cache import publish
-            publish(self.broker, cache, self.cfg.compile.cache_dir)
-            self.m["artifact_bytes"] = cache.get("artifact_bytes")
 
     def cache_shapes(self) -> dict:
         """What besides model and mode decides the compiled graphs (the compile cache key's

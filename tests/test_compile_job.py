@@ -89,3 +89,29 @@ def test_bad_compile_mode_with_a_step_cache_is_exit_2_naming_it(tmp_path):
     assert "error: compile.mode='O9': unknown compile mode flag 'O9'; valid flags: [" in r.stderr
     assert "'cudagraphs'" in r.stderr and "presets: ['O2', 'O3']" in r.stderr
     assert not (tmp_path / "demo_video").exists()
+
+
+def test_warm_job_workers_start_up_side_by_side(tmp_path):
+    """Issue 48 item 4. A cold job: the worker that loads the artifact has its model loaded while
+    the first one still compiles. The next job on the same compile cache: every worker reads the
+    artifact from cache_dir itself, so none waits for another's warm-up: with the first worker to
+    warm up held back 20 s (a slow GPU, a long canary), the other is ready well before it. (Before:
+    the others waited for the claimant to publish after its whole warm-up.)"""
+    common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={tmp_path}/cc",
+              "generation.num_inference_steps=2", "run.batch_size=1", "ray.cpu_workers=2",
+              "compile.compile_text_encoder=false", "compile.compile_vae=false"]
+    cli(*common, "job.name=cold", faults="wait_ready")
+    compiled, loaded = sorted(metrics(tmp_path / "cold"), key=lambda w: w["cache_hit"])
+    assert (compiled["cache_hit"], loaded["cache_hit"]) == (False, True)
+    # the loader's model was in memory before the compiling worker was ready: loads overlap compiling
+    assert loaded["loaded_at"] < compiled["ready_at"]
+    assert compiled["started_at"] < compiled["loaded_at"] < compiled["ready_at"]
+
+    cli(*common, "job.name=warm", faults="wait_ready,slow_warmup:20")
+    ws = metrics(tmp_path / "warm")
+    assert [(w["cache_hit"], w["cache_source"], w["cache_wait_s"]) for w in ws] == \
+        [(True, "cache_dir", 0.0)] * 2
+    fast, slow = sorted(ws, key=lambda w: w["ready_at"])
+    assert slow["warmup_s"] >= 20 > fast["warmup_s"]     # the held-back one is the slow one
+    # the other did not wait for it: ready at least 10 s before it (20 s held, less scheduling)
+    assert fast["ready_at"] < slow["ready_at"] - 10

@@ -63,7 +63,7 @@ def test_weak_scaling_runs_each_worker_count_with_its_own_prompts(tmp_path):
     r2 = subprocess.run([sys.executable, "-m", "runner.bench.scaling", f"replot={out}"], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and (out / "scaling.txt").exists() and "steady_efficiency" in r2.stdout
-    header = [l for l in r.stdout.splitlines() if l.startswith("workers ")][-1]
+    header = [l for l in r.stdout.splitlines() if l.startswith("workers ") and "alongside" in l][-1]
     assert "efficiency" in header and "warmup_with_cache_s" in header
     for col in ("span_s", "span_items_per_s", "span_efficiency", "gpu_util", "shards",
                 "driver_cpu_s_per_shard", "serve_cpu_s_per_shard"):
@@ -100,11 +100,14 @@ def test_plots_survive_runs_without_throughput(tmp_path):
     _summarize(rows, [], str(tmp_path))          # every item failed: nothing to divide by
     assert (tmp_path / "scaling.svg").exists() and (tmp_path / "scaling.png").exists()
     assert "efficiency" not in rows[1]
-    rows[0].update(items_per_s=1.0, all_ready_s=4.0, span_items_per_s=0.5)
-    rows[1].update(items_per_s=1.5, span_items_per_s=0.6)
+    # strong scaling (the same 10 prompts): the span's speed-up is the ratio of the job lengths
+    rows[0].update(items_per_s=1.0, all_ready_s=4.0, first_ready_s=10.0, ok=10, span_s=20.0,
+                   span_items_per_s=0.5)
+    rows[1].update(items_per_s=1.5, first_ready_s=10.0, ok=10, span_s=16.0, span_items_per_s=0.625)
     _summarize(rows, [], str(tmp_path))
     assert rows[1]["efficiency"] == 0.75 and rows[1]["ready_ratio"] == 1.25
-    assert rows[1]["span_efficiency"] == pytest.approx(0.6)
+    assert rows[1]["span_speedup"] == 20.0 / 16.0 and rows[1]["span_efficiency"] == 20.0 / 16.0 / 2
+    assert rows[0]["span_efficiency"] == 1.0
 
 
 def test_a_scaling_json_from_before_the_span_gets_it_from_its_parts():
@@ -112,3 +115,110 @@ def test_a_scaling_json_from_before_the_span_gets_it_from_its_parts():
     old = {"workers": 2, "ok": 8, "first_ready_s": 3.0, "generate_s": 1.0}
     _backfill_span(old)
     assert old["span_s"] == 4.0 and old["span_items_per_s"] == 2.0
+
+
+def weak_rows(cache: str, start_s: float, rate: float = 1.5, per_worker: int = 250) -> list[dict]:
+    """Rows of a weak-scaling run: `per_worker` prompts per worker, every worker at `rate` items/s,
+    the job's first worker ready after `start_s` and the others with it."""
+    rows = []
+    for k in (1, 2, 4):
+        n = per_worker * k
+        gen = n / (rate * k)
+        rows.append(dict(workers=k, cache=cache, prompts=n, ok=n, first_ready_s=start_s,
+                         all_ready_s=start_s, generate_s=gen, span_s=start_s + gen,
+                         span_items_per_s=n / (start_s + gen), items_per_s=n / gen,
+                         steady_items_per_s=n / gen))
+    return rows
+
+
+def test_whole_span_efficiency_of_a_1000_prompt_job_against_one_worker_doing_them(tmp_path):
+    """Issue 48's acceptance: whole span with a warm cache at 4 workers for a 1,000-prompt PixArt
+    job (prompts_per_worker=250). The base is one worker doing the same 1,000 prompts (its start-up
+    plus 1,000 at its rate), not the 250-prompt base's span rate, on which its start-up weighs 4x
+    as much (that ratio is 1.0 whatever the start-up: it would pass any job)."""
+    from runner.bench.scaling import _summarize
+    # PixArt O3 on an H100: 1.5 images/s per worker; warm start 15 s, cold 55 s (issue 48)
+    rows = weak_rows("cold", 55.0) + weak_rows("warm", 15.0)
+    _summarize(rows, [], str(tmp_path))
+    cold4, warm4 = rows[2], rows[5]
+    assert (warm4["workers"], warm4["cache"], warm4["prompts"]) == (4, "warm", 1000)
+    # one worker, warm: 15 + 1000 / 1.5 = 681.7 s; four: 15 + 1000 / 6 = 181.7 s
+    assert warm4["span_speedup"] == pytest.approx((15 + 1000 / 1.5) / (15 + 1000 / 6))
+    assert warm4["span_efficiency"] == pytest.approx(681.667 / 181.667 / 4, rel=1e-4)   # 0.938
+    assert warm4["span_efficiency"] >= 0.85 > cold4["span_efficiency"]    # cold: 0.80
+    assert cold4["span_efficiency"] == pytest.approx((55 + 1000 / 1.5) / (55 + 1000 / 6) / 4)
+    # the rates' ratio would say 1.0 for both: the start-up is the same share of each weak run
+    assert warm4["span_items_per_s"] / (4 * rows[3]["span_items_per_s"]) == pytest.approx(1.0)
+    # like with like: each cache's base is its own 1-worker run
+    assert [(r["cache"], r["base_workers"], r["span_efficiency"]) for r in (rows[0], rows[3])] == [
+        ("cold", 1, 1.0), ("warm", 1, 1.0)]
+    assert all(r["steady_efficiency"] == pytest.approx(1.0) for r in rows)
+    text = (tmp_path / "scaling.txt").read_text().splitlines()
+    assert text[-1].endswith(" warm") and not text[1].endswith(" warm")
+    # warm_prompts: a 64-prompt warm base against the 1,000-prompt 4-worker job: the same figure
+    small = weak_rows("warm", 15.0, per_worker=64)
+    small[2] = weak_rows("warm", 15.0)[2]
+    _summarize(small, [], str(tmp_path))
+    assert small[2]["span_efficiency"] == pytest.approx(warm4["span_efficiency"])
+
+
+def test_a_warm_run_starts_with_the_artifact_alone(tmp_path):
+    from runner.bench.scaling import _fresh_cache
+    cold = tmp_path / "cache-w2"
+    (cold / "inductor").mkdir(parents=True)
+    (cold / "inductor" / "graph").write_text("x")
+    (cold / "abc.artifact").write_bytes(b"artifact")
+    (tmp_path / "cache-w2-warm" / "old").mkdir(parents=True)    # a previous bench's: removed
+    _fresh_cache(str(tmp_path), "w2-warm", str(cold))
+    assert sorted(os.listdir(tmp_path / "cache-w2-warm")) == ["abc.artifact"]
+    assert (tmp_path / "cache-w2-warm" / "abc.artifact").read_bytes() == b"artifact"
+    with pytest.raises(SystemExit, match="no compile artifact in .*none for the warm run w1"):
+        _fresh_cache(str(tmp_path), "w1", str(tmp_path / "cache-w2-warm" / "none"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cache=hot"], "cache='hot': one of cold, warm, both"),
+    (["cache=both", "cache_from=/x"], "cache_from='/x' is for cache=warm"),
+    (["cache=warm", "cache_from={tmp}"], "no compile artifact (*.artifact) there"),
+    (["cache=both", "workers=1,2", "warm_prompts=8,16,32"], "warm_prompts='8,16,32': give one count or one per"),
+])
+def test_bad_cache_arguments_are_named_before_any_run(tmp_path, args, message):
+    from runner.bench.scaling import main
+    with pytest.raises(SystemExit) as e:
+        main(["job=demo_image", f"out={tmp_path}/out", "model.device=cpu",
+              *[a.format(tmp=tmp_path) for a in args]])
+    assert message in str(e.value)
+    assert not os.path.exists(tmp_path / "out" / "w1")
+
+
+def test_cold_then_warm_runs_each_from_its_own_cache(tmp_path):
+    """cache=both end to end on CPU (tiny PixArt compiled, cache-all): each worker count cold (one
+    worker compiles) then warm from the artifact its cold run left (nobody compiles); the warm
+    rows are measured against the warm base, with their own prompt counts."""
+    out = tmp_path / "scaling"
+    r = subprocess.run([sys.executable, "-m", "runner.bench.scaling", "job=demo_image", "workers=1+2",
+                        "prompts_per_worker=2", "cache=both", "warm_prompts=2,6", f"out={out}",
+                        "model.device=cpu", "compile.mode=cache-all", "generation.num_inference_steps=2",
+                        "run.batch_size=1", "compile.compile_text_encoder=false",
+                        "compile.compile_vae=false", *session_ray()],
+                       cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S,
+                       env=fault_env("wait_ready"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.load(open(out / "scaling.json"))["rows"]
+    assert [(x["cache"], x["workers"], x["prompts"], x["ok"], x["compiled"], x["loaded"])
+            for x in rows] == [("cold", 1, 2, 2, 1, 0), ("cold", 2, 4, 4, 1, 1),
+                               ("warm", 1, 2, 2, 0, 1), ("warm", 2, 6, 6, 0, 2)]
+    assert [x["run"] for x in rows] == ["w1", "w2", "w1-warm", "w2-warm"]
+    assert rows[2]["span_efficiency"] == 1.0 and rows[2]["base_workers"] == 1
+    assert rows[3]["span_speedup"] == pytest.approx(
+        (rows[2]["first_ready_s"] + 6 / rows[2]["items_per_s"]) / rows[3]["span_s"])
+    for x in rows:
+        assert 0 < x["worker_ready_s"] <= x["all_ready_s"]
+        assert x["worker_ready_s"] == pytest.approx(max(x["worker_ready_s_by_rank"]), abs=0.01)
+    assert rows[3]["cache_wait_s"] == 0.0     # warm: every worker read the cache_dir itself
+    short = r.stdout.split("\n\n")[-1].splitlines()
+    assert short[0].split() == ["workers", "cache", "prompts", "compiled", "loaded", "first_ready_s",
+                                "all_ready_s", "worker_ready_s", "span_s", "span_efficiency",
+                                "steady_items_per_s", "steady_efficiency"]
+    assert [l.split()[:2] for l in short[2:]] == [["1", "cold"], ["2", "cold"], ["1", "warm"],
+                                                  ["2", "warm"]]

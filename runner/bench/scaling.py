@@ -3,6 +3,8 @@
     python -m runner.bench.scaling job=pixart_batch workers=1,2 prompts=128 out=/tmp/scaling [key=value ...]
     python -m runner.bench.scaling job=pixart_batch workers=1,2,4 prompts_per_worker=128 ...
     python -m runner.bench.scaling job=latte_batch workers=1+2+4,8 prompts_per_worker=16 ...
+    python -m runner.bench.scaling job=pixart_batch workers=1+2,4 prompts_per_worker=64 cache=both \
+        warm_prompts=64,128,1000 ...
 
 For each worker count it runs `python -m runner` (its own local Ray) on `prompts` generated prompts
 (a list gives each run its own count; with `prompts_per_worker=N`, N x workers of them: weak
@@ -17,6 +19,18 @@ per-worker it/s (`worker_it_s` in scaling.json) shows whether that slowed any of
 `alongside` names them. Each run starts from nothing (its output and compile-cache directories
 under `out` are removed first) and with its own local Ray (RAY_ADDRESS is not passed on).
 
+`cache=` which compile cache the runs start with (row field `cache`):
+- `cold` (default): a fresh, empty one per run (`cache-w<k>`): one worker compiles, the others load
+  its artifact through the job's broker: a cluster's first job;
+- `both`: each group cold, then again warm (runs `w<k>-warm`, caches `cache-w<k>-warm`): the
+  cluster's second job, its `compile.cache_dir` holding the artifact the first left (only the
+  `*.artifact` files of the cold run's cache are copied, as a fresh node sees an object-store
+  cache; not the Inductor/Triton working files beside them). Each run of a `+` group has its own;
+- `warm`: warm runs only, from the artifact in `cache_from=DIR` (a compile.cache_dir), else from
+  one `python -m runner.warm` run with the same job arguments first (`cache-fill`).
+`warm_prompts=` gives the warm runs their own prompt counts (one, or one per worker count: e.g. a
+1,000-prompt 4-worker job against 64- and 128-prompt bases).
+
 Figures per run (a row of `scaling.json` and of the table), from the run's summary.json and
 metrics/*.json; the job's times run from the driver's start of the run (after the config, prompt
 checks and resume plan, the same for every worker count; before Ray and the workers start) to the
@@ -29,17 +43,26 @@ Ray's shutdown):
   worker serves (`all_ready_s`; items in flight at that moment count by their part after it);
 - `compiled` / `loaded`: workers that compiled / loaded the shared compile artifact (their
   metrics' `cache_hit`: false / true; neither without compile);
+- `worker_ready_s`: the slowest worker's own start-up, its `Worker()` to ready (model load, compile
+  or cache load, warm-up call, canary reference; its metrics' `ready_at - started_at`; not the
+  process start and imports, which `all_ready_s` includes), per rank in `worker_ready_s_by_rank`;
+  `model_load_s` and `cache_wait_s` (waiting for another worker's artifact): the slowest worker's;
 - `gpu_util`: each worker's NVML utilisation over its serving window (0-1, by rank; None on CPU);
   `worker_it_s`: each worker's steady denoising steps/s, by rank;
 - `driver_cpu_s`: the driver process's CPU seconds (user+sys, every thread) over `span_s`;
   `shards` handed to workers (retries included); `driver_cpu_s_per_shard` the one over the other,
   `serve_cpu_s_per_shard` the same without the driver's CPU until the first worker was ready
   (starting Ray and the pool: on a short run most of it, and not a cost per shard).
-Speed-up and efficiency are against the run with the fewest workers (`base_workers`, normally 1) of
-the same figure: `span_efficiency` = span_items_per_s / (workers / base_workers x the base's),
-likewise `efficiency` and `steady_efficiency` (with `prompts_per_worker`, the runs' prompt counts
-differ: the rates still compare); `ready_ratio` is the time to all workers ready against that run's.
-The plots draw the whole-span (start-up included) and steady rates.
+Speed-up and efficiency are against the run with the fewest workers (`base_workers`, normally 1)
+with the same cache (warm rows against the warm base). `efficiency` and `steady_efficiency`: the
+rate over the base's, over workers / base_workers (rates compare whatever the prompt counts).
+`span_speedup`: the base's job length for this run's items, its start-up plus them at its rate
+(`first_ready_s + ok / items_per_s`; its own span_s at equal counts), over this run's span_s;
+`span_efficiency` that over workers / base_workers. So a 4-worker 1,000-prompt job against a
+1-worker 250-prompt base (prompts_per_worker=250) is measured against one worker doing the 1,000
+prompts, not against a base rate its start-up weighs on 4x as much. `ready_ratio` is the time to
+all workers ready against the base's. The plots draw the whole-span (start-up included) and
+steady rates. After the full table the bench prints a short one (`SHORT`: the record's columns).
 `python -m runner.bench.scaling replot=DIR` prints the table and rewrites the plots from DIR/scaling.json.
 """
 
@@ -61,41 +84,65 @@ from . import parse_args
 
 
 SPAN_LABEL = "whole span, start-up included"
+CACHES = ("cold", "warm", "both")
 USAGE = ("python -m runner.bench.scaling job=NAME [workers=1,2,4,8] [prompts=N | prompts_per_worker=N] "
-         "[out=DIR] [key=value ...]\n"
+         "[cache=cold|warm|both] [warm_prompts=N,...] [cache_from=DIR] [out=DIR] [key=value ...]\n"
          "       python -m runner.bench.scaling replot=DIR   (table and plots again from DIR/scaling.json)")
 
 
 def _args(argv):
     opts, rest = parse_args(argv, {"workers": "1,2", "prompts": "128", "prompts_per_worker": None,
-                                   "out": "scaling", "job": None, "replot": None}, USAGE,
+                                   "out": "scaling", "job": None, "replot": None, "cache": "cold",
+                                   "warm_prompts": None, "cache_from": None}, USAGE,
                             passthrough=True)
     if not opts["job"] and not opts["replot"]:
         raise SystemExit(f"usage: {USAGE}")
+    if opts["cache"] not in CACHES:
+        raise SystemExit(f"cache={opts['cache']!r}: one of {', '.join(CACHES)} (cold: a fresh "
+                         "compile cache per run; warm: one a previous job filled; both: each "
+                         "worker count cold, then warm from its cold run's cache)")
+    if opts["cache_from"] and opts["cache"] != "warm":
+        raise SystemExit(f"cache_from={opts['cache_from']!r} is for cache=warm (cache=both warms "
+                         "each run from its own cold run's cache)")
     return opts, rest
 
 
-COLUMNS = ["workers", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
-           "all_ready_s", "ready_ratio", "generate_s", "span_s", "span_items_per_s", "span_speedup",
+COLUMNS = ["workers", "cache", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
+           "all_ready_s", "worker_ready_s", "cache_wait_s", "ready_ratio", "generate_s", "span_s", "span_items_per_s", "span_speedup",
            "span_efficiency", "items_per_s", "speedup", "efficiency", "steady_items_per_s",
            "steady_speedup", "steady_efficiency", "gpu_util", "shards", "driver_cpu_s",
            "driver_cpu_s_per_shard", "serve_cpu_s_per_shard", "warmup_with_compile_s",
            "warmup_with_cache_s"]
+# the record's table: start-up (the job's clock, and the slowest worker's own), span and steady
+SHORT = ["workers", "cache", "prompts", "compiled", "loaded", "first_ready_s", "all_ready_s",
+         "worker_ready_s", "span_s", "span_efficiency", "steady_items_per_s", "steady_efficiency"]
 
 
 def _plot(rows, out):
     """Throughput against workers (once all serve, and over the whole span, start-up included)
-    with the linear line from the first run, and the efficiency of both: `scaling.svg`, `.png`."""
+    with the linear line from the first run, and the efficiency of both: `scaling.svg`, `.png`.
+    Runs with a warm compile cache (cache=warm|both) are drawn dashed beside the cold ones."""
     from matplotlib.figure import Figure   # no pyplot: no global backend or state
-    xs = [r["workers"] for r in rows]
-    ys, span = [_steady(r) for r in rows], [_span(r) for r in rows]
     fig = Figure(figsize=(9, 3.6), dpi=120, layout="constrained")
     ax, ax_eff = fig.subplots(1, 2, width_ratios=[3, 2])
-    ax.plot(xs, [ys[0] * x / xs[0] for x in xs], color="gray", ls="--", lw=1, label="linear from the first run")
-    ax.plot(xs, span, "s-", color="tab:orange", lw=2, label=SPAN_LABEL)
-    ax.plot(xs, ys, "o-", color="tab:blue", lw=2, label="once all workers serve")
-    for x, y in zip(xs, ys):
-        ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    xs = sorted({r["workers"] for r in rows})
+    first = rows[0]
+    ax.plot(xs, [_steady(first) * x / first["workers"] for x in xs], color="gray", ls="--", lw=1,
+            label="linear from the first run")
+    for cache, group in _by_cache(rows):
+        style, tag = ("-", "") if cache == "cold" else (":", " (warm cache)")
+        gx = [r["workers"] for r in group]
+        ys = [_steady(r) for r in group]
+        ax.plot(gx, [_span(r) for r in group], "s" + style, color="tab:orange", lw=2,
+                label=SPAN_LABEL + tag)
+        ax.plot(gx, ys, "o" + style, color="tab:blue", lw=2, label="once all workers serve" + tag)
+        for x, y in zip(gx, ys):
+            ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        for key, mark, color, label in (("steady_efficiency", "o", "tab:blue", "once all workers serve"),
+                                        ("span_efficiency", "s", "tab:orange", SPAN_LABEL)):
+            pts = [(r["workers"], r[key]) for r in group if r.get(key) is not None]
+            if pts:
+                ax_eff.plot(*zip(*pts), mark + style, color=color, lw=2, label=label + tag)
     ax.set(xlabel="workers", ylabel="items/s", title="Throughput")
     for a in (ax, ax_eff):
         a.set_xticks(xs)
@@ -103,11 +150,6 @@ def _plot(rows, out):
     ax.set_ylim(bottom=0)
     ax.margins(x=0.08)
     ax.legend(fontsize=8, frameon=False)
-    for key, style, color, label in (("steady_efficiency", "o-", "tab:blue", "once all workers serve"),
-                                     ("span_efficiency", "s-", "tab:orange", SPAN_LABEL)):
-        pts = [(r["workers"], r[key]) for r in rows if r.get(key) is not None]
-        if pts:
-            ax_eff.plot(*zip(*pts), style, color=color, lw=2, label=label)
     ax_eff.axhline(1.0, color="gray", ls="--", lw=1, label="linear")
     ax_eff.set(xlabel="workers", ylabel="efficiency (vs linear)", title="Scaling efficiency")
     ax_eff.set_ylim(0, max([1.1] + [r.get(k) or 0 for r in rows
@@ -116,6 +158,12 @@ def _plot(rows, out):
     for ext in ("svg", "png"):
         with atomic_path(os.path.join(out, f"scaling.{ext}")) as tmp:
             fig.savefig(tmp, format=ext)
+
+
+def _by_cache(rows) -> list[tuple[str, list[dict]]]:
+    """The rows per compile cache (cold first), each by workers."""
+    return [(c, sorted((r for r in rows if r.get("cache", "cold") == c), key=lambda r: r["workers"]))
+            for c in CACHES if any(r.get("cache", "cold") == c for r in rows)]
 
 
 def _plan(workers: str) -> list[list[int]]:
@@ -159,17 +207,21 @@ def _steady(r: dict) -> float:
 
 
 def _text_plot(rows) -> str:
-    """The same plot as text, for a markdown record: one bar per run, measured against linear."""
-    base = _steady(rows[0])
-    ideal = {r["workers"]: base * r["workers"] / rows[0]["workers"] for r in rows}
-    top = max([f(r) for r in rows for f in (_steady, _span)] + list(ideal.values())) or 1.0
+    """The same plot as text, for a markdown record: one bar per run, measured against linear
+    from the first run of the same cache (warm rows are marked so)."""
     lines = [("items/s once all workers serve (#), whole span with start-up (=), linear from the "
               "first run (|)")]
-    for r in rows:
-        for mark, v in (("#", _steady(r)), ("=", _span(r))):
-            bar = list(mark * round(50 * v / top) + " " * 52)
-            bar[round(50 * ideal[r["workers"]] / top)] = "|"
-            lines.append(f"{r['workers']:>3} {''.join(bar).rstrip():<52} {v:.3g}")
+    groups = _by_cache(rows)
+    ideal = {(c, r["workers"]): _steady(g[0]) * r["workers"] / g[0]["workers"]
+             for c, g in groups for r in g}
+    top = max([f(r) for r in rows for f in (_steady, _span)] + list(ideal.values())) or 1.0
+    for cache, group in groups:
+        for r in group:
+            for mark, v in (("#", _steady(r)), ("=", _span(r))):
+                bar = list(mark * round(50 * v / top) + " " * 52)
+                bar[round(50 * ideal[cache, r["workers"]] / top)] = "|"
+                tag = "" if cache == "cold" else f" {cache}"
+                lines.append(f"{r['workers']:>3} {''.join(bar).rstrip():<52} {v:.3g}{tag}")
     return "\n".join(lines) + "\n"
 
 
@@ -202,39 +254,94 @@ def main(argv: list[str]) -> list[dict]:
     counts = [k for g in groups for k in g]
     if len(set(counts)) != len(counts):
         raise SystemExit(f"workers={opts['workers']!r}: each worker count once (runs are named w<count>)")
-    per_worker = int(opts["prompts_per_worker"]) if opts["prompts_per_worker"] else None
-    sizes = [int(x) for x in opts["prompts"].split(",")]
-    if not per_worker and len(sizes) not in (1, len(counts)):
-        raise SystemExit(f"prompts={opts['prompts']!r}: give one count or one per worker count {counts}")
-    n_of = {k: per_worker * k if per_worker else sizes[i if len(sizes) > 1 else 0]
-            for i, k in enumerate(counts)}
+    n_of = _sizes(opts, counts)
     slices = [_gpu_slices(g, cpu="model.device=cpu" in rest) for g in groups]  # before any run
+    caches = {"cold": ["cold"], "warm": ["warm"], "both": ["cold", "warm"]}[opts["cache"]]
+    fill = _fill(opts, out, rest) if opts["cache"] == "warm" else None
     rows = []
     for group, gpus in zip(groups, slices):
-        runs = []
-        for k, visible in zip(group, gpus):
-            for old in (f"w{k}", f"cache-w{k}"):   # every run from nothing, its compile cache too
-                shutil.rmtree(os.path.join(out, old), ignore_errors=True)
-            cmd = _command(opts["job"], k, _write_prompts(out, k, n_of[k]), out, rest)
-            env = {key: v for key, v in os.environ.items() if key != "RAY_ADDRESS"}  # own local Ray
-            if visible is not None:
-                env["CUDA_VISIBLE_DEVICES"] = visible
-            print("$", *([f"CUDA_VISIBLE_DEVICES={visible}"] if visible else []), *cmd, flush=True)
-            runs.append((k, subprocess.Popen(cmd, env=env), time.perf_counter()))
-        failed = []
-        for (k, _, t0), (rc, t1) in zip(runs, _wait_all([p for _, p, _ in runs])):
-            try:                      # exit status 1: some items failed; the run still measured
-                if rc not in (0, 1):
-                    raise RuntimeError(f"exit status {rc}")
-                rows.append(_row(out, k, n_of[k], t1 - t0, [j for j in group if j != k]))
-            except (RuntimeError, OSError, ValueError, KeyError) as e:
-                failed.append(f"run with {k} workers failed ({e})")
-        rows.sort(key=lambda r: r["workers"])
-        if rows:
-            _summarize(rows, argv, out)   # after every group: a later run failing loses nothing
-        if failed:
-            raise SystemExit("; ".join(failed))
+        for cache in caches:   # both: the group cold, then warm from what its cold runs left
+            runs = []
+            for k, visible in zip(group, gpus):
+                name = f"w{k}" if cache == "cold" else f"w{k}-warm"
+                _fresh_cache(out, name, fill or (os.path.join(out, f"cache-w{k}")
+                                                 if cache == "warm" else None))
+                n = n_of[cache][k]
+                cmd = _command(opts["job"], name, k, _write_prompts(out, name, n), out, rest)
+                env = {key: v for key, v in os.environ.items() if key != "RAY_ADDRESS"}  # own local Ray
+                if visible is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = visible
+                print("$", *([f"CUDA_VISIBLE_DEVICES={visible}"] if visible else []), *cmd, flush=True)
+                runs.append((k, name, n, subprocess.Popen(cmd, env=env), time.perf_counter()))
+            failed = []
+            for (k, name, n, _, t0), (rc, t1) in zip(runs, _wait_all([r[3] for r in runs])):
+                try:                      # exit status 1: some items failed; the run still measured
+                    if rc not in (0, 1):
+                        raise RuntimeError(f"exit status {rc}")
+                    rows.append(_row(out, name, k, n, t1 - t0, [j for j in group if j != k], cache))
+                except (RuntimeError, OSError, ValueError, KeyError) as e:
+                    failed.append(f"{cache} run with {k} workers failed ({e})")
+            rows.sort(key=lambda r: (CACHES.index(r.get("cache", "cold")), r["workers"]))
+            if rows:
+                _summarize(rows, argv, out)   # after every group: a later run failing loses nothing
+            if failed:
+                raise SystemExit("; ".join(failed))
     return rows
+
+
+def _sizes(opts: dict, counts: list[int]) -> dict[str, dict[int, int]]:
+    """Prompts per run: {"cold": {workers: n}, "warm": {...}} from prompts / prompts_per_worker,
+    and warm_prompts (a count, or one per worker count) for the warm runs (else as the cold ones)."""
+    def listed(key: str) -> list[int]:
+        try:
+            sizes = [int(x) for x in opts[key].split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) not in (1, len(counts)) or min(sizes, default=0) < 1:
+            raise SystemExit(f"{key}={opts[key]!r}: give one count or one per worker count {counts}")
+        return sizes * len(counts) if len(sizes) == 1 else sizes
+    per_worker = int(opts["prompts_per_worker"]) if opts["prompts_per_worker"] else None
+    cold = [per_worker * k for k in counts] if per_worker else listed("prompts")
+    warm = listed("warm_prompts") if opts["warm_prompts"] else cold
+    return {"cold": dict(zip(counts, cold)), "warm": dict(zip(counts, warm))}
+
+
+def _fill(opts: dict, out: str, rest: list[str]) -> str:
+    """cache=warm: the compile cache a previous job left. `cache_from=DIR` (a compile.cache_dir
+    holding the job's artifact), else filled now by `python -m runner.warm` with the same job
+    arguments (this machine's first GPU)."""
+    if opts["cache_from"]:
+        src = os.path.abspath(opts["cache_from"])
+        if not glob.glob(os.path.join(src, "*.artifact")):
+            raise SystemExit(f"cache_from={opts['cache_from']!r}: no compile artifact (*.artifact) "
+                             "there: give a compile.cache_dir a job (or runner.warm) filled")
+        return src
+    src = os.path.join(out, "cache-fill")
+    shutil.rmtree(src, ignore_errors=True)
+    cmd = [sys.executable, "-m", "runner.warm", f"job={opts['job']}", f"compile.cache_dir={src}",
+           f"output.dir={out}", "job.name=fill", *rest]
+    print("$", *cmd, flush=True)
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit("filling the compile cache (runner.warm, above) failed")
+    return src
+
+
+def _fresh_cache(out: str, name: str, artifacts_from: str | None) -> None:
+    """The run's output and compile-cache directories from nothing; a warm run's cache then gets
+    the job's artifact(s) alone, as a fresh node of a cluster sees a cache_dir a previous job
+    filled (not the Inductor/Triton working files the earlier run left beside them)."""
+    cache = os.path.join(out, f"cache-{name}")
+    for old in (os.path.join(out, name), cache):
+        shutil.rmtree(old, ignore_errors=True)
+    if artifacts_from is None:
+        return
+    found = glob.glob(os.path.join(artifacts_from, "*.artifact"))
+    if not found:
+        raise SystemExit(f"no compile artifact in {artifacts_from} for the warm run {name}: its "
+                         "cold run left none (a compile mode without a cache? O2 and O3 keep one)")
+    os.makedirs(cache)
+    for f in found:
+        shutil.copy2(f, cache)
 
 
 def _backfill_span(r: dict) -> None:
@@ -245,10 +352,10 @@ def _backfill_span(r: dict) -> None:
         r["span_items_per_s"] = r["ok"] / r["span_s"] if r["span_s"] else None
 
 
-def _write_prompts(out: str, k: int, n: int) -> str:
-    """`n` generated prompts for the run with `k` workers; returns the Parquet path."""
+def _write_prompts(out: str, name: str, n: int) -> str:
+    """`n` generated prompts for the run `name`; returns the Parquet path."""
     words = "cat dog robot castle river forest city ocean mountain flower".split()
-    prompts = os.path.join(out, f"prompts-w{k}.parquet")   # per run: runs may start together
+    prompts = os.path.join(out, f"prompts-{name}.parquet")   # per run: runs may start together
     pq.write_table(pa.table({"id": [f"s{i:05d}" for i in range(n)],
                              "prompt": [f"a {words[i % 10]} and a {words[i * 7 % 10]}, photo {i}"
                                         for i in range(n)],
@@ -256,19 +363,18 @@ def _write_prompts(out: str, k: int, n: int) -> str:
     return prompts
 
 
-def _command(job: str, k: int, prompts: str, out: str, rest: list[str]) -> list[str]:
-    name = f"w{k}"
+def _command(job: str, name: str, k: int, prompts: str, out: str, rest: list[str]) -> list[str]:
     return [sys.executable, "-m", "runner", f"job={job}", f"prompts.path={prompts}",
             f"output.dir={out}", f"job.name={name}", f"ray.num_workers={k}",
             f"compile.cache_dir={out}/cache-{name}", "output.overwrite=true", *rest]
 
 
-def _row(out: str, k: int, n: int, wall: float, alongside: list[int]) -> dict:
-    name = f"w{k}"
+def _row(out: str, name: str, k: int, n: int, wall: float, alongside: list[int],
+         cache: str = "cold") -> dict:
     s = json.load(open(os.path.join(out, name, "summary.json")))
     ms = [json.load(open(p)) for p in glob.glob(os.path.join(out, name, "metrics", "*.json"))]
     return dict(
-        workers=k, prompts=n, alongside=alongside, ok=s["ok"], failed=s["failed"], wall_s=wall,
+        workers=k, cache=cache, run=name, prompts=n, alongside=alongside, ok=s["ok"], failed=s["failed"], wall_s=wall,
         first_ready_s=s["startup_s"], all_ready_s=s.get("all_ready_s"), generate_s=s["generate_s"],
         span_s=s["span_s"], span_items_per_s=s["span_items_per_s"],
         items_per_s=s["items_per_s"], steady_items_per_s=s.get("steady_items_per_s"),
@@ -290,7 +396,15 @@ def _workers(ms: list[dict]) -> dict:
     """The workers' figures from their metrics: who compiled and who loaded the shared artifact
     (`cache_hit` false / true; absent without compile), per-rank lists, warm-ups (the slowest)."""
     ms = sorted(ms, key=lambda m: m["rank"])
+    # each worker's own start-up: its Worker() to ready (model load, compile or cache, warm-up,
+    # canary reference; not the process's start and imports, which all_ready_s includes)
+    own = [m["ready_at"] - m["started_at"] if "ready_at" in m and "started_at" in m
+           else (m.get("model_load_s") or 0) + (m.get("warmup_s") or 0) for m in ms]
     return {
+        "worker_ready_s": max(own, default=None),
+        "worker_ready_s_by_rank": [round(x, 2) for x in own],
+        "model_load_s": max((m["model_load_s"] for m in ms if "model_load_s" in m), default=None),
+        "cache_wait_s": max((m["cache_wait_s"] for m in ms if "cache_wait_s" in m), default=None),
         "compiled": sum(1 for m in ms if m.get("cache_hit") is False),
         "loaded": sum(1 for m in ms if m.get("cache_hit") is True),
         "warmup_with_compile_s": max((m["warmup_with_compile_s"] for m in ms
@@ -303,24 +417,44 @@ def _workers(ms: list[dict]) -> dict:
 
 
 def _summarize(rows, argv, out):
-    base = rows[0]   # the fewest workers that ran (normally 1): what speed-up and efficiency are against
     for r in rows:
+        r.setdefault("cache", "cold")   # rows of a scaling.json from before cache=
         for key in ("speedup", "efficiency", "steady_speedup", "steady_efficiency", "span_speedup",
                     "span_efficiency", "ready_ratio"):
             r.pop(key, None)   # recomputed against the current base
-        r["base_workers"] = base["workers"]
-        for key in ("items_per_s", "steady_items_per_s", "span_items_per_s"):
-            if r.get(key) and base.get(key):
-                r[key.replace("items_per_s", "speedup")] = r[key] / base[key]
-                r[key.replace("items_per_s", "efficiency")] = (r[key] / base[key]) / (r["workers"] / base["workers"])
-        if r.get("all_ready_s") and base.get("all_ready_s"):
-            r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
+    for cache in CACHES:       # like with like: warm rows against the warm base
+        group = [r for r in rows if r["cache"] == cache]
+        if group:
+            _against_base(group, min(group, key=lambda r: r["workers"]))
     write_json(os.path.join(out, "scaling.json"), {"argv": argv, "rows": rows})
     _plot(rows, out)
     plot = _text_plot(rows)
     write_text(os.path.join(out, "scaling.txt"), plot)
     print(plot)
     print(format_table(rows, COLUMNS), flush=True)
+    print("\n" + format_table(rows, SHORT), flush=True)
+
+
+def _against_base(rows: list[dict], base: dict) -> None:
+    """Speed-up and efficiency of each row against `base` (the fewest workers with the same cache).
+    Rates (`items_per_s`, `steady_items_per_s`) compare as they are. The whole span compares job
+    lengths on the same prompts: the base's, for this row's items, is its start-up plus the items
+    at its rate (`first_ready_s + ok / items_per_s`: its own span when the counts are equal), so a
+    row with more prompts (prompts_per_worker, warm_prompts) is not flattered by a base whose
+    start-up weighs on fewer items."""
+    for r in rows:
+        r["base_workers"] = base["workers"]
+        scale = r["workers"] / base["workers"]
+        for key in ("items_per_s", "steady_items_per_s"):
+            if r.get(key) and base.get(key):
+                r[key.replace("items_per_s", "speedup")] = r[key] / base[key]
+                r[key.replace("items_per_s", "efficiency")] = r[key] / base[key] / scale
+        if r.get("span_s") and r.get("ok") and base.get("items_per_s") \
+                and base.get("first_ready_s") is not None:
+            r["span_speedup"] = (base["first_ready_s"] + r["ok"] / base["items_per_s"]) / r["span_s"]
+            r["span_efficiency"] = r["span_speedup"] / scale
+        if r.get("all_ready_s") and base.get("all_ready_s"):
+            r["ready_ratio"] = r["all_ready_s"] / base["all_ready_s"]   # goal at 8 workers: <= 1.5
 
 
 if __name__ == "__main__":

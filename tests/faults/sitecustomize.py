@@ -17,6 +17,9 @@ two of that module's functions. Faults, comma-separated:
                       MemoryError): with `cgroup`, the out-of-memory killer's kill
     cgroup:<dir>      the worker process joins the cgroup <dir> (writes its pid to cgroup.procs)
                       before it builds its model: a memory limit that is the worker's alone
+    slow_warmup:<s>   the job's first worker to reach its warm-up call sleeps <s> seconds before
+                      it (a marker in RUNNER_FAULT_DIR): a worker slow to warm up, whose start-up
+                      the others should not wait for
     drift:<n>         a GPU that starts computing wrong: once a worker process has generated
                       more than n items, every output it makes (its canaries too:
                       `runner.canary`) is brightened by 0.2. Only the first worker of the job to get there (a marker
@@ -53,6 +56,10 @@ def _generate_with_faults(generate):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if ("oom", it.id) in FAULTS:
                     _eat_memory(limit=4 << 30)
+        if items[0].file == "warmup":
+            for kind, arg in FAULTS:
+                if kind == "slow_warmup" and _first_of_the_job("slow-warmup"):
+                    time.sleep(float(arg))
         out = generate(pipe, family, items, *args, **kwargs)
         if items[0].file == "warmup" and _JOB_DIR and "RUNNER_FAULT_DIR" in os.environ:
             open(os.path.join(os.environ["RUNNER_FAULT_DIR"], f"{_ready_prefix()}{os.getpid()}"), "w").close()
@@ -93,6 +100,21 @@ def _drifting(n: int) -> bool:
         except FileExistsError:
             _DRIFT.append(False)
     return _DRIFT[0]
+
+
+_FIRST: dict[str, bool] = {}   # marker name -> whether this process made it
+
+
+def _first_of_the_job(name: str) -> bool:
+    """Whether this process is the job's first to get here (asked again: the same answer)."""
+    if name not in _FIRST:
+        marker = os.path.join(os.environ["RUNNER_FAULT_DIR"], f"{name}-{_ready_prefix()}")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            _FIRST[name] = True
+        except FileExistsError:
+            _FIRST[name] = False
+    return _FIRST[name]
 
 
 def _ready_prefix() -> str:
