@@ -17,10 +17,10 @@ if [ "${2:-}" = status ]; then
   tail -3 "$Q"/suite.log 2>/dev/null; exit 0
 fi
 export TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor   # one Inductor cache and one kernel build for all
-CC="compile.cache_dir=/tmp/cc"
+CACHE_ARG="compile.cache_dir=/tmp/cc"   # (not CC: that is the C compiler nvcc and Inductor use)
 LEMICA='[0,1,2,3,4,5,6,7,8,9,10,11,12,14,16,18,21,24,29,35,40,44,47,48,49]'
 BEFORE=cudagraphs:cache-all:max-optimize:low-precision   # O3 as it was before int8-attention
-R="model.source=random $CC"
+R="model.source=random $CACHE_ARG"
 
 table() {   # the vs_loop arguments of each table
   case $1 in
