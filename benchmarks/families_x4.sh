@@ -6,7 +6,8 @@
 #   source .devbundle/install.sh && setsid nohup bash benchmarks/families_x4.sh /tmp/q >/dev/null 2>&1 &
 #   bash benchmarks/families_x4.sh /tmp/q status        # what ran, what runs (any later command)
 #   touch /tmp/q/stop                                   # start no further table
-# SKIP_SUITE=1 goes straight to the tables; TABLES="wan81 flux" runs only those (in that order).
+# SKIP_SUITE=1 goes straight to the tables; TABLES="wan81 flux" runs only those (in that order);
+# GPUS="1 3" runs lanes on those GPUs only; TABLE_peer is TABLE's cachedit arm alone.
 # Everything lands in /tmp/q: suite.log (+ junit.xml), <table>.log, <table>/vs_loop.json with each
 # job's summary.json and metrics/ (the media stay in /tmp/q/media-<table>).
 set -u
@@ -37,6 +38,7 @@ table() {   # the vs_loop arguments of each table
     pixart) echo "job=pixart_batch $R prompts=16 arms=job,cachedit modes=O3,O3+residual \
                  generation.num_inference_steps=20 step_cache.compute_ratio=0.7" ;;
     latte) echo "job=latte_batch $R prompts=8 arms=job modes=O3+residual" ;;
+    *_peer) table "${1%_peer}" | sed -E 's/arms=[a-z_,]+/arms=cachedit/' ;;   # its peer arm alone
     ti2v_img) echo "job=wan22_ti2v_batch $R prompts=2 images=all arms=job modes=O3+residual+cfg \
                  step_cache.compute_ratio=0.5" ;;
   esac
@@ -79,6 +81,6 @@ if [ -z "${SKIP_SUITE:-}" ]; then
       --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
   echo "rc=$? in $((SECONDS - t0)) s" > "$Q/suite.state"
 fi
-for g in 0 1 2 3; do lane $g & done
+for g in ${GPUS:-0 1 2 3}; do lane "$g" & done
 wait
 echo done > "$Q/all.state"

@@ -59,10 +59,14 @@ def _pipe_and_call(case: str):
 
 def _free(pipe):
     """Drop a pipeline's modules before the next build (a test holds one model at a time: A14B is
-    64 GiB): off the pipeline, its image twin and Dynamo's caches."""
+    64 GiB): their weights moved to the meta device (freed even where a reference outlives the
+    pipeline: on an H100 the step-reuse wrappers kept A14B's second expert, 28 GiB, alive into the
+    next build, which then found too little memory), off the pipeline, its image twin and Dynamo's
+    caches."""
     pipe.__dict__.pop("_image_pipeline", None)
     for name, c in list(pipe.components.items()):
         if isinstance(c, torch.nn.Module):
+            c.to("meta")
             setattr(pipe, name, None)
     torch._dynamo.reset()
     gc.collect()
