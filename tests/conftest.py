@@ -308,9 +308,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def start_shared_ray(config):
-    """The session's Ray cluster (RAY_ADDRESS for every CLI run). Its worker processes start with
-    this environment; token auth is off for every process of the session, as one cluster's
-    processes must agree on it."""
+    """The session's Ray cluster (RAY_ADDRESS for every CLI run), started here and waited for in
+    `pytest_runtestloop`: its start (~8 s on the 2-core CI machine) overlaps with pytest -n's
+    workers importing torch and collecting the tests (~14 s there), instead of coming before them.
+    No test runs before the wait: xdist's controller sends tests from its own runtestloop, which
+    runs after this module's. Its worker processes start with this environment; token auth is off
+    for every process of the session, as one cluster's processes must agree on it."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")    # short: Ray's socket paths
     port = free_port()
@@ -324,19 +327,27 @@ def start_shared_ray(config):
          f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
          f"--runtime-env-agent-port={free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _SESSION.update(proc=proc, temp_dir=temp_dir)
-    lines, t0 = [], time.monotonic()
+    _SESSION.update(proc=proc, temp_dir=temp_dir, ray_waited=False)
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"      # before pytest -n's workers inherit it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """In the process that started the session's Ray (the main one): wait until it is up before
+    any test runs (a test process's own runtestloop has nothing to wait for)."""
+    if "proc" not in _SESSION or _SESSION["ray_waited"]:
+        return
+    _SESSION["ray_waited"] = True
+    proc, lines, t0 = _SESSION["proc"], [], time.monotonic()
     for line in proc.stdout:                 # `--block` keeps running once the cluster is up
         lines.append(line)
         if "Ray runtime started" in line or time.monotonic() - t0 > 180:
             break
     if not any("Ray runtime started" in line for line in lines):
-        pytest_unconfigure(config)
         raise pytest.UsageError("the session's Ray cluster did not start:\n" + "".join(lines[-40:]))
     # its further output (worker deaths it reports) is not read: drain it so it never blocks
     import threading
     threading.Thread(target=proc.stdout.read, daemon=True).start()
-    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
 
 
 def pytest_unconfigure(config):
