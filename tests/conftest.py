@@ -365,7 +365,45 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION.pop("temp"), ignore_errors=True)
 
 
+# The tests of the longest wall time on the 2-core CI machine (60-100 s each in a -n 4 run of
+# 2026-11-26; the stalled store mostly waits out production timeouts), one at the head of each
+# pytest -n worker's share. xdist's worksteal hands each worker a contiguous slice of the
+# collection and steals from the slices' tails, so a long test in the middle of a slice ran
+# last: that run's workers ended at 318, 318, 337 and 381 s, the stalled store's 80 s the tail.
+FIRST = ("test_s3_jobs.py::test_a_stalled_store_ends_the_job_within_120_s_naming_it",
+         "test_compile_job.py::test_second_worker_warms_from_the_first_workers_artifact",
+         "test_s3_jobs.py::test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir",
+         "test_cluster.py::test_worker_node_removed_mid_job")
+
+
+def long_tests_first(config, items) -> None:
+    """Under `-n N --dist worksteal`: FIRST's tests at the heads of the N slices worksteal deals
+    out (as `WorkStealingScheduling.check_schedule` sizes them), the rest in collection order.
+    Every worker collects, so each computes the same order, as xdist requires (a worker's own
+    `dist` option is "no": the main process's comes in workerinput, `pytest_configure_node`)."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if n < 2 or getattr(config, "workerinput", {}).get("dist") != "worksteal":
+        return
+    first = [it for name in FIRST for it in items if it.nodeid.endswith(name)]
+    rest = [it for it in items if it not in first]
+    ordered, left = [], len(items)
+    for k in range(n):
+        size = left // (n - k)
+        head = first[k::n]
+        ordered += head + rest[:max(0, size - len(head))]
+        rest = rest[max(0, size - len(head)):]
+        left -= size
+    items[:] = ordered + rest
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist, in the main process, per worker: hands it the --dist mode (`long_tests_first`)."""
+    node.workerinput["dist"] = node.config.getoption("dist")
+
+
 def pytest_collection_modifyitems(config, items):
+    long_tests_first(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (on the GPU machine: `pytest -m gpu -n auto --dist loadgroup`)")
