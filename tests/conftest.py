@@ -308,9 +308,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def start_shared_ray(config):
-    """The session's Ray cluster (RAY_ADDRESS for every CLI run). Its worker processes start with
-    this environment; token auth is off for every process of the session, as one cluster's
-    processes must agree on it."""
+    """The session's Ray cluster (RAY_ADDRESS for every CLI run), started here and waited for in
+    `pytest_runtestloop`: its start (~8 s on the 2-core CI machine) overlaps with pytest -n's
+    workers importing torch and collecting the tests (~14 s there), instead of coming before them.
+    No test runs before the wait: xdist's controller sends tests from its own runtestloop, which
+    runs after this module's. Its worker processes start with this environment; token auth is off
+    for every process of the session, as one cluster's processes must agree on it."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")    # short: Ray's socket paths
     port = free_port()
@@ -324,19 +327,27 @@ def start_shared_ray(config):
          f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
          f"--runtime-env-agent-port={free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _SESSION.update(proc=proc, temp_dir=temp_dir)
-    lines, t0 = [], time.monotonic()
+    _SESSION.update(proc=proc, temp_dir=temp_dir, ray_waited=False)
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"      # before pytest -n's workers inherit it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """In the process that started the session's Ray (the main one): wait until it is up before
+    any test runs (a test process's own runtestloop has nothing to wait for)."""
+    if "proc" not in _SESSION or _SESSION["ray_waited"]:
+        return
+    _SESSION["ray_waited"] = True
+    proc, lines, t0 = _SESSION["proc"], [], time.monotonic()
     for line in proc.stdout:                 # `--block` keeps running once the cluster is up
         lines.append(line)
         if "Ray runtime started" in line or time.monotonic() - t0 > 180:
             break
     if not any("Ray runtime started" in line for line in lines):
-        pytest_unconfigure(config)
         raise pytest.UsageError("the session's Ray cluster did not start:\n" + "".join(lines[-40:]))
     # its further output (worker deaths it reports) is not read: drain it so it never blocks
     import threading
     threading.Thread(target=proc.stdout.read, daemon=True).start()
-    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
 
 
 def pytest_unconfigure(config):
@@ -354,7 +365,45 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION.pop("temp"), ignore_errors=True)
 
 
+# The tests of the longest wall time on the 2-core CI machine (60-100 s each in a -n 4 run of
+# 2026-11-26; the stalled store mostly waits out production timeouts), one at the head of each
+# pytest -n worker's share. xdist's worksteal hands each worker a contiguous slice of the
+# collection and steals from the slices' tails, so a long test in the middle of a slice ran
+# last: that run's workers ended at 318, 318, 337 and 381 s, the stalled store's 80 s the tail.
+FIRST = ("test_s3_jobs.py::test_a_stalled_store_ends_the_job_within_120_s_naming_it",
+         "test_compile_job.py::test_second_worker_warms_from_the_first_workers_artifact",
+         "test_s3_jobs.py::test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir",
+         "test_cluster.py::test_worker_node_removed_mid_job")
+
+
+def long_tests_first(config, items) -> None:
+    """Under `-n N --dist worksteal`: FIRST's tests at the heads of the N slices worksteal deals
+    out (as `WorkStealingScheduling.check_schedule` sizes them), the rest in collection order.
+    Every worker collects, so each computes the same order, as xdist requires (a worker's own
+    `dist` option is "no": the main process's comes in workerinput, `pytest_configure_node`)."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if n < 2 or getattr(config, "workerinput", {}).get("dist") != "worksteal":
+        return
+    first = [it for name in FIRST for it in items if it.nodeid.endswith(name)]
+    rest = [it for it in items if it not in first]
+    ordered, left = [], len(items)
+    for k in range(n):
+        size = left // (n - k)
+        head = first[k::n]
+        ordered += head + rest[:max(0, size - len(head))]
+        rest = rest[max(0, size - len(head)):]
+        left -= size
+    items[:] = ordered + rest
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist, in the main process, per worker: hands it the --dist mode (`long_tests_first`)."""
+    node.workerinput["dist"] = node.config.getoption("dist")
+
+
 def pytest_collection_modifyitems(config, items):
+    long_tests_first(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (on the GPU machine: `pytest -m gpu -n auto --dist loadgroup`)")
