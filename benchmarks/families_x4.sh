@@ -17,6 +17,11 @@ if [ "${2:-}" = status ]; then
   for f in "$Q"/*.state; do [ -e "$f" ] && echo "$(basename "$f" .state): $(cat "$f")"; done
   tail -3 "$Q"/suite.log 2>/dev/null; exit 0
 fi
+# The image-to-video peer calls diffusers' prompt cleaning, which needs ftfy (the bench extra has it;
+# the device bundle does not): wheels under .whl/ (ftfy, wcwidth; carried along) go into /tmp/site.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
 export TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor   # one Inductor cache and one kernel build for all
 CACHE_ARG="compile.cache_dir=/tmp/cc"   # (not CC: that is the C compiler nvcc and Inductor use)
 LEMICA='[0,1,2,3,4,5,6,7,8,9,10,11,12,14,16,18,21,24,29,35,40,44,47,48,49]'

@@ -18,7 +18,9 @@ The same generated prompts (ids, seeds) go through:
                 optional `bench` extra, never a runtime dependency;
   cachedit_sage the same with cache-dit's `sage` attention backend (`cache_dit.set_attn_backend`:
                 sageattention's INT8 QK kernels, the peer's 8-bit attention), compared with the
-                `cachedit` arm's outputs (else the loop's);
+                `cachedit` arm's outputs (else the loop's). diffusers 0.42 refuses the backend below
+                sageattention 2.1.1 (PyPI's last release is 1.0.6; 2.x builds from source): then
+                the arm's row carries that error;
   job           `python -m runner` with each `compile.mode` of `modes` (its own process and
                 local Ray, one worker on the GPU); `MODE+METHOD` (e.g. `O3+residual`) runs that
                 mode with `step_cache.method=METHOD`, `+cfg` with `step_cache.cfg_reuse=fastercache`
