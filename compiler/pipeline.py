@@ -44,6 +44,7 @@ ENCODERS = ("text_encoder", "text_encoder_2")
 # for it: importing Inductor from two threads at once can hand one of them the partly initialised
 # package ("cannot import name 'lowering' from 'torch._inductor'") when the model loads fast.
 _imports_done: threading.Event | None = None
+PREWARM_WAIT_S = 300   # they take seconds; a hung import (a GPU driver's) must not hang compiling
 
 
 def prewarm(build_int8_attention: bool = False) -> threading.Thread:
@@ -183,8 +184,9 @@ def compile_pipe(pipe, options=None, fuse_qkv_projections: bool = True):
             return pipe
         raise ValueError(f"pipeline already compiled with mode {done.mode!r}; build a fresh pipeline "
                          f"to compile it with {opts.mode!r}")
-    if _imports_done is not None:   # prewarm's imports first (seconds): see _imports_done
-        _imports_done.wait()
+    if _imports_done is not None and not _imports_done.wait(PREWARM_WAIT_S):   # see _imports_done
+        log.warning("compiler.prewarm's imports not done after %d s: compiling anyway",
+                    PREWARM_WAIT_S)
     dens = denoisers_of(pipe)
     den = dens[0]
     device = _device_type(den)

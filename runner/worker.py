@@ -296,17 +296,17 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         step_cache.apply(self.pipe, self.cfg.step_cache, self.family)   # after compile_pipe: see step_cache.py
         try:
             self._warmup_call()
-        except BaseException:
+            self._sync()
+            if cache and cache["role"] == "compile":   # before the canary's call: the others wait
+                from .compile_cache import publish
+                publish(self.broker, cache, opts.cache_dir)
+                self.m["artifact_bytes"] = cache.get("artifact_bytes")
+        except BaseException:   # the warm-up call or the artifact's write failed
             if (cache and cache["role"] == "compile" and not cache.get("published")
                     and self.broker is not None):
                 import ray
                 ray.get(self.broker.publish.remote(cache["cache_key"], None))  # waiters: compile
             raise
-        self._sync()
-        if cache and cache["role"] == "compile":   # before the canary's call: the others wait
-            from .compile_cache import publish
-            publish(self.broker, cache, opts.cache_dir)
-            self.m["artifact_bytes"] = cache.get("artifact_bytes")
         if self.cfg.canary:                  # the reference, with the graphs the job will run
             t_ref = time.perf_counter()
             self._reference, finite = self._canary_output()

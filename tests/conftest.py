@@ -402,6 +402,7 @@ def pytest_configure_node(node):
     node.workerinput["dist"] = node.config.getoption("dist")
 
 
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: the slices count what runs
 def pytest_collection_modifyitems(config, items):
     long_tests_first(config, items)
     if torch.cuda.is_available():

@@ -130,6 +130,7 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     spec, g = job["model"].resolved(), job["generation"]
     cuda = spec.device.startswith("cuda")
     if cuda:
+        _release_gpu()
         torch.cuda.reset_peak_memory_stats()   # this arm's peak, not an earlier arm's
     pipe = build_pipeline(spec)
     peer = arm in ("cachedit", "cachedit_sage")
@@ -164,8 +165,9 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
         else:
             result.images[0].save(os.path.join(out, f"{p['id']}.png"))
         ends.append(time.perf_counter())
-    del pipe, runner
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None   # weights included
+    pipe = runner = result = i2v = None   # noqa: F841  (the job's arm after this needs the memory)
+    _release_gpu()
     window = (ends[0], ends[-1]) if len(ends) > 1 else None
     rate = (len(ends) - 1) / (window[1] - window[0]) if window else None
     return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
@@ -240,16 +242,21 @@ def _arm(fn, *args) -> dict:
     try:
         return fn(*args)
     except (Exception, SystemExit) as e:
-        import gc
-        gc.collect()
-        try:
-            import torch
-            torch.cuda.empty_cache()
-        except Exception:
-            pass
         msg = f"{type(e).__name__}: {e}"
         print(f"arm failed: {msg[-3000:]}", file=sys.stderr, flush=True)
-        return dict(items=0, items_per_s=None, error=msg[-2000:])
+        row = dict(items=0, items_per_s=None, error=msg[-2000:])
+    _release_gpu()   # here, not in the except block: its traceback still held the arm's pipeline
+    return row
+
+
+def _release_gpu() -> None:
+    """Give this process's cached GPU memory back (a finished or failed arm's pipeline), so the
+    next arm, the job's own process too, finds the GPU as the first arm did."""
+    import gc
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _job_name(mode: str) -> str:
