@@ -214,7 +214,9 @@ class Dispatcher:
         self.clock = clock
         self.slots = [] if slots is None else slots     # the caller's list, kept current
         self.queue = deque(shards)
-        self.next_index = max((s.index for s in shards), default=-1) + 1   # for split shards
+        # a split shard's index: past every index given, `later`'s too (else it would be taken
+        # for a later shard's: its attempts, its suspicion)
+        self.next_index = max((s.index for s in (*shards, *later)), default=-1) + 1
         # a shard's finish future (or a canary's) -> (slot, shard or None for a canary, epoch)
         self.futures: dict[Any, tuple[Slot, Shard | None, int]] = {}
         # Kept as they change, so that a loop iteration costs O(what happened), not O(slots):

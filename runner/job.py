@@ -274,9 +274,12 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
     shards = plan_shards(items, job["run"].shard_size, plan.done)
+    # the last run's config.yaml and summary stay as they are; outputs made without
+    # int8-attention's kernel alone start no pool (on a cluster without it, every worker would
+    # load and compile a model to take nothing): they are remade beside real work
+    if items and not shards:
+        return _nothing_to_do(results, items, out, len(plan.fallback))
     later = fallback_shards(plan, items, job["run"].shard_size, len(shards))
-    if items and not shards and not later:   # the last run's config.yaml and summary stay as they are
-        return _nothing_to_do(results, items, out)
     _write_config(cfg, out.job_dir)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(checked.files), len(plan.done), len(shards), out.job_dir)
@@ -284,7 +287,7 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     _retire(results, plan)      # no old output stays under a changed row's name, whatever follows
     # 4. Workers and stream: shards handed out, rows recorded as they arrive.
     run = JobRun(results, items, plan, out, _head(job), checked.skipped, clock, ending)
-    if shards or later:
+    if shards:
         run.serve(start_pool(job, checked.limits), shards, job["run"], job["ray"], later)
     # 5. Summarize (stopped on a persistent fault: the store may be what failed; then say so).
     return run.finish()
@@ -293,7 +296,8 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
 def fallback_shards(plan: Plan, items: list[Item], shard_size: int, first: int) -> list[Shard]:
     """Shards of the outputs an earlier run made without int8-attention's kernel (its workers
     could not run it: `Plan.fallback`), numbered from `first`: the dispatcher's `later` shards,
-    remade by workers that run the kernel, if any is ready; else they stay as they are."""
+    remade by workers that run the kernel, if any is ready; else they stay as they are. Only
+    beside other shards: a run with nothing else to do starts no pool (`_nothing_to_do`)."""
     if not plan.fallback:
         return []
     remake = {it.id for it in plan.fallback}
@@ -398,6 +402,10 @@ class JobRun:
         self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
+        # outputs made without the kernel by an earlier run, handed out again (`fallback_shards`):
+        # a failed remake keeps the ok row (`on_rows`); the ones remade ok are this run's work
+        self.remake = {it.id for it in plan.fallback}
+        self.remade: set[str] = set()
         self.steady_items = 0.0                 # items' worth of work done once all were ready
         self.stopped: KeyboardInterrupt | None = None
         self.aborted: str | None = None
@@ -457,9 +465,12 @@ class JobRun:
 
     def on_rows(self, rows: list[dict]) -> None:
         """A shard's rows: recorded (one object), counted, and a snapshot started when one is due
-        (at most one at a time)."""
+        (at most one at a time). A failed remake is not recorded (`_kept`)."""
+        n = len(rows)                 # a failed remake is progress too
+        if self.remake:
+            rows = self._kept(rows)
         self._record(rows)
-        self.progress.update(len(rows))
+        self.progress.update(n)
         now = self.clock()
         n_ok, n_failed = self.timeline[-1][1:] if self.timeline else (0, 0)
         ok = sum(r["status"] == "ok" for r in rows)
@@ -470,6 +481,23 @@ class JobRun:
                 self.pending is None or self.pending.done()):
             self.pending = self.snapshots.submit(self._snapshot)
             self.last_snapshot = now
+
+    def _kept(self, rows: list[dict]) -> list[dict]:
+        """`rows` but failed remakes: the output made without the kernel is done, and stays (its
+        file is replaced only by a remake that succeeds, atomically), so its ok row stays too;
+        one line says which remake failed and why. The remakes that succeeded are noted."""
+        kept = []
+        for r in rows:
+            if r["id"] not in self.remake:
+                kept.append(r)
+            elif r["status"] == "ok":
+                self.remade.add(r["id"])
+                kept.append(r)
+            else:
+                log.warning("remaking %s with int8-attention's kernel failed (%s): its output made "
+                            "without the kernel stays", r["id"],
+                            (r.get("error") or "?").splitlines()[0][:300])
+        return kept
 
     def on_canary_failed(self, slot, verdict: dict, rows: list[dict], suspect: list[str]) -> None:
         """A worker failed its canary: `rows`, ok rows it returned since its last good canary,
@@ -543,7 +571,7 @@ class JobRun:
         self._close_pool()
         table = self._table()
         summary = summarize(self.head, len(self.items), table, self.slots, metrics,
-                            len(self.plan.done), self.stopped is not None, self._timing(),
+                            self._resumed(), self.stopped is not None, self._timing(),
                             self.plan, self.clock())
         self._write_results(table)                # first: what a rerun reads
         if self.ending.stopping:
@@ -574,6 +602,11 @@ class JobRun:
                                   f"({self.ending.failed}); finished outputs are recorded: fix "
                                   f"the store and rerun the same command to write them")
         return summary
+
+    def _resumed(self) -> int:
+        """Outputs of earlier runs this run kept: the done ones, but those remade (this run's
+        work, in its rate)."""
+        return len(self.plan.done) - len(self.remade)
 
     def _table(self) -> list[dict]:
         """results.parquet's rows: one per id of the input that has a row in the record (the
@@ -753,6 +786,7 @@ def _dry_run(cfg, job, items) -> dict:
              *([f"  {stale} old outputs of changed rows would be removed before they run: "
                 f"{_few(sorted(plan.stale), 5)}"] if stale else []),
              f"  {len(plan.done)} already done",
+             *([f"    {without_kernel_line(len(plan.fallback))}"] if plan.fallback else []),
              f"  {len(plan.gone)} no longer in the input (kept){gone}",
              f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
     held = lock_holder(_store(out.job_dir))
@@ -761,8 +795,8 @@ def _dry_run(cfg, job, items) -> dict:
                      f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
     print("\n".join(lines))
     return dict(dry_run=True, items=len(items), to_run=len(items) - len(plan.done),
-                done=len(plan.done), changed=len(plan.changed), stale_outputs=stale,
-                not_in_input=len(plan.gone),
+                done=len(plan.done), without_kernel=len(plan.fallback), changed=len(plan.changed),
+                stale_outputs=stale, not_in_input=len(plan.gone),
                 shards=len(shards), failed=0)
 
 
@@ -810,8 +844,10 @@ def _check_same_config(cfg, out) -> None:
                            f"job.name or output.dir")
 
 
-def _nothing_to_do(results: Results, items, out) -> dict:
-    """A rerun with every prompt done: say so in one line; the last real summary stays in place."""
+def _nothing_to_do(results: Results, items, out, without_kernel: int = 0) -> dict:
+    """A rerun with every prompt done: say so in one line (and one more for `without_kernel`
+    outputs made without int8-attention's kernel, not remade alone); the last real summary stays
+    in place."""
     ids = [it.id for it in items]
     store = _store(out.job_dir)
     table_path = store.uri("results.parquet")
@@ -833,7 +869,16 @@ def _nothing_to_do(results: Results, items, out) -> dict:
 
     print(f"nothing to do: all {len(ids)} prompts already done ({kept}); "
           f"output.overwrite=true regenerates them")
-    return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True}
+    if without_kernel:
+        print(without_kernel_line(without_kernel))
+    return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True,
+            "without_kernel": without_kernel}
+
+
+def without_kernel_line(n: int) -> str:
+    """Done outputs made without int8-attention's kernel, in one line: when they are remade."""
+    return (f"{n} of them were made without int8-attention's kernel (their workers could not run "
+            f"it): a rerun with work to do on a cluster where the kernel runs remakes them")
 
 
 def constraints(model) -> Constraints:

@@ -29,9 +29,9 @@ Contract:
   URIs it names, the row's own id and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
   listing of `media/`, not a stat per row), and it was made from exactly the current row's
-  parameters and settings, or its fallback settings (`Plan.fallback`: the driver remakes those
-  on workers that run the kernel, if any) (`Results.plan`); a rerun generates the rest: new rows,
-  rows whose parameters changed, failed rows. Ids of the record that are no longer in the input keep their
+  parameters and settings, or its fallback settings (`Plan.fallback`: a driver with other work
+  remakes those on workers that run the kernel, if any) (`Results.plan`); a rerun generates the
+  rest: new rows, rows whose parameters changed, failed rows. Ids of the record that are no longer in the input keep their
   outputs and rows and are reported, never dropped silently.
 - `fingerprint()` is the job-level part that must not change between runs into one directory
   (model, dtype, fps, lossy compilation, step reuse, `generation.*` defaults): a change is refused unless
@@ -109,9 +109,12 @@ def settings_id(cfg: DictConfig) -> str:
 
 
 def fallback_settings_id(cfg: DictConfig) -> str | None:
-    """The settings id of the outputs a worker makes where flag `int8-attention` cannot run (the
-    job's settings without it: those of the same job asked without the flag); None where the
-    flag is off or does not apply."""
+    """The settings id of the outputs a worker makes where flag `int8-attention` cannot run: the
+    job's output settings less `int8_attention`, `lossy` kept. That is the id of the same job
+    asked without the flag only where another lossy flag stays in its mode (O3's
+    `low-precision`); with `compile.mode=int8-attention` alone, that job is lossless and its id
+    differs (the fallback's is then that of a lossy mode without the flag). None where the flag
+    is off or does not apply."""
     out = _output_settings(cfg)
     return _hash(out) if out.pop("int8_attention", False) else None
 

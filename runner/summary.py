@@ -154,9 +154,10 @@ def canary_lines(s: dict) -> list[str]:
 
 def int8_fallback_lines(s: dict) -> list[str]:
     """Outputs of this directory made without int8-attention's kernel (their workers could not
-    run it), in one line: how many, which workers of this run fell back and why (summary.txt)."""
+    run it), in one line: how many, which workers of this run fell back and why (summary.txt);
+    none when there are none (workers that fell back but made nothing are in summary.json)."""
     f = s.get("int8_fallback")
-    if not f or not (f["outputs"] or f["workers"]):
+    if not f or not f["outputs"]:
         return []
     who = "; ".join(f"worker {rank}: {why}" for rank, why in sorted(f["workers"].items()))
     return [f"int8-attention: {f['outputs']} outputs made without its kernel ("

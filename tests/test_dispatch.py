@@ -31,7 +31,7 @@ import pytest
 
 from runner.dispatch import (FAULT_ROWS, FAULT_ROWS_STALLED, DispatchError, Dispatcher,
                              PersistentFault, TaskError, WorkerLost)
-from runner.prompts import Item, plan_shards
+from runner.prompts import Item, Shard, plan_shards
 
 BAD_ROW = "ValueError: bad row"
 DIED = "actor died (exit 70)"
@@ -750,3 +750,26 @@ def test_shards_split_get_fresh_indices():
     job = Job(FakePool(raises={"p01": 1}), n=3, workers=1, shard_size=3)
     job.run()
     assert job.d.next_index == 4 and sorted(job.d.suspects) == [1, 2, 3]
+
+
+
+@pytest.mark.parametrize("n_first", [3, 0])
+def test_split_shards_are_numbered_past_the_later_ones_too(n_first):
+    """Split rows get indices past `later`'s too (the driver numbers those after its shards, from
+    0 when it has none): no split row takes a later shard's index, whose one failure then still
+    gets its retry (max_retries=1) instead of being charged the split row's attempt."""
+    its = items(n_first + 5)
+    first, *rest = its[n_first:]
+    shards = plan_shards(its[:n_first], 3)
+    later = [Shard(len(shards) + k, tuple(g))
+             for k, g in enumerate([its[n_first:n_first + 3], *([it] for it in rest[2:])])]
+    # the first shard of three (ordinary or later) fails once, split: its rows run alone; each
+    # later single row fails once
+    pool = FakePool(raises={its[0].id: 1, **{it.id: 1 for it in rest[2:]}})
+    rows = {}
+    d = Dispatcher(pool, 1, shards, lambda rs: [rows.setdefault(r["id"], []).append(r) for r in rs],
+                   clock=lambda: pool.now, later=later, takes_later=lambda s: True, max_retries=1)
+    assert d.next_index == len(shards) + len(later)
+    d.run()
+    assert {i: [r["status"] for r in v] for i, v in rows.items()} == {it.id: ["ok"] for it in its}
+    assert generated(pool).count((rest[2].id,)) == 2          # failed once, retried once

@@ -770,12 +770,15 @@ def wan_o3_args(prompts, out, *extra):
 
 
 def test_outputs_made_without_the_int8_kernel_are_recorded_so_and_remade_where_it_runs(
-        prompts, tmp_path, caplog):
+        prompts, tmp_path, write_prompts, caplog, capsys):
     """A mixed cluster: worker 1 cannot run the kernel. Its outputs are recorded under the job's
     settings without int8_attention, one log line names it and why, and summary.txt says in one
-    line how many outputs were made without the kernel. A rerun on a cluster where no worker runs
-    it regenerates nothing (resume stays idempotent); one where a worker runs it regenerates
-    exactly those outputs, after which every row has the job's settings."""
+    line how many outputs were made without the kernel. A rerun with nothing else to do starts no
+    worker (it would load and compile a model to take nothing where no worker runs the kernel):
+    it says so, and how many outputs were made without the kernel, in two lines, and leaves the
+    summary; the dry run counts them too. A rerun with work to do on a cluster where a worker
+    runs it makes that work and exactly those outputs again, after which every row has the
+    settings of what made it, and the remakes count in the rate (not as resumed)."""
     from runner.config import load_config
     from runner.results import fallback_settings_id, settings_id
     args = wan_o3_args(prompts, tmp_path)
@@ -803,21 +806,76 @@ def test_outputs_made_without_the_int8_kernel_are_recorded_so_and_remade_where_i
     assert line in (d / "summary.txt").read_text()
     assert summary(d)["int8_fallback"]["outputs"] == len(fell_back)
 
-    # no worker runs it: nothing is regenerated (the workers start, take nothing, and stop)
-    c = Int8Cluster(falls_back={0, 1})
-    assert c.main(args) == 0 and c.generated == []
-    assert [r["settings"] for r in rows(d)] == [r["settings"] for r in table]
+    # nothing else to do: no worker started, on any cluster; the last summary stays
+    last = (d / "summary.json").read_text(), (d / "summary.txt").read_text()
+    capsys.readouterr()
+    c = Int8Cluster(falls_back={1})
+    assert c.main(args) == 0 and c.pools == [] and c.generated == []
+    again = (f"{len(fell_back)} of them were made without int8-attention's kernel (their workers "
+             f"could not run it): a rerun with work to do on a cluster where the kernel runs "
+             f"remakes them")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and said[0].startswith("nothing to do: all 12 prompts already done (")
+    assert said[1] == again
+    assert ((d / "summary.json").read_text(), (d / "summary.txt").read_text()) == last
+    assert job.main(args + ["run.dry_run=true"]) == 0
+    assert f"  12 already done\n    {again}\n" in capsys.readouterr().out
 
-    # worker 0 runs it: exactly the outputs made without it are made again, by worker 0 only
+    # a row more, on a cluster where worker 0 runs it: that row and exactly the outputs made
+    # without the kernel are made, those by worker 0 only
+    write_prompts({"prompt": [f"prompt number {i}" for i in range(13)], "id": IDS + ["p12"]})
     c = Int8Cluster(falls_back={1})
     assert c.main(args) == 0
-    assert sorted(c.generated) == fell_back
-    after = rows(d)
-    assert {r["settings"] for r in after} == {with_kernel}
-    assert sorted(r["id"] for r in after if r["worker"] == 0) == IDS
-    assert (f"int8-attention: 0 outputs made without its kernel (worker 1: {NO_KERNEL})"
-            in (d / "summary.txt").read_text())          # it fell back again, and made none
+    assert sorted(c.generated) == sorted(fell_back + ["p12"])
+    after = {r["id"]: r for r in rows(d)}
+    assert sorted(after) == sorted(IDS + ["p12"])
+    for r in after.values():
+        assert r["status"] == "ok" and r["settings"] == (
+            without if r["worker"] == 1 else with_kernel), r
+    assert all(after[i]["worker"] == 0 for i in fell_back)
+    s = summary(d)
+    assert (s["ok"], s["resumed"]) == (13, 12 - len(fell_back))
+    assert s["items_per_s"] == pytest.approx((len(fell_back) + 1) / s["generate_s"])
+    made_without = [i for i, r in after.items() if r["settings"] == without]    # p12, if worker 1
+    assert s["int8_fallback"]["outputs"] == len(made_without)
+    assert ("int8-attention: " in (d / "summary.txt").read_text()) == bool(made_without)
 
-    # every output made with it: nothing to do, no worker started
-    c = Int8Cluster()
-    assert c.main(args) == 0 and c.pools == []
+
+def test_a_remake_that_fails_keeps_the_output_made_without_the_kernel(
+        prompts, tmp_path, write_prompts, caplog):
+    """A rerun (a row more to do) where worker 0 runs the kernel: the remake of one output made
+    without it fails (a NaN). That output is done already: its ok row and file stay (the summary
+    counts no failure, the job exits 0), one log line names it and why, and it counts as done by
+    an earlier run; the remakes that succeeded count as this run's work, in a positive rate."""
+    args = wan_o3_args(prompts, tmp_path)
+    d = tmp_path / "j"
+    assert Int8Cluster(falls_back={1}).main(args) == 0
+    before = {r["id"]: r for r in rows(d)}
+    fell = sorted(i for i, r in before.items() if r["int8_attention"] is False)
+    assert len(fell) > 1
+    media = (d / before[fell[0]]["output"]).read_bytes()
+
+    write_prompts({"prompt": [f"prompt number {i}" for i in range(13)], "id": IDS + ["p12"]})
+    c = Int8Cluster(falls_back={1}, fate=lambda it: "fail:FloatingPointError: not finite"
+                    if it.id == fell[0] else "ok")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(args) == 0
+    assert sorted(c.generated) == sorted(fell + ["p12"])
+    after = {r["id"]: r for r in rows(d)}
+    assert after[fell[0]] == before[fell[0]]          # the ok row made without the kernel
+    assert (d / after[fell[0]]["output"]).read_bytes() == media
+    assert all(after[i]["int8_attention"] is True for i in fell[1:])
+    said = [r.getMessage() for r in caplog.records if "remaking" in r.getMessage()]
+    assert said == [f"remaking {fell[0]} with int8-attention's kernel failed (FloatingPointError: "
+                    f"not finite): its output made without the kernel stays"]
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["resumed"]) == (13, 0, 12 - (len(fell) - 1))
+    assert s["items_per_s"] == pytest.approx(len(fell) / s["generate_s"]) and s["items_per_s"] > 0
+    assert s["int8_fallback"]["outputs"] >= 1        # fell[0] (and p12 if worker 1 made it)
+
+    # the next rerun with work to do remakes it
+    write_prompts({"prompt": [f"prompt number {i}" for i in range(14)],
+                   "id": IDS + ["p12", "p13"]})
+    c = Int8Cluster(falls_back={1})
+    assert c.main(args) == 0 and fell[0] in c.generated
+    assert {r["id"]: r for r in rows(d)}[fell[0]]["int8_attention"] is True
