@@ -261,32 +261,39 @@ def main(argv: list[str]) -> list[dict]:
     rows = []
     for group, gpus in zip(groups, slices):
         for cache in caches:   # both: the group cold, then warm from what its cold runs left
-            runs = []
-            for k, visible in zip(group, gpus):
-                name = f"w{k}" if cache == "cold" else f"w{k}-warm"
-                _fresh_cache(out, name, fill or (os.path.join(out, f"cache-w{k}")
-                                                 if cache == "warm" else None))
-                n = n_of[cache][k]
-                cmd = _command(opts["job"], name, k, _write_prompts(out, name, n), out, rest)
-                env = {key: v for key, v in os.environ.items() if key != "RAY_ADDRESS"}  # own local Ray
-                if visible is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = visible
-                print("$", *([f"CUDA_VISIBLE_DEVICES={visible}"] if visible else []), *cmd, flush=True)
-                runs.append((k, name, n, subprocess.Popen(cmd, env=env), time.perf_counter()))
-            failed = []
-            for (k, name, n, _, t0), (rc, t1) in zip(runs, _wait_all([r[3] for r in runs])):
-                try:                      # exit status 1: some items failed; the run still measured
-                    if rc not in (0, 1):
-                        raise RuntimeError(f"exit status {rc}")
-                    rows.append(_row(out, name, k, n, t1 - t0, [j for j in group if j != k], cache))
-                except (RuntimeError, OSError, ValueError, KeyError) as e:
-                    failed.append(f"{cache} run with {k} workers failed ({e})")
-            rows.sort(key=lambda r: (CACHES.index(r.get("cache", "cold")), r["workers"]))
+            new, failed = _run_group(opts, out, rest, group, gpus, cache, n_of[cache], fill)
+            rows = sorted(rows + new, key=lambda r: (CACHES.index(r.get("cache", "cold")), r["workers"]))
             if rows:
                 _summarize(rows, argv, out)   # after every group: a later run failing loses nothing
             if failed:
                 raise SystemExit("; ".join(failed))
     return rows
+
+
+def _run_group(opts: dict, out: str, rest: list[str], group: list[int], gpus: list, cache: str,
+               n_of: dict[int, int], fill: str | None) -> tuple[list[dict], list[str]]:
+    """The runs of one `+` group at the same time (each on its GPUs, its own local Ray and a fresh
+    compile cache; a warm run's holds the artifact its cold run, or the fill, left). Returns their
+    rows and what failed."""
+    runs = []
+    for k, visible in zip(group, gpus):
+        name = f"w{k}" if cache == "cold" else f"w{k}-warm"
+        _fresh_cache(out, name, fill or (os.path.join(out, f"cache-w{k}") if cache == "warm" else None))
+        cmd = _command(opts["job"], name, k, _write_prompts(out, name, n_of[k]), out, rest)
+        env = {key: v for key, v in os.environ.items() if key != "RAY_ADDRESS"}   # own local Ray
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        print("$", *([f"CUDA_VISIBLE_DEVICES={visible}"] if visible else []), *cmd, flush=True)
+        runs.append((k, name, subprocess.Popen(cmd, env=env), time.perf_counter()))
+    rows, failed = [], []
+    for (k, name, _, t0), (rc, t1) in zip(runs, _wait_all([r[2] for r in runs])):
+        try:                      # exit status 1: some items failed; the run still measured
+            if rc not in (0, 1):
+                raise RuntimeError(f"exit status {rc}")
+            rows.append(_row(out, name, k, n_of[k], t1 - t0, [j for j in group if j != k], cache))
+        except (RuntimeError, OSError, ValueError, KeyError) as e:
+            failed.append(f"{cache} run with {k} workers failed ({e})")
+    return rows, failed
 
 
 def _sizes(opts: dict, counts: list[int]) -> dict[str, dict[int, int]]:
