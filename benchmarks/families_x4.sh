@@ -6,6 +6,11 @@
 #   source .devbundle/install.sh && setsid nohup bash benchmarks/families_x4.sh /tmp/q >/dev/null 2>&1 &
 #   bash benchmarks/families_x4.sh /tmp/q status        # what ran, what runs (any later command)
 #   touch /tmp/q/stop                                   # start no further table
+#   pkill -f "^bash benchmarks/families_x4.sh"; pkill -f "^python3 -m (runner|pytest)"   # stop now
+#     (anchored patterns: the device's own wrapper holds the whole command line, unanchored ones
+#     match it and end the call)
+# The I2V peer needs ftfy: here, `python3 -m pip download --no-deps --only-binary=:all:
+#   --python-version 3.12 --platform any -d .whl ftfy wcwidth`, then carry .whl along.
 # SKIP_SUITE=1 goes straight to the tables; TABLES="wan81 flux" runs only those (in that order);
 # GPUS="1 3" runs lanes on those GPUs only; TABLE_peer is TABLE's cachedit arm alone.
 # Everything lands in /tmp/q: suite.log (+ junit.xml), <table>.log, <table>/vs_loop.json with each
