@@ -27,6 +27,7 @@ fi
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
+source "$(dirname "$0")/keep.sh"
 export TORCHINDUCTOR_CACHE_DIR=/tmp/cc/inductor   # one Inductor cache and one kernel build for all
 CACHE_ARG="compile.cache_dir=/tmp/cc"   # (not CC: that is the C compiler nvcc and Inductor use)
 LEMICA='[0,1,2,3,4,5,6,7,8,9,10,11,12,14,16,18,21,24,29,35,40,44,47,48,49]'
@@ -68,12 +69,7 @@ lane() {   # GPU $1: claim the next unclaimed table (mkdir is atomic), run it, r
         out="$Q/media-$t" > "$Q/$t.log" 2>&1
     local rc=$?
     set +f
-    mkdir -p "$Q/$t"
-    cp "$Q/media-$t"/vs_loop.json "$Q/media-$t"/psnr_*.json "$Q/$t/" 2>/dev/null
-    for j in "$Q/media-$t"/job-*/; do
-      [ -d "$j" ] && mkdir -p "$Q/$t/$(basename "$j")" && \
-        cp -r "$j"summary.json "$j"metrics "$j"config.yaml "$Q/$t/$(basename "$j")/" 2>/dev/null
-    done
+    keep_runs "$Q/media-$t" "$Q/$t" 'job-*' vs_loop.json 'psnr_*.json'
     echo "rc=$rc in $((SECONDS - t0)) s on GPU $gpu" > "$Q/$t.state"
   done
 }

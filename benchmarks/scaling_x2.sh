@@ -17,16 +17,8 @@ phase=$1; out=$2; mkdir -p "$out"
 python3 -c "import torch, triton, diffusers, ray; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'ray', ray.__version__)"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 
-keep() {   # the table's figures and each run's summary and metrics, not its media
-  local src=$1 dst=$out/$2
-  mkdir -p "$dst"
-  cp "$src"/scaling.* "$dst/" 2>/dev/null
-  for w in "$src"/w[0-9]*/; do
-    [ -d "$w" ] || continue
-    mkdir -p "$dst/$(basename "$w")"
-    cp -r "$w"summary.json "$w"summary.txt "$w"metrics "$dst/$(basename "$w")/" 2>/dev/null
-  done
-}
+source "$(dirname "$0")/keep.sh"
+keep() { keep_runs "$1" "$out/$2" 'w[0-9]*' 'scaling.*'; }   # the table and each run's figures
 
 if [ "$phase" = a ] || [ "$phase" = ab ]; then
   timeout 580 python3 -m runner.bench.scaling job=pixart_batch workers=1,2 prompts=${PROMPTS_A:-256} \

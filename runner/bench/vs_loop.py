@@ -129,8 +129,7 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     t0 = time.perf_counter()
     spec, g = job["model"].resolved(), job["generation"]
     cuda = spec.device.startswith("cuda")
-    if cuda:
-        _release_gpu()
+    if cuda:   # (an earlier arm gave its memory back as it ended: `_arm`, below)
         torch.cuda.reset_peak_memory_stats()   # this arm's peak, not an earlier arm's
     pipe = build_pipeline(spec)
     peer = arm in ("cachedit", "cachedit_sage")

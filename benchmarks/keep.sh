@@ -1,0 +1,17 @@
+# Sourced by the benchmark scripts (scaling_x2.sh, scaling_x4.sh, families_x4.sh): what a bench
+# run leaves worth keeping, without its media.
+#   keep_runs SRC DST RUNS TOP...   copies SRC's TOP files (globs: the bench's table, PSNRs) to
+#   DST, and of each run directory SRC/RUNS (a glob: w[0-9]*, job-*) its summary.json,
+#   summary.txt, metrics/ and config.yaml, where it has them, to DST/<run>/.
+keep_runs() {
+  local src=$1 dst=$2 runs=$3 top r
+  shift 3
+  mkdir -p "$dst"
+  for top in "$@"; do cp "$src"/$top "$dst/" 2>/dev/null; done
+  for r in "$src"/$runs/; do
+    [ -d "$r" ] || continue
+    mkdir -p "$dst/$(basename "$r")"
+    cp -r "$r"summary.json "$r"summary.txt "$r"metrics "$r"config.yaml "$dst/$(basename "$r")/" 2>/dev/null
+  done
+  return 0
+}
