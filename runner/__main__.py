@@ -3,6 +3,7 @@ import sys
 
 from . import job
 
+job.adopt_orphans()    # Ray's processes stay below this one to the end (exit_now)
 status = job.main()
 if job.EXIT_AT_ONCE:     # a thread left on a stalled store or Ray's start: the exit must not wait
     job.exit_now(status)

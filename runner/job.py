@@ -30,6 +30,7 @@ metrics of what was done are written.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -185,27 +186,46 @@ def exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _kill_descendants() -> None:
-    """SIGKILL to every process this one started, and theirs (Linux's /proc; elsewhere nothing:
-    Ray's reaper process is left to do it)."""
+def adopt_orphans() -> None:
+    """This process made a child subreaper (Linux): a descendant whose parent dies is handed to
+    it, not to init, so `_kill_descendants` still finds it. Ctrl-C reaches a starting local Ray's
+    raylet too; it dies before its agents, which left our tree and outlived the job (a CI run)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)                          # PR_SET_CHILD_SUBREAPER
+
+
+def _descendants() -> list[int]:
+    """The live (not zombie) processes below this one, from Linux's /proc (elsewhere none)."""
     children: dict[int, list[int]] = {}
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
                     with open(f"/proc/{name}/stat") as f:   # "pid (comm) state ppid ..."
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                        state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
                 except (OSError, ValueError, IndexError):   # gone meanwhile
                     continue
-                children.setdefault(ppid, []).append(int(name))
+                if state != "Z":
+                    children.setdefault(int(ppid), []).append(int(name))
     todo, found = [os.getpid()], []
     while todo:
         kids = children.get(todo.pop(), [])
         found += kids
         todo += kids
-    for pid in found:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    return found
+
+
+def _kill_descendants(timeout_s: float = 2.0) -> None:
+    """SIGKILL to every process this one started, and theirs, again until none is left (one may
+    have started another meanwhile) or `timeout_s` passed. Elsewhere than Linux, nothing: Ray's
+    reaper process is left to do it."""
+    end = time.monotonic() + timeout_s
+    while (found := _descendants()) and time.monotonic() < end:
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def exit_within(status: int, timeout_s: float = 30.0) -> None:

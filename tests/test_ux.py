@@ -385,6 +385,35 @@ def test_ctrl_c_while_ray_starts_exits_130_at_once_leaving_no_process(tmp_path):
     assert session() == []
 
 
+def test_an_orphaned_grandchild_is_still_killed_at_exit(tmp_path):
+    """A process whose parent died before the job's exit (a raylet killed by the same Ctrl-C,
+    its agents left: a CI run) is still below the job (adopt_orphans) and dies with it."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    code = ("import subprocess, sys, time; from runner import job; job.adopt_orphans(); "
+            # a child that starts a sleeper and exits at once: the sleeper's parent is gone
+            "subprocess.run([sys.executable, '-c', 'import subprocess; "
+            "print(subprocess.Popen([\"sleep\", \"60\"], stdout=subprocess.DEVNULL, "
+            "stderr=subprocess.DEVNULL).pid)'], "
+            "check=True); "
+            "time.sleep(0.5); job.exit_now(0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    sleeper = int(r.stdout.split()[-1])
+    time.sleep(0.2)
+    try:
+        alive = psutil.Process(sleeper).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        alive = False
+    if alive:
+        os.kill(sleeper, 9)
+    assert not alive
+
+
 def test_the_terminal_shows_the_runners_lines_not_the_libraries():
     """`main`'s logging: the runner's INFO lines; libraries' INFO lines, matplotlib's font-cache
     notice and Python warnings of libraries (a matplotlib UserWarning from report.py, issue 37)
