@@ -141,13 +141,15 @@ def test_bad_cache_arguments_are_named_before_any_run(tmp_path, args, message):
 
 
 def test_cold_then_warm_runs_each_from_its_own_cache(tmp_path):
-    """cache=both end to end on CPU (tiny PixArt compiled, cache-all), weak scaling (1+2: both
-    runs at once, each with its own prompts): each worker count cold (one worker compiles) then
-    warm from the artifact its cold run left (nobody compiles); the warm rows are measured against
-    the warm base, with their own prompt counts; the span, efficiency and driver-CPU figures."""
+    """cache=both end to end on CPU (tiny PixArt compiled, cache-all), 2 workers: cold (one worker
+    compiles, the other loads its artifact), then warm from the artifact the cold run left (nobody
+    compiles, nobody waits), with its own prompt count; the span, efficiency and driver-CPU figures.
+    One worker count: a second (1+2, 160 CPU-s instead of ~90 on the 2-core CI machine) would only
+    repeat the rows against a base, whose arithmetic the synthetic-row tests above check, and the
+    GPU slices of a + group (test_worker_groups_get_disjoint_gpus)."""
     out = tmp_path / "scaling"
-    r = subprocess.run([sys.executable, "-m", "runner.bench.scaling", "job=demo_image", "workers=1+2",
-                        "prompts_per_worker=2", "cache=both", "warm_prompts=2,6", f"out={out}",
+    r = subprocess.run([sys.executable, "-m", "runner.bench.scaling", "job=demo_image", "workers=2",
+                        "prompts_per_worker=2", "cache=both", "warm_prompts=6", f"out={out}",
                         "model.device=cpu", "compile.mode=cache-all", "generation.num_inference_steps=2",
                         "run.batch_size=1", "compile.compile_text_encoder=false",
                         "compile.compile_vae=false", *session_ray()],
@@ -156,17 +158,17 @@ def test_cold_then_warm_runs_each_from_its_own_cache(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.load(open(out / "scaling.json"))["rows"]
     assert [(x["cache"], x["workers"], x["prompts"], x["ok"], x["compiled"], x["loaded"])
-            for x in rows] == [("cold", 1, 2, 2, 1, 0), ("cold", 2, 4, 4, 1, 1),
-                               ("warm", 1, 2, 2, 0, 1), ("warm", 2, 6, 6, 0, 2)]
-    assert [x["run"] for x in rows] == ["w1", "w2", "w1-warm", "w2-warm"]
-    assert [x["alongside"] for x in rows] == [[2], [1], [2], [1]]   # 1+2: both runs at once
-    assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
-    assert rows[0]["ready_ratio"] == 1.0 and all(x["base_workers"] == 1 for x in rows)
+            for x in rows] == [("cold", 2, 4, 4, 1, 1), ("warm", 2, 6, 6, 0, 2)]
+    assert [x["run"] for x in rows] == ["w2", "w2-warm"]
+    assert [x["alongside"] for x in rows] == [[], []]
+    # each cache's base is its own run (the fewest workers with that cache)
+    assert [(x["base_workers"], x["efficiency"], x["ready_ratio"]) for x in rows] == [(2, 1.0, 1.0)] * 2
     for x in rows:
         # the whole span, start-up included: the job's length and its rate
         assert x["span_s"] >= x["generate_s"] > 0 and x["span_s"] >= x["first_ready_s"]
         assert x["span_items_per_s"] == pytest.approx(x["ok"] / x["span_s"])
         assert x["span_items_per_s"] <= x["items_per_s"]
+        assert x["span_efficiency"] == pytest.approx(1.0)
         # NVML utilisation per rank: null off a GPU
         assert x["gpu_util"] == [None] * x["workers"] and len(x["worker_it_s"]) == x["workers"]
         # the driver's CPU per shard handed out (demo_image's shards: 2 rows)
@@ -174,16 +176,11 @@ def test_cold_then_warm_runs_each_from_its_own_cache(tmp_path):
         assert x["driver_cpu_s"] > 0 and x["driver_cpu_s_per_shard"] == pytest.approx(
             x["driver_cpu_s"] / x["shards"])
         assert 0 <= x["serve_cpu_s_per_shard"] <= x["driver_cpu_s_per_shard"]
-    assert rows[2]["span_efficiency"] == 1.0 and rows[2]["base_workers"] == 1
-    assert rows[3]["span_speedup"] == pytest.approx(
-        (rows[2]["first_ready_s"] + 6 / rows[2]["items_per_s"]) / rows[3]["span_s"])
-    for x in rows:
         assert 0 < x["worker_ready_s"] <= x["all_ready_s"]
         assert x["worker_ready_s"] == pytest.approx(max(x["worker_ready_s_by_rank"]), abs=0.01)
-    assert rows[3]["cache_wait_s"] == 0.0     # warm: every worker read the cache_dir itself
+    assert rows[1]["cache_wait_s"] == 0.0     # warm: every worker read the cache_dir itself
     short = r.stdout.split("\n\n")[-1].splitlines()
     assert short[0].split() == ["workers", "cache", "prompts", "compiled", "loaded", "first_ready_s",
                                 "all_ready_s", "worker_ready_s", "span_s", "span_efficiency",
                                 "steady_items_per_s", "steady_efficiency"]
-    assert [l.split()[:2] for l in short[2:]] == [["1", "cold"], ["2", "cold"], ["1", "warm"],
-                                                  ["2", "warm"]]
+    assert [l.split()[:2] for l in short[2:]] == [["2", "cold"], ["2", "warm"]]
