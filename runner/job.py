@@ -217,15 +217,15 @@ def _descendants() -> list[int]:
 
 
 def _kill_descendants(timeout_s: float = 2.0) -> None:
-    """SIGKILL to every process this one started, and theirs, again until none is left (one may
-    have started another meanwhile) or `timeout_s` passed. Elsewhere than Linux, nothing: Ray's
-    reaper process is left to do it."""
-    end = time.monotonic() + timeout_s
-    while (found := _descendants()) and time.monotonic() < end:
-        for pid in found:
+    """SIGKILL to every process this one started, and theirs, scanning again until a scan finds
+    none not signalled yet (one may have started another meanwhile), or `timeout_s`. It does not
+    wait for them to end. Elsewhere than Linux, nothing: Ray's reaper process is left to do it."""
+    end, killed = time.monotonic() + timeout_s, set()
+    while (new := set(_descendants()) - killed) and time.monotonic() < end:
+        for pid in new:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+        killed |= new
 
 
 def exit_within(status: int, timeout_s: float = 30.0) -> None:
