@@ -24,7 +24,7 @@ if [ "${2:-}" = status ]; then
 fi
 # The image-to-video peer calls diffusers' prompt cleaning, which needs ftfy (the bench extra has it;
 # the device bundle does not): wheels under .whl/ (ftfy, wcwidth; carried along) go into /tmp/site.
-if [ -d .whl ]; then
+if [ -d .whl ] && [ ! -d /tmp/site/ftfy ]; then   # once: lanes of two of these share /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 source "$(dirname "$0")/keep.sh"

@@ -6,7 +6,8 @@
 #   source .devbundle/install.sh && bash benchmarks/ready_ab.sh /tmp/ab          (on the device)
 # JOBS="wan_batch pixart_batch" (default), MODE=O3, GPU=0, SOURCE=random (tiny: a CPU check). Per job and tree: the job's log, its
 # metrics/ and summary, and one line in DIR/ready.tsv: tree, job, the worker's model_load_s and
-# warmup_s (what both trees record), their sum, and the job's wall time.
+# warmup_s (what both trees record), their sum, the job's wall time, and which tree's worker code
+# ran (`code`: head|old, by a metric only HEAD records; the checkout is on PYTHONPATH there).
 set -u
 Q=${1:?usage: ready_ab.sh DIR}
 OLD=/tmp/ab-$$-a9a589a     # this run's own copy: two of these may run at once, a GPU each
@@ -17,7 +18,7 @@ import sys, pyarrow as pa, pyarrow.parquet as pq
 pq.write_table(pa.table({"id": ["ab-0", "ab-1"], "prompt": ["a red fox in the snow, cinematic",
                                                             "a city street at night in the rain"]}), sys.argv[1])
 PY
-printf "tree\tjob\tmodel_load_s\twarmup_s\tready_s\tjob_wall_s\trc\n" > "$Q/ready.tsv"
+printf "tree\tjob\tmodel_load_s\twarmup_s\tready_s\tjob_wall_s\trc\tcode\n" > "$Q/ready.tsv"
 for job in ${JOBS:-wan_batch pixart_batch}; do
   for tree in a9a589a head; do
     dir=$PWD; [ "$tree" = a9a589a ] && dir=$OLD
@@ -34,7 +35,8 @@ out, tree, job, wall, rc = sys.argv[1:]
 for p in sorted(glob.glob(f"{out}/**/metrics/worker-*.json", recursive=True)):
     m = json.load(open(p))
     ready = m.get("model_load_s", 0) + m.get("warmup_s", 0)
-    print(f"{tree}\t{job}\t{m.get('model_load_s', 0):.1f}\t{m.get('warmup_s', 0):.1f}\t{ready:.1f}\t{wall}\t{rc}")
+    code = "head" if "loaded_at" in m else "old"    # which tree's worker ran (only HEAD records loaded_at)
+    print(f"{tree}\t{job}\t{m.get('model_load_s', 0):.1f}\t{m.get('warmup_s', 0):.1f}\t{ready:.1f}\t{wall}\t{rc}\t{code}")
 PY
     find "$out" -name '*.mp4' -o -name '*.png' | xargs -r rm -f     # the media stay behind
   done
