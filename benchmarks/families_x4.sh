@@ -74,12 +74,7 @@ lane() {   # GPU $1: claim the next unclaimed table (mkdir is atomic), run it, r
   done
 }
 
-{
-  python3 -c "import torch, triton, diffusers, ray, cache_dit; print('torch', torch.__version__, \
-'triton', triton.__version__, 'diffusers', diffusers.__version__, 'ray', ray.__version__, \
-'cache-dit', cache_dit.__version__)"
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
-} > "$Q/versions.txt" 2>&1
+versions > "$Q/versions.txt" 2>&1
 if [ -z "${SKIP_SUITE:-}" ]; then
   echo "running since $(date +%T)" > "$Q/suite.state"
   t0=$SECONDS

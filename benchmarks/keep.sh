@@ -1,5 +1,6 @@
-# Sourced by the benchmark scripts (scaling_x2.sh, scaling_x4.sh, families_x4.sh): what a bench
-# run leaves worth keeping, without its media.
+# Sourced by the benchmark scripts (scaling_x2.sh, scaling_x4.sh, families_x4.sh, ready_ab.sh):
+# what a bench run leaves worth keeping, without its media, and what it ran on.
+#   versions                        the packages and GPUs the figures were measured with (stdout)
 #   keep_runs SRC DST RUNS TOP...   copies SRC's TOP files (globs: the bench's table, PSNRs) to
 #   DST, and of each run directory SRC/RUNS (a glob: w[0-9]*, job-*) its summary.json,
 #   summary.txt, metrics/ and config.yaml, where it has them, to DST/<run>/.
@@ -14,4 +15,16 @@ keep_runs() {
     cp -r "$r"summary.json "$r"summary.txt "$r"metrics "$r"config.yaml "$dst/$(basename "$r")/" 2>/dev/null
   done
   return 0
+}
+
+versions() {
+  python3 - <<'PY'
+import importlib
+for name in ("torch", "triton", "diffusers", "ray", "cache_dit"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:   # cache_dit: only the peer arms need it
+        print(name, "not importable:", type(e).__name__)
+PY
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
 }

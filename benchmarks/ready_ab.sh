@@ -4,14 +4,17 @@
 # caches, the int8 kernel's build at HEAD), a local Ray of its own, 2 prompts. Carry the old tree:
 #   git archive -o .ab/a9a589a.tgz a9a589a        (here; .ab/ is ignored: carry=[".devbundle", ".ab"])
 #   source .devbundle/install.sh && bash benchmarks/ready_ab.sh /tmp/ab          (on the device)
-# JOBS="wan_batch pixart_batch" (default), MODE=O3, GPU=0, SOURCE=random (tiny: a CPU check). Per job and tree: the job's log, its
-# metrics/ and summary, and one line in DIR/ready.tsv: tree, job, the worker's model_load_s and
-# warmup_s (what both trees record), their sum, the job's wall time, and which tree's worker code
-# ran (`code`: head|old, by a metric only HEAD records; the checkout is on PYTHONPATH there).
+# JOBS="wan_batch pixart_batch" (default), MODE=O3, GPU=0, SOURCE=random (tiny: a CPU check).
+# Per job and tree: the job's log, its metrics/ and summary, and one line in DIR/ready.tsv: tree,
+# job, the worker's model_load_s and warmup_s (what both trees record), their sum, the job's wall
+# time, and which tree's worker code ran (`code`: head|old, by a metric only HEAD records; the
+# checkout is on PYTHONPATH there); DIR/versions.txt: the packages and GPUs.
 set -u
 Q=${1:?usage: ready_ab.sh DIR}
+source "$(dirname "$0")/keep.sh"
 OLD=/tmp/ab-$$-a9a589a     # this run's own copy: two of these may run at once, a GPU each
 mkdir -p "$Q" "$OLD"
+versions > "$Q/versions.txt" 2>&1
 tar -xzf .ab/a9a589a.tgz -C "$OLD"
 python3 - "$Q/prompts.parquet" <<'PY'
 import sys, pyarrow as pa, pyarrow.parquet as pq

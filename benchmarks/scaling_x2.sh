@@ -14,10 +14,8 @@
 # metrics/ (w1/, w2/), and the log. The media stay in /tmp.
 set -u
 phase=$1; out=$2; mkdir -p "$out"
-python3 -c "import torch, triton, diffusers, ray; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'ray', ray.__version__)"
-nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
-
 source "$(dirname "$0")/keep.sh"
+versions
 keep() { keep_runs "$1" "$out/$2" 'w[0-9]*' 'scaling.*'; }   # the table and each run's figures
 
 if [ "$phase" = a ] || [ "$phase" = ab ]; then
