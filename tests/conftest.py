@@ -121,9 +121,17 @@ def ray_workers_of(env: dict) -> list[int]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each socket stays bound until all are picked, as the OS may hand a
+    just-closed port out again (two of a Ray start's ports once came out equal, and it refused)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def stop_ray(temp_dir: str) -> None:
@@ -317,18 +325,33 @@ def start_shared_ray(config):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp_dir = tempfile.mkdtemp(prefix="rs-", dir="/tmp")    # short: Ray's socket paths
     port = free_port()
-    proc = subprocess.Popen(
+    _SESSION.update(proc=_popen_ray(port, temp_dir), port=port, temp_dir=temp_dir, ray_waited=False)
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"      # before pytest -n's workers inherit it
+
+
+def _popen_ray(port: int, temp_dir: str) -> subprocess.Popen:
+    client, agent, metrics, env_agent = free_ports(4)
+    return subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
          "--node-ip-address=127.0.0.1", f"--port={port}", f"--temp-dir={temp_dir}",
          # slots for every job pytest -n runs at once; the CPU itself is shared by the OS
          "--num-cpus=64", "--include-dashboard=false", "--disable-usage-stats",
-         "--object-store-memory=1000000000", f"--ray-client-server-port={free_port()}",
+         "--object-store-memory=1000000000", f"--ray-client-server-port={client}",
          # another Ray on the machine (a test's own) must not find its default ports taken
-         f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-         f"--runtime-env-agent-port={free_port()}"],
+         f"--dashboard-agent-listen-port={agent}", f"--metrics-export-port={metrics}",
+         f"--runtime-env-agent-port={env_agent}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _SESSION.update(proc=proc, temp_dir=temp_dir, ray_waited=False)
-    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"      # before pytest -n's workers inherit it
+
+
+def _wait_ray(proc: subprocess.Popen, timeout: float) -> tuple[bool, list[str]]:
+    lines, t0 = [], time.monotonic()
+    for line in proc.stdout:                 # `--block` keeps running once the cluster is up
+        lines.append(line)
+        if "Ray runtime started" in line:
+            return True, lines
+        if time.monotonic() - t0 > timeout:
+            break
+    return False, lines
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -338,13 +361,20 @@ def pytest_runtestloop(session):
     if "proc" not in _SESSION or _SESSION["ray_waited"]:
         return
     _SESSION["ray_waited"] = True
-    proc, lines, t0 = _SESSION["proc"], [], time.monotonic()
-    for line in proc.stdout:                 # `--block` keeps running once the cluster is up
-        lines.append(line)
-        if "Ray runtime started" in line or time.monotonic() - t0 > 180:
+    for attempt in range(3):
+        started, lines = _wait_ray(_SESSION["proc"], timeout=180)
+        if started:
             break
-    if not any("Ray runtime started" in line for line in lines):
-        raise pytest.UsageError("the session's Ray cluster did not start:\n" + "".join(lines[-40:]))
+        # A port picked free may be taken by another process before Ray binds it (a start then
+        # exits at once, naming the port): again with fresh ports; the GCS port stays, as pytest
+        # -n's workers already have it in RAY_ADDRESS.
+        stop_ray(_SESSION["temp_dir"])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            _SESSION["proc"].wait(timeout=30)
+        if attempt == 2 or not any("port" in line for line in lines):
+            raise pytest.UsageError("the session's Ray cluster did not start:\n" + "".join(lines[-40:]))
+        _SESSION["proc"] = _popen_ray(_SESSION["port"], _SESSION["temp_dir"])
+    proc = _SESSION["proc"]
     # its further output (worker deaths it reports) is not read: drain it so it never blocks
     import threading
     threading.Thread(target=proc.stdout.read, daemon=True).start()

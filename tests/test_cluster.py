@@ -11,7 +11,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import GUARD_S, fault_dir, fault_env, free_port, stop_ray
+from conftest import GUARD_S, fault_dir, fault_env, free_ports, stop_ray
 from test_faults import record_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,29 +48,26 @@ def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=GUARD
     return r
 
 
-def agent_port() -> list[str]:
-    """A node's job agent on a free port: its default (52365) is taken by any other Ray on the
-    machine (another test's under pytest -n), and the head's dashboard then finds no agent to run
-    a submitted job on."""
-    return [f"--dashboard-agent-listen-port={free_port()}"]
-
-
 @pytest.fixture
 def ray_cluster():
     """A head (with the dashboard `ray job submit` talks to) and a worker node. Their processes'
     temporary files go under the cluster's own temp dir (TMPDIR), removed with it: the processes
     are killed at the end (`stop_ray`), so what they would remove at their exit stays (the
     dashboard's multiprocessing `pymp-*` directory)."""
-    port, dash = free_port(), free_port()
+    # Each node's job agent on a free port: its default (52365) is taken by any other Ray on the
+    # machine (another test's under pytest -n), and the head's dashboard then finds no agent to run
+    # a submitted job on. Picked together: ports picked one by one can come out equal.
+    port, dash, head_agent, node_agent = free_ports(4)
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")    # short: Ray's socket paths
     env = {**ENV, "TMPDIR": temp_dir}
     sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
         "--num-gpus=1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-        *agent_port()], env=env)
+        f"--dashboard-agent-listen-port={head_agent}"], env=env)
     try:
         sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-            "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}", *agent_port()], env=env)
+            "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}",
+            f"--dashboard-agent-listen-port={node_agent}"], env=env)
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
         stop_ray(temp_dir)
