@@ -7,7 +7,9 @@ tolerance of eager with no recompiles, step reuse under O2 and O3, and Wan 2.2 A
 Each test builds its model afresh (the A14B alone is 64 GiB of weights) and frees it: a test process
 holds one model at a time (`-n auto --dist loadgroup`: one process per GPU, README "Tests").
 """
+import contextlib
 import gc
+import warnings
 
 import pytest
 import torch
@@ -72,6 +74,27 @@ def _free(pipe):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated() / 2**30
+        if left > 2:     # what held the 14B weights before: named in the summary if it recurs
+            warnings.warn(f"{left:.1f} GiB still allocated after freeing {type(pipe).__name__}; "
+                          f"largest live CUDA tensors: {_live_cuda_tensors()}")
+
+
+def _live_cuda_tensors(n: int = 8) -> str:
+    """The n largest CUDA tensors the garbage collector can see, with the types of what refers to
+    each (a tensor held only from C++, e.g. a CUDA graph's pool, is not among them)."""
+    found = []
+    with warnings.catch_warnings():      # isinstance on some lazy objects warns (deprecations)
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            with contextlib.suppress(Exception):
+                if isinstance(o, torch.Tensor) and o.is_cuda:
+                    found.append((o.untyped_storage().nbytes(), o))
+    found.sort(key=lambda t: -t[0])
+    return "; ".join(
+        f"{b / 2**30:.2f} GiB {tuple(t.shape)} {t.dtype} held by "
+        f"{sorted({type(r).__name__ for r in gc.get_referrers(t)} - {'list', 'tuple', 'frame'})}"
+        for b, t in found[:n]) or "none visible to gc"
 
 
 @pytest.mark.parametrize("case", list(CASES))
