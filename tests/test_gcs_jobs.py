@@ -3,14 +3,15 @@
 (runner.storage then uses pyarrow's GcsFileSystem with that endpoint, anonymous). Prompts in,
 media, records and results out, and a driver SIGKILL followed by a rerun."""
 import os
-import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
 
 import pytest
+from conftest import free_port
 from test_s3_jobs import sigkill_then_rerun
 
 
@@ -19,26 +20,38 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def gcs_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
-    proc = subprocess.Popen([exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):            # until it answers (its start takes about a second)
-        try:
-            urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1)
+    for _ in range(3):     # another process may take the free port between picking and binding it
+        proc, endpoint = _start_gcs_emulator(free_port())
+        if proc:
             break
-        except OSError:
-            assert proc.poll() is None, "gcp-storage-emulator exited at start"
-            time.sleep(0.1)
     else:
-        proc.kill()
-        pytest.fail("gcp-storage-emulator did not answer within 10 s")
+        pytest.fail("gcp-storage-emulator exited at start 3 times (its port taken each time?)")
     yield endpoint
     proc.terminate()
     proc.wait(10)
+
+
+def _start_gcs_emulator(port: int):
+    """(process, endpoint) once it answers; (None, None) if its port was taken (it then logs the
+    bind error but does not exit: its server thread died) or it exited at start."""
+    exe = os.path.join(os.path.dirname(sys.executable), "gcp-storage-emulator")
+    proc = subprocess.Popen([exe, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(100):            # until it answers (its start takes about a second)
+        if proc.poll() is not None or any("Address already in use" in line for line in out):
+            proc.kill()
+            proc.wait(10)
+            return None, None
+        try:
+            urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1).close()
+            return proc, endpoint
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("gcp-storage-emulator did not answer within 10 s:\n" + "".join(out[-20:]))
 
 
 @pytest.fixture
