@@ -4,7 +4,8 @@
 # caches, the int8 kernel's build at HEAD), a local Ray of its own, 2 prompts. Carry the old tree:
 #   git archive -o .ab/a9a589a.tgz a9a589a        (here; .ab/ is ignored: carry=[".devbundle", ".ab"])
 #   source .devbundle/install.sh && bash benchmarks/ready_ab.sh /tmp/ab          (on the device)
-# JOBS="wan_batch pixart_batch" (default), MODE=O3, GPU=0, SOURCE=random (tiny: a CPU check).
+# JOBS="wan_batch pixart_batch" (default), MODE=O3, GPU=0, SOURCE=random (tiny: a CPU check),
+# EXTRA="key=value ..." for both trees (a CPU check of Latte: EXTRA=generation.num_frames=4).
 # Per job and tree: the job's log, its metrics/ and summary, and one line in DIR/ready.tsv: tree,
 # job, the worker's model_load_s and warmup_s (what both trees record), their sum, the job's wall
 # time, and which tree's worker code ran (`code`: head|old, by a metric only HEAD records; the
@@ -30,7 +31,7 @@ for job in ${JOBS:-wan_batch pixart_batch}; do
     t0=$SECONDS
     (cd "$dir" && CUDA_VISIBLE_DEVICES=${GPU:-0} timeout 900 python3 -m runner job="$job" \
         model.source="${SOURCE:-random}" compile.mode="${MODE:-O3}" compile.cache_dir="$cache" \
-        prompts.path="$Q/prompts.parquet" output.dir="$out" > "$Q/$tree-$job.log" 2>&1)
+        prompts.path="$Q/prompts.parquet" output.dir="$out" ${EXTRA:-} > "$Q/$tree-$job.log" 2>&1)
     rc=$?
     python3 - "$out" "$tree" "$job" "$((SECONDS - t0))" "$rc" >> "$Q/ready.tsv" <<'PY'
 import glob, json, sys
