@@ -856,7 +856,9 @@ def _check_same_config(cfg, out) -> None:
         # the fingerprint holds whether the mode is lossy; the user changed the mode: name it
         mode = f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r}"
         named = {"lossy: False -> True": f"{mode} (lossless -> lossy)",
-                 "lossy: True -> False": f"{mode} (lossy -> lossless)"}
+                 "lossy: True -> False": f"{mode} (lossy -> lossless)",
+                 "low_precision: False -> None": f"{mode} (FP8 Linears on)",
+                 "low_precision: None -> False": f"{mode} (FP8 Linears off)"}
         changes = [named.get(c, c) for c in changes]
         if changes:
             raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "

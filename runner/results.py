@@ -34,7 +34,7 @@ Contract:
   rest: new rows, rows whose parameters changed, failed rows. Ids of the record that are no longer in the input keep their
   outputs and rows and are reported, never dropped silently.
 - `fingerprint()` is the job-level part that must not change between runs into one directory
-  (model, dtype, fps, lossy compilation, step reuse, `generation.*` defaults): a change is refused unless
+  (model, dtype, fps, lossy compilation and its lossy flags, step reuse, `generation.*` defaults): a change is refused unless
   `output.overwrite=true`, which starts the directory afresh.
 """
 
@@ -69,6 +69,11 @@ def lossy(mode) -> bool:
     return not compiler.parse_options(str(mode)).lossless
 
 
+def _has_flag(mode, flag: str) -> bool:
+    import compiler
+    return flag in compiler.parse_options(str(mode)).flags
+
+
 def int8_attention(mode, preset: str) -> bool:
     """Whether compile flag `int8-attention` is on and changes this model's outputs."""
     import compiler
@@ -79,6 +84,12 @@ def int8_attention(mode, preset: str) -> bool:
 def _output_settings(cfg: DictConfig) -> dict:
     out = {k: OmegaConf.select(cfg, k) for k in OUTPUT_KEYS}
     out["lossy"] = lossy(cfg.compile.mode)
+    # `lossy` alone would give int8-attention by itself (eager-exact Linears; on a model it does
+    # not apply to, eager-exact outputs) the id of modes with FP8 Linears (`low-precision`, O3):
+    # a rerun would skip outputs made without them. Said only where it is off in a lossy mode, so
+    # every other mode keeps its id.
+    if out["lossy"] and not _has_flag(cfg.compile.mode, "low-precision"):
+        out["low_precision"] = False
     # INT8/FP8 attention changes a Wan video; absent where it does not apply, so directories made
     # before the flag existed (or of other families) keep their settings id
     if int8_attention(cfg.compile.mode, cfg.model.preset):
@@ -113,8 +124,8 @@ def fallback_settings_id(cfg: DictConfig) -> str | None:
     job's output settings less `int8_attention`, `lossy` kept. That is the id of the same job
     asked without the flag only where another lossy flag stays in its mode (O3's
     `low-precision`); with `compile.mode=int8-attention` alone, that job is lossless and its id
-    differs (the fallback's is then that of a lossy mode without the flag). None where the flag
-    is off or does not apply."""
+    differs, and so does the fallback's from any mode with FP8 Linears (`low_precision: False`
+    stays in it: `_output_settings`). None where the flag is off or does not apply."""
     out = _output_settings(cfg)
     return _hash(out) if out.pop("int8_attention", False) else None
 
