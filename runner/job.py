@@ -423,7 +423,8 @@ class JobRun:
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
         # outputs made without the kernel by an earlier run, handed out again (`fallback_shards`):
-        # a failed remake keeps the ok row (`on_rows`); the ones remade ok are this run's work
+        # a failed remake keeps the ok row (`on_rows`); the ones remade ok (or suspect: their
+        # file was replaced) are this run's work
         self.remake = {it.id for it in plan.fallback}
         self.remade: set[str] = set()
         self.steady_items = 0.0                 # items' worth of work done once all were ready
@@ -505,12 +506,13 @@ class JobRun:
     def _kept(self, rows: list[dict]) -> list[dict]:
         """`rows` but failed remakes: the output made without the kernel is done, and stays (its
         file is replaced only by a remake that succeeds, atomically), so its ok row stays too;
-        one line says which remake failed and why. The remakes that succeeded are noted."""
+        one line says which remake failed and why. The remakes that succeeded are noted. A
+        suspect remake is kept: its file was replaced, by a worker whose canary then failed."""
         kept = []
         for r in rows:
             if r["id"] not in self.remake:
                 kept.append(r)
-            elif r["status"] == "ok":
+            elif r["status"] in ("ok", "suspect"):    # this run's work (`_resumed`)
                 self.remade.add(r["id"])
                 kept.append(r)
             else:
