@@ -6,8 +6,9 @@ Contract:
   that compiles: the environment it sets does not move the headers; a second process on the same
   directory warms from it).
 - `cache_key(pipe, options, shapes) -> str`: a file-name-safe key that changes whenever anything a
-  compiled artifact depends on changes: torch, triton and CUDA versions, GPU name, the config of every
-  model in the pipeline, dtype, shapes, compile mode and options.
+  compiled artifact depends on changes: torch, triton, CUDA and diffusers versions, this compiler's
+  own source files, GPU name, the config of every model in the pipeline, dtype, shapes, compile mode
+  and options.
 - `pack_artifact(key) -> bytes | None`: `torch.compiler.save_cache_artifacts()` of this process,
   wrapped in a header (magic, format version, key, payload length, sha256 of the payload). None when
   there is nothing to save.
@@ -23,6 +24,7 @@ payload length u64 | sha256(payload) (32 bytes) | payload.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -40,6 +42,7 @@ MAGIC = b"DIFFCC\x00\x01"
 FORMAT_VERSION = 1
 _HEAD = struct.Struct(">8sHH")
 _TAIL = struct.Struct(">Q32s")
+SOURCE = Path(__file__).parent     # this compiler's sources: its transforms decide the graphs
 
 
 def configure_cache_dir(path: str | os.PathLike) -> Path:
@@ -72,15 +75,27 @@ def _precompiled_headers_in(directory: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Keys
 
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the compiler's Python sources: an edit to a transform makes other graphs."""
+    h = hashlib.sha256()
+    for f in sorted(SOURCE.rglob("*.py")):
+        h.update(str(f.relative_to(SOURCE)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def environment() -> dict:
-    """The software/hardware a compiled artifact is only valid for."""
+    """The software/hardware a compiled artifact is only valid for. diffusers: the models' forward
+    code, which Dynamo traces (transformers' version is in its models' configs already)."""
+    import diffusers
     try:
         import triton
         triton_version = triton.__version__
     except Exception:
         triton_version = None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda, "gpu": gpu}
+    return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda, "gpu": gpu,
+            "diffusers": diffusers.__version__, "compiler": source_digest()}
 
 
 def _config_dict(module) -> dict | None:

@@ -32,6 +32,34 @@ def test_key_changes_with_environment(pipe, monkeypatch, field, value):
     assert cache.cache_key(pipe, "O2", SHAPES) != before
 
 
+def test_key_changes_with_the_diffusers_version(pipe, monkeypatch):
+    """The models' forward code (what Dynamo traces) is diffusers': another version, other graphs.
+    A key that stayed the same let a job load the old artifact, report a cache hit, compile every
+    graph anyway, and never write the new artifact (a hit in cache_dir is not published again)."""
+    import diffusers
+    before = cache.cache_key(pipe, "O2", SHAPES)
+    monkeypatch.setattr(diffusers, "__version__", "0.0.1")
+    assert cache.cache_key(pipe, "O2", SHAPES) != before
+
+
+def test_key_changes_with_the_compilers_own_code(pipe, monkeypatch, tmp_path):
+    """Our transforms decide the graphs too (fused QKV, attention kernels, step reuse): an edit
+    to any of the compiler's sources makes another key, as a new torch version does."""
+    import shutil
+    src = tmp_path / "compiler"
+    shutil.copytree(cache.SOURCE, src, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cache, "SOURCE", src)
+    cache.source_digest.cache_clear()
+    before = cache.cache_key(pipe, "O2", SHAPES)
+    (src / "transforms.py").write_text((src / "transforms.py").read_text() + "\n# edited\n")
+    cache.source_digest.cache_clear()
+    try:
+        assert cache.cache_key(pipe, "O2", SHAPES) != before
+    finally:
+        monkeypatch.undo()
+        cache.source_digest.cache_clear()
+
+
 def test_key_changes_with_model_dtype_shapes_mode_and_options(pipe):
     base = cache.cache_key(pipe, "O2", SHAPES)
     keys = {
