@@ -56,13 +56,15 @@ def read_artifact(cache_dir: str, key: str) -> bytes | None:
 
 
 def write_artifact(cache_dir: str, key: str, blob: bytes) -> None:
+    """Best effort, local path or store alike: a worker whose graphs are compiled serves even when
+    the artifact cannot be kept (a full disk: the next job compiles again)."""
     from compiler import cache as cc
     from .storage import is_uri, resolve
-    if not is_uri(cache_dir):
-        cc.write_artifact(cache_dir, key, blob)
-        return
     try:
-        resolve(cache_dir).write_bytes_atomic(cc.artifact_path("", key).name, blob)
+        if not is_uri(cache_dir):
+            cc.write_artifact(cache_dir, key, blob)
+        else:
+            resolve(cache_dir).write_bytes_atomic(cc.artifact_path("", key).name, blob)
     except (OSError, ValueError) as e:
         log.warning("compile artifact not saved to %s (%s)", cache_dir, e)
 

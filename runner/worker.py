@@ -301,7 +301,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 from .compile_cache import publish
                 publish(self.broker, cache, opts.cache_dir)
                 self.m["artifact_bytes"] = cache.get("artifact_bytes")
-        except BaseException:   # the warm-up call or the artifact's write failed
+        except BaseException:   # the warm-up call or the broker call failed
             if (cache and cache["role"] == "compile" and not cache.get("published")
                     and self.broker is not None):
                 import ray

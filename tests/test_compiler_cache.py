@@ -7,7 +7,7 @@ import torch
 
 from compiler import cache
 from runner.models import ModelSpec, build_pipeline
-from conftest import GUARD_S
+from conftest import GUARD_S, full_disk
 
 SHAPES = {"height": 64, "width": 64, "batch": 1}
 
@@ -118,6 +118,20 @@ def loads(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: calls.append(b))
     return calls
+
+
+def test_artifact_write_on_a_full_disk_is_a_warning_not_a_crash(compiled, tmp_path, caplog):
+    """A local compile.cache_dir on a full disk: the compiling worker, whose graphs are compiled and
+    warm, logs that the artifact was not saved and serves (as with an s3:// cache_dir); it raised
+    ENOSPC out of its warm-up, which lost the worker, and its replacement did the same."""
+    from runner import compile_cache
+    d = tmp_path / "cc"
+    d.mkdir()
+    report = {"cache_key": "k1", "role": "compile"}
+    with full_disk(d), caplog.at_level(logging.WARNING, logger="runner"):
+        compile_cache.publish(None, report, str(d))
+        assert sorted(p.name for p in d.iterdir()) == [".filler"]     # no temp file left
+    assert "compile artifact not saved" in caplog.text and "No space left" in caplog.text
 
 
 def test_good_artifact_loads(artifact, loads, tmp_path):
