@@ -274,7 +274,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
     def _warmup(self) -> dict:
         t0 = time.perf_counter()
         opts = self.cfg.compile
-        cache = None
+        cache, t_compile = None, t0
         if opts.enabled:
             import compiler
             from compiler.cache import cache_key, configure_cache_dir
@@ -288,20 +288,20 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             self._phase("warming up from the compile cache" if cache and cache["cache_hit"] else
                         "compiling and warming up" + (" (compile cache miss)" if cache else ""))
             t_compile = time.perf_counter()
-            compiler.compile_pipe(self.pipe, opts.options, fuse_qkv_projections=opts.fuse_qkv)
-            self._record_kernels(self.pipe._compile_report)
         else:
-            t_compile = t0
             self._phase("warming up")
-        step_cache.apply(self.pipe, self.cfg.step_cache, self.family)   # after compile_pipe: see step_cache.py
-        try:
+        try:   # from the claim on: a claimant that fails says so, or the others wait cache_wait_s
+            if opts.enabled:
+                compiler.compile_pipe(self.pipe, opts.options, fuse_qkv_projections=opts.fuse_qkv)
+                self._record_kernels(self.pipe._compile_report)
+            step_cache.apply(self.pipe, self.cfg.step_cache, self.family)   # after compile_pipe: see step_cache.py
             self._warmup_call()
             self._sync()
             if cache and cache["role"] == "compile":   # before the canary's call: the others wait
                 from .compile_cache import publish
                 publish(self.broker, cache, opts.cache_dir)
                 self.m["artifact_bytes"] = cache.get("artifact_bytes")
-        except BaseException:   # the warm-up call or the broker call failed
+        except BaseException:   # compile_pipe, the warm-up call or the broker call failed
             if (cache and cache["role"] == "compile" and not cache.get("published")
                     and self.broker is not None):
                 import ray

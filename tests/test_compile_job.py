@@ -101,3 +101,38 @@ def test_bad_compile_mode_with_a_step_cache_is_exit_2_naming_it(tmp_path):
     assert "'cudagraphs'" in r.stderr and "presets: ['O2', 'O3']" in r.stderr
     assert not (tmp_path / "demo_video").exists()
 
+
+
+def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp_path, monkeypatch):
+    """The compiling worker (the key's claimant) fails in `compile_pipe`, before its warm-up call
+    (an out-of-memory fusing the QKV weights on a full GPU): it still tells the broker it has
+    nothing to share, so the other workers compile at once. It told nobody: they waited out
+    `cache_wait_s` (ray.worker_start_timeout_s, 900 s) and were given up as not ready."""
+    import time
+    import ray
+    import torch
+    import compiler
+    from compiler.cache import cache_key
+    from runner.compile_cache import CacheBroker
+    from runner.config import load_config, split
+    from runner.job import constraints, worker_config
+    from runner.worker import Worker
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(compiler, "compile_pipe", oom)
+    j = split(load_config(["job=demo_image", "compile.mode=cache-all", f"output.dir={tmp_path}",
+                           "compile.compile_text_encoder=false", "compile.compile_vae=false"]))
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    try:
+        broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=10).remote()
+        w = Worker(0, worker_config(j, constraints(j["model"]), on_gpu=False), broker)
+        key = cache_key(w.pipe, j["compile"].options, w.cache_shapes())
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            w.warmup()
+        assert ray.get(broker.claim.remote(key, 1)) == "fetch"   # worker 0 had claimed it
+        t0 = time.monotonic()
+        blob, digest = ray.get(broker.fetch.remote(key, 60))     # a waiter: told at once
+        assert (blob, digest) == (None, None) and time.monotonic() - t0 < 30
+    finally:
+        ray.shutdown()
