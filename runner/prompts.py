@@ -16,7 +16,8 @@ Contract:
 - Text columns (`id`, `prompt`, `negative_prompt`) must be of a string type, or binary holding
   UTF-8, decoded strictly (a row that is not valid UTF-8 is an error naming it): never
   stringified, which would give `b'...'` names. Numbers must be finite: NaN or infinity in any
-  cell is an error (a null cell is what takes the default); `guidance_scale` must be >= 0.
+  cell is an error (a null cell is what takes the default); `guidance_scale` must be >= 0;
+  integers must fit int64 (< 2**63: the results table's columns).
 - A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another.
@@ -388,8 +389,7 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
                 left = pc.subtract(ints["num_frames"], 1)
                 ok.append(pc.all(pc.equal(pc.subtract(left, pc.multiply(
                     pc.divide(left, limits.frame_step), limits.frame_step)), 0)))
-        if pa.types.is_uint64(ints["seed"].type):
-            ok.append(pc.all(pc.less(ints["seed"], 2**63)))
+        ok += [pc.all(pc.less(c, 2**63)) for c in ints.values() if pa.types.is_uint64(c.type)]
         if not all(x.as_py() for x in ok):
             raise _Slow
     except (_Slow, pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -486,6 +486,10 @@ def _check_item(item: Item, limits: Constraints) -> None:
                           f"{limits.min_steps} for this model")
     if not 0 <= item.seed < 2**63:
         raise PromptError(f"{where}: seed={item.seed} must be in [0, 2**63)")
+    for k in ("height", "width", "num_frames", "num_inference_steps"):
+        v = getattr(item, k)     # a uint64 or float cell: results.parquet's columns are int64
+        if v is not None and v >= 2**63:
+            raise PromptError(f"{where}: {k}={v} must be < 2**63")
 
 
 def _check_defaults(gen: GenerationDefaults, limits: Constraints) -> None:

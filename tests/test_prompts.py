@@ -1,6 +1,7 @@
 import dataclasses
 import os
 
+import pyarrow as pa
 import pytest
 
 from runner.config import GenerationDefaults
@@ -133,6 +134,20 @@ def test_bad_cell_types(write_prompts):
     p = write_prompts({"prompt": ["a"], "seed": [-1]}, "neg.parquet")
     with pytest.raises(PromptError, match="seed=-1"):
         check(p)
+
+
+@pytest.mark.parametrize("col, values, limits", [
+    ("height", pa.array([64, 2**64 - 16], pa.uint64()), IMAGE),            # the column-wise path
+    ("width", [64.0, 2.0**64], IMAGE),                                      # a float column: row by row
+    ("num_inference_steps", pa.array([2, 2**64 - 1], pa.uint64()), IMAGE),
+    ("num_frames", pa.array([5, 2**64 - 3], pa.uint64()), Constraints(size_factor=16, frame_step=4)),
+])
+def test_integers_past_int64_are_an_error(write_prompts, col, values, limits):
+    """A uint64 (or float) cell >= 2**63 passed every check but the seed's, ran on the workers,
+    then the job died with an OverflowError traceback writing results.parquet (an int64 column)."""
+    p = write_prompts({"prompt": ["a", "b"], col: values})
+    with pytest.raises(PromptError, match=rf"prompts.parquet:1: {col}=\d+ must be < 2\*\*63"):
+        check(p, limits, gen=dataclasses.replace(GEN, num_frames=5))
 
 
 @pytest.mark.parametrize("limits", [IMAGE, VIDEO])
