@@ -1,7 +1,8 @@
 """Prompts in: Parquet files -> validated `Item`s, and the shard plan.
 
 Contract:
-- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable),
+- Input is one .parquet file, several, or directories of them (sorted, so the plan is stable;
+  a directory named `*.parquet`, Spark's output, is a directory),
   local or on an object store (`s3://`, `gs://`: read on the driver through `runner.storage`).
 - `Item` is the one definition of a row: its fields' metadata say which are Parquet columns, which
   are integers and which are the parameters an output is made from (`PARAMS`); the column lists,
@@ -169,7 +170,8 @@ def list_files(paths: tuple[str, ...]) -> list[str]:
             files += _list_uri(p)
             continue
         if os.path.isdir(p):
-            found = sorted(str(f) for f in Path(p).rglob("*.parquet"))
+            # files only: a directory named x.parquet (Spark's output) is walked, not read whole
+            found = sorted(str(f) for f in Path(p).rglob("*.parquet") if f.is_file())
             if not found:
                 raise PromptError(f"prompts.path directory {p!r} has no .parquet files")
             files += found

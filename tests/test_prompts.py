@@ -127,6 +127,20 @@ def test_directory_and_multiple_files_and_shards(tmp_path, write_prompts):
     assert seen == [i.id for i in items]
 
 
+def test_a_directory_named_dot_parquet_is_read_once(tmp_path):
+    """Spark's `df.write.parquet("out.parquet")` makes a directory of part files. Under prompts.path
+    it matched "*.parquet" as if a file: read whole as a dataset, and its part files again, every
+    prompt ran twice (under two ids) without a word."""
+    import pyarrow as pa, pyarrow.parquet as pq
+    part = tmp_path / "prompts" / "out.parquet"
+    part.mkdir(parents=True)
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), part / "part-00000.snappy.parquet")
+    (part / "_SUCCESS").touch()
+    files, _, items = check_prompts((str(tmp_path / "prompts"),), GEN, IMAGE, "error")
+    assert files == [str(part / "part-00000.snappy.parquet")]
+    assert [i.prompt for i in items] == ["a", "b"]
+
+
 def test_bad_cell_types(write_prompts):
     p = write_prompts({"prompt": ["a"], "seed": ["lucky"]})
     with pytest.raises(PromptError, match="seed='lucky' must be an integer"):
