@@ -629,7 +629,7 @@ class PromptSource:
 
     def __post_init__(self):
         _choice("prompts.on_empty", self.on_empty, ("error", "skip"))
-        _positive("prompts.max_image_mib", self.max_image_bytes)
+        _positive("prompts.max_image_mib", self.max_image_bytes >> 20)   # the MiB given
         if not self.paths:
             raise ConfigError("prompts.path is empty: give a .parquet file, a directory or a list")
 

@@ -94,6 +94,7 @@ def test_free_form_inductor_options_pass_through():
     ("run.batch_size=0", "run.batch_size=0 must be > 0"),
     ("ray.cpu_workers=0", "ray.cpu_workers=0"),
     ("job.name=../x", "job.name"),
+    ("prompts.max_image_mib=-1", "prompts.max_image_mib=-1 must be > 0"),   # the MiB given, not bytes
 ])
 def test_split_validates_each_section(arg, needle):
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
