@@ -205,13 +205,28 @@ def _list_uri(p: str) -> list[str]:
 
 
 def _read_table(file: str) -> pa.Table:
+    src, fs = file, None
     try:
         if "://" in file:
             store = storage.resolve(file)
-            return pq.read_table(store.base, filesystem=store.fs)
-        return pq.read_table(file)
+            src, fs = store.base, store.fs
+        return pq.read_table(src, filesystem=fs)
     except Exception as e:
+        dup = _duplicate_columns(src, fs)     # read_table's own message names no fix
+        if dup:
+            raise PromptError(f"{file!r} has more than one column named {', '.join(dup)}: keep one "
+                              f"of each and write the file again (pandas: "
+                              f"df.loc[:, ~df.columns.duplicated()])") from e
         raise PromptError(f"cannot read Parquet file {file!r}: {e}") from e
+
+
+def _duplicate_columns(src: str, fs) -> list[str]:
+    """Column names that occur more than once in the file's schema ([] if it cannot be read)."""
+    try:
+        names = pq.read_schema(src, filesystem=fs).names
+    except Exception:
+        return []
+    return sorted({repr(n) for n in names if names.count(n) > 1})
 
 
 def sanitize_id(raw: str) -> str:

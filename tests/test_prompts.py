@@ -76,6 +76,21 @@ def test_unreadable_parquet(tmp_path):
         check(str(p))
 
 
+def test_duplicate_column_names_are_named_with_the_fix(tmp_path):
+    """A file with two `prompt` columns (pandas writes one after a careless concat): the error
+    names the column and how to drop the copy, not pyarrow's internal field list."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    p = str(tmp_path / "dup.parquet")
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"]), pa.array([1])],
+                                        names=["prompt", "prompt", "seed"]), p)
+    with pytest.raises(PromptError) as e:
+        check(p)
+    msg = str(e.value)
+    assert "more than one column named 'prompt'" in msg and "duplicated()" in msg, msg
+    assert "seed" not in msg and "__fragment_index" not in msg, msg
+
+
 def test_no_prompts(tmp_path, write_prompts):
     with pytest.raises(PromptError, match="does not exist"):
         check(str(tmp_path / "missing.parquet"))
