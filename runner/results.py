@@ -69,11 +69,6 @@ def lossy(mode) -> bool:
     return not compiler.parse_options(str(mode)).lossless
 
 
-def _has_flag(mode, flag: str) -> bool:
-    import compiler
-    return flag in compiler.parse_options(str(mode)).flags
-
-
 def int8_attention(mode, preset: str) -> bool:
     """Whether compile flag `int8-attention` is on and changes this model's outputs."""
     import compiler
@@ -88,7 +83,8 @@ def _output_settings(cfg: DictConfig) -> dict:
     # not apply to, eager-exact outputs) the id of modes with FP8 Linears (`low-precision`, O3):
     # a rerun would skip outputs made without them. Said only where it is off in a lossy mode, so
     # every other mode keeps its id.
-    if out["lossy"] and not _has_flag(cfg.compile.mode, "low-precision"):
+    import compiler
+    if out["lossy"] and not compiler.parse_options(str(cfg.compile.mode)).has("low_precision"):
         out["low_precision"] = False
     # INT8/FP8 attention changes a Wan video; absent where it does not apply, so directories made
     # before the flag existed (or of other families) keep their settings id
