@@ -102,7 +102,6 @@ def test_bad_compile_mode_with_a_step_cache_is_exit_2_naming_it(tmp_path):
     assert not (tmp_path / "demo_video").exists()
 
 
-
 def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp_path, monkeypatch):
     """The compiling worker (the key's claimant) fails in `compile_pipe`, before its warm-up call
     (an out-of-memory fusing the QKV weights on a full GPU): it still tells the broker it has

@@ -79,7 +79,6 @@ def test_unreadable_parquet(tmp_path):
 def test_duplicate_column_names_are_named_with_the_fix(tmp_path):
     """A file with two `prompt` columns (pandas writes one after a careless concat): the error
     names the column and how to drop the copy, not pyarrow's internal field list."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
     p = str(tmp_path / "dup.parquet")
     pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"]), pa.array([1])],
@@ -146,7 +145,7 @@ def test_a_directory_named_dot_parquet_is_read_once(tmp_path):
     """Spark's `df.write.parquet("out.parquet")` makes a directory of part files. Under prompts.path
     it matched "*.parquet" as if a file: read whole as a dataset, and its part files again, every
     prompt ran twice (under two ids) without a word."""
-    import pyarrow as pa, pyarrow.parquet as pq
+    import pyarrow.parquet as pq
     part = tmp_path / "prompts" / "out.parquet"
     part.mkdir(parents=True)
     pq.write_table(pa.table({"prompt": ["a", "b"]}), part / "part-00000.snappy.parquet")
