@@ -292,12 +292,14 @@ class Store:
         once the file is memory-mapped, before the upload starts: an upload on a stalled store
         outlives its call (`StoreTimeout` cannot cancel it), and its process may end meanwhile
         without cleaning up (a stopping job's workers are killed, `ray.kill`; a driver ends at
-        once, `job.EXIT_AT_ONCE`)."""
+        once, `job.EXIT_AT_ONCE`). A process killed while its writer writes leaves the directory:
+        it is named with the pid, and the next `atomic_local` on the machine removes those of
+        dead processes (`_upload_dir`)."""
         if self.local:
             with atomic_path(self.path(rel)) as tmp:
                 yield tmp
             return
-        d = tempfile.mkdtemp(prefix="runner-upload-")
+        d = _upload_dir()
         try:
             tmp = Path(d) / os.path.basename(rel)
             yield tmp
@@ -320,6 +322,31 @@ class Store:
             self._bounded("delete", rel, self.fs.delete_file, self.path(rel))
         except FileNotFoundError:
             pass
+
+
+UPLOAD_PREFIX = "runner-upload-"
+
+
+def _upload_dir() -> str:
+    """A new `runner-upload-<pid>-*` directory in the temp folder, after removing those whose
+    process is gone: one killed while its writer wrote (SIGKILL, `ray.kill`) cannot remove its own."""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            pid = name[len(UPLOAD_PREFIX):].split("-", 1)[0]
+            if name.startswith(UPLOAD_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{UPLOAD_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # another user's: alive
+        pass
+    return True
 
 
 @contextlib.contextmanager

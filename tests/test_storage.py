@@ -3,6 +3,7 @@ behaviour tests on both. No mock of the S3 client: pyarrow's S3 filesystem talks
 import io
 import os
 import pickle
+import shutil
 import socket
 import time
 import uuid
@@ -346,3 +347,31 @@ def test_the_lock_on_a_stalled_store_is_named_and_removed_once_it_answers(stalle
     assert len(warned) == 1 and store.uri(LOCK) in warned[0] and "did not answer within 2 s" in warned[0]
     stalled_s3.resume()                                 # the release went on in the background
     assert wait_for(lambda: not store.exists(LOCK), 60)
+
+
+def test_an_upload_directory_left_by_a_killed_writer_is_removed_by_the_next_upload(s3_bucket):
+    """A worker killed while its writer writes an object-store output (a stopping job's
+    `ray.kill`, a SIGKILLed driver's workers) leaves its `runner-upload-<pid>-*` directory; the
+    next upload on the machine removes it, not those of live processes."""
+    import subprocess
+    import sys
+    import tempfile
+    root = tempfile.gettempdir()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import os, tempfile, time; print(tempfile.mkdtemp("
+         "prefix=f'runner-upload-{os.getpid()}-'), flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    left = writer.stdout.readline().strip()
+    open(os.path.join(left, "o.mp4"), "wb").write(b"half")
+    live = tempfile.mkdtemp(prefix=f"runner-upload-{os.getppid()}-", dir=root)   # a live process's
+    writer.kill()
+    writer.wait()
+    try:
+        store = resolve(f"s3://{s3_bucket}/jobs/{uuid.uuid4().hex[:6]}")
+        with store.atomic_local("a.png") as tmp:
+            tmp.write_bytes(b"png")
+        assert store.read_bytes("a.png") == b"png"
+        assert not os.path.exists(left) and os.path.isdir(live)
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(left, ignore_errors=True)
