@@ -78,7 +78,7 @@ versions > "$Q/versions.txt" 2>&1
 if [ -z "${SKIP_SUITE:-}" ]; then
   echo "running since $(date +%T)" > "$Q/suite.state"
   t0=$SECONDS
-  timeout 1500 python3 -m pytest -m gpu -n auto --dist loadgroup -q -p no:cacheprovider \
+  timeout 1500 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
       --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
   echo "rc=$? in $((SECONDS - t0)) s" > "$Q/suite.state"
 fi
