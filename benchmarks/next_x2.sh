@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# next_x4.sh for a 2-GPU machine (nvidia-h100-x2: the largest kind lent on 2026-11-26), ~20 min in
-# the background, the GPUs never idle between phases:
-#   1. the whole gpu suite on the 2 GPUs (families_x4.sh's first phase: its wall time for README);
-#   2. GPU 0: the Latte O3 + reuse table, then TI2V-5B's image rows; GPU 1: the ready-time A/B
-#      against a9a589a (ready_ab.sh) of PixArt, then of Latte (issue 46's ready bound);
-#   3. scaling_x4.sh pixart at 1 and 2 workers, cold and warm (warm: 64 and 500 prompts): the warm
-#      worker ready time (issue 48's <= 15 s at PixArt's size) and the 2-worker warm span.
+# What issues 46 and 48 still need from a 2-GPU machine (nvidia-h100-x2), as foreground phases of
+# under 10 minutes, one device command each, every figure tarred into OUT/r.tgz (media left out):
+#   ab      GPU 0: the ready-time A/B against a9a589a (ready_ab.sh) of PixArt-α O3; GPU 1: of Latte
+#           (issue 46's ready bound; ~3-4 min each: two cold jobs)
+#   tables  GPU 0: TI2V-5B's image rows (families_x4.sh ti2v_img); GPU 1: the Latte O3 + reuse
+#           table again (issue 46's >= 0.27 videos/s, the ready A/B's machine)
+#   suite   the whole gpu suite on both GPUs (501 s on 2 H100s, 2026-11-26)
 # Here first: `git archive -o .ab/a9a589a.tgz a9a589a`; carry .devbundle, .whl and .ab. There:
-#   source .devbundle/install.sh && setsid nohup bash benchmarks/next_x2.sh /tmp/n >/dev/null 2>&1 &
-#   cat /tmp/n/phase; bash benchmarks/families_x4.sh /tmp/n/fam status     # where it stands
-# Stop: touch /tmp/n/stop (no further phase); then the anchored pkills of families_x4.sh.
+#   source .devbundle/install.sh && bash benchmarks/next_x2.sh ab $OUT
+# Why not one background script, as next_x4.sh was: it lives only while the machine stays held,
+# and on 2026-11-26 the machine was handed back twice between polling calls, the runs lost with
+# their logs; a foreground command writes what it has into $OUT even when its limit ends it.
 set -u
-Q=${1:?usage: next_x2.sh DIR}
-mkdir -p "$Q"
-phase() { echo "$1 since $(date +%T)" > "$Q/phase"; [ ! -e "$Q/stop" ]; }
-phase "1 gpu suite" && TABLES=" " GPUS=" " bash benchmarks/families_x4.sh "$Q/fam"
-phase "2 tables and ready A/B" && {
-  SKIP_SUITE=1 TABLES="latte ti2v_img" GPUS=0 bash benchmarks/families_x4.sh "$Q/fam" &
-  GPU=1 JOBS="pixart_batch latte_batch" bash benchmarks/ready_ab.sh "$Q/ready" > "$Q/ready.log" 2>&1 &
-  wait
-}
-phase "3 scaling pixart" && PIXART_WORKERS=1,2 PIXART_WARM=64,500 \
-  timeout 590 bash benchmarks/scaling_x4.sh pixart "$Q/scaling" > "$Q/scaling-pixart.log" 2>&1
-echo "done at $(date +%T)" > "$Q/phase"
+phase=${1:?usage: next_x2.sh ab|tables|suite OUT}; OUT=${2:?usage: next_x2.sh PHASE OUT}
+Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
+pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
+             "next-$phase"; }
+trap pack EXIT   # also when the device's limit (timeout) ends the command
+case $phase in
+  ab)
+    GPU=0 JOBS=pixart_batch timeout 560 bash benchmarks/ready_ab.sh "$Q/pixart" > "$Q/pixart.log" 2>&1 &
+    GPU=1 JOBS=latte_batch timeout 560 bash benchmarks/ready_ab.sh "$Q/latte" > "$Q/latte.log" 2>&1 &
+    wait; cat "$Q"/*/ready.tsv ;;
+  tables)   # the image rows' peer-free job needs no ftfy; installed once here all the same, so the
+            # two lanes' own once-only install cannot race
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 560 bash benchmarks/families_x4.sh "$Q" &
+    SKIP_SUITE=1 TABLES=latte GPUS=1 timeout 560 bash benchmarks/families_x4.sh "$Q" &
+    wait; bash benchmarks/families_x4.sh "$Q" status ;;
+  suite)
+    timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
+        --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
+    tail -3 "$Q/suite.log" ;;
+  *) echo "next_x2.sh: unknown phase '$phase' (ab, tables or suite)" >&2; exit 2 ;;
+esac

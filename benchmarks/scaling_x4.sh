@@ -22,7 +22,7 @@
 #           + 4 cold ~106 s (55 + 256/6 + ramp) + 4 warm 1,000 ~192 s (20 + 1000/6) ≈ 480 s
 #   wan:    1+2 cold ~136 s (85 + 8 x 5.1 + ramp) + 1+2 warm ~87 s + 4 cold ~136 s
 #           + 4 warm ~87 s ≈ 460 s
-# Each bench is limited to 590 s (timeout); what finished is kept (the bench writes scaling.json
+# Each bench is limited to 560 s (timeout: room for the copies in one 600 s device command); what finished is kept (the bench writes scaling.json
 # after every group). Sizes: PIXART_PER_WORKER, PIXART_WARM (warm prompts per worker count),
 # WAN_PER_WORKER; 8 GPUs: PIXART_WORKERS=1+2+4,8 PIXART_WARM=64,128,256,2000 (and WAN_WORKERS).
 # Every figure is in OUTDIR/<pixart|wan>/scaling.json, one row per run (cache cold|warm):
@@ -54,7 +54,7 @@ EOF
 
 t0=$SECONDS
 if [ "$phase" = pixart ] || [ "$phase" = all ]; then
-  timeout 590 python3 -m runner.bench.scaling job=pixart_batch workers=${PIXART_WORKERS:-1+2,4} \
+  timeout 560 python3 -m runner.bench.scaling job=pixart_batch workers=${PIXART_WORKERS:-1+2,4} \
       prompts_per_worker=${PIXART_PER_WORKER:-64} cache=both warm_prompts=${PIXART_WARM:-64,128,1000} \
       model.source=random compile.mode=O3 run.shard_size=4 out=/tmp/scaling-pixart \
       > "$out/pixart.log" 2>&1
@@ -64,7 +64,7 @@ if [ "$phase" = pixart ] || [ "$phase" = all ]; then
 fi
 t1=$SECONDS
 if [ "$phase" = wan ] || [ "$phase" = all ]; then
-  timeout 590 python3 -m runner.bench.scaling job=wan_batch workers=${WAN_WORKERS:-1+2,4} \
+  timeout 560 python3 -m runner.bench.scaling job=wan_batch workers=${WAN_WORKERS:-1+2,4} \
       prompts_per_worker=${WAN_PER_WORKER:-8} cache=both model.source=random compile.mode=O3 \
       generation.num_frames=33 generation.num_inference_steps=20 step_cache.method=residual \
       step_cache.compute_ratio=0.75 step_cache.first_blocks=1 run.shard_size=1 \
