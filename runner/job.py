@@ -275,6 +275,7 @@ def run(argv: list[str], start_pool: StartPool | None = None,
 def check_input(job: dict) -> Checked:
     limits = constraints(job["model"])
     step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
+    check_warmup(job, limits)
     p = job["prompts"]
     files, raw_rows, items = check_prompts(p.paths, job["generation"], limits, p.on_empty, p.strict,
                                            p.max_image_bytes)
@@ -283,6 +284,21 @@ def check_input(job: dict) -> Checked:
     if skipped:
         log.warning("%d rows with an empty prompt skipped (prompts.on_empty=skip)", skipped)
     return Checked(limits, files, items, skipped)
+
+
+def check_warmup(job: dict, limits: Constraints) -> None:
+    """The workers' warm-up call (`Worker._warmup_call`: `run.warmup_steps`, at least the model's
+    minimum, lengthened by step reuse to reach a reused step) within the steps the model runs:
+    past them it would fail after every worker loaded and compiled the model."""
+    run = job["run"]
+    if not run.warmup_steps or limits.max_steps is None:
+        return
+    steps = step_cache.warmup_steps(job["step_cache"], max(run.warmup_steps, limits.min_steps))
+    if steps > limits.max_steps:
+        raise ConfigError(f"run.warmup_steps={run.warmup_steps}: the warm-up call would run {steps} "
+                          f"steps, more than this model runs (at most {limits.max_steps}: "
+                          f"docs/models.md, \"Step limits\"); set run.warmup_steps <= "
+                          f"{limits.max_steps}")
 
 
 def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
@@ -913,7 +929,8 @@ def constraints(model) -> Constraints:
         raise JobError(str(e)) from e
     fam = model.family
     return Constraints(size_factor=model.info["size_factor"], video_length=video_length(model),
-                       frame_step=fam.frame_step, min_steps=fam.min_steps, image=fam.image)
+                       frame_step=fam.frame_step, min_steps=fam.min_steps,
+                       max_steps=fam.max_steps, image=fam.image)
 
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:

@@ -18,7 +18,8 @@ Contract:
   UTF-8, decoded strictly (a row that is not valid UTF-8 is an error naming it): never
   stringified, which would give `b'...'` names. Numbers must be finite: NaN or infinity in any
   cell is an error (a null cell is what takes the default); `guidance_scale` must be >= 0;
-  integers must fit int64 (< 2**63: the results table's columns).
+  integers must fit int64 (< 2**63: the results table's columns). `num_inference_steps` must be
+  within what the model's pipeline runs (`Constraints.min_steps`, `max_steps`: `Family`'s).
 - A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another.
@@ -64,6 +65,7 @@ class Constraints:
     video_length: int | None = None  # video models: the only valid num_frames (Latte)
     frame_step: int | None = None    # video models: num_frames = k * frame_step + 1 (Wan)
     min_steps: int = 1
+    max_steps: int | None = None     # the most steps its pipeline runs (`Family.max_steps`)
     image: str | None = None         # image-to-video: "required" | "optional" (`Family.image`)
 
     @property
@@ -397,6 +399,8 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
                              if f & (f - 1) == 0 else pc.equal(pc.subtract(ints[k], pc.multiply(
                                  pc.divide(ints[k], f), f)), 0))) for k in ("height", "width")]
         ok.append(pc.all(pc.greater_equal(ints["num_inference_steps"], limits.min_steps)))
+        if limits.max_steps is not None:
+            ok.append(pc.all(pc.less_equal(ints["num_inference_steps"], limits.max_steps)))
         ok.append(pc.all(pc.greater_equal(ints["seed"], 0)))
         if limits.video:
             ok.append(pc.all(pc.greater(ints["num_frames"], 0)))
@@ -501,6 +505,11 @@ def _check_item(item: Item, limits: Constraints) -> None:
     if item.num_inference_steps < limits.min_steps:
         raise PromptError(f"{where}: num_inference_steps={item.num_inference_steps} must be >= "
                           f"{limits.min_steps} for this model")
+    if limits.max_steps is not None and item.num_inference_steps > limits.max_steps:
+        # the id too: a row past the bound is a typo, looked up by its id
+        raise PromptError(f"{where} (id {item.id!r}): num_inference_steps={item.num_inference_steps} "
+                          f"must be <= {limits.max_steps} for this model (its scheduler's limit: "
+                          f"docs/models.md, \"Step limits\")")
     if not 0 <= item.seed < 2**63:
         raise PromptError(f"{where}: seed={item.seed} must be in [0, 2**63)")
     for k in ("height", "width", "num_frames", "num_inference_steps"):

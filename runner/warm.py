@@ -16,7 +16,7 @@ import sys
 
 from . import step_cache
 from .config import ConfigError, load_config, split
-from .job import JobError, constraints, worker_config
+from .job import JobError, check_warmup, constraints, worker_config
 from .prompts import PromptError
 
 
@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
         job = split(load_config(argv))
         limits = constraints(job["model"])
         step_cache.prepare(job)
+        check_warmup(job, limits)
         if not job["compile"].options.has("cache"):
             raise ConfigError(f"compile.mode={job['compile'].mode!r} does not keep a "
                               f"cache: use a mode with cache-all (or O2 / O3)")

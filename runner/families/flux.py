@@ -26,7 +26,7 @@ defaults (diffusers' FLUX docs run FLUX.1-dev at 3.5 with 50 steps in their exam
 
 from __future__ import annotations
 
-from .parts import PUBLISHED, clip_tokenizer, scheduler, t5_encoder
+from .parts import PUBLISHED, clip_tokenizer, scheduler, t5_encoder, train_timesteps
 from .record import Family
 
 TRANSFORMER = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19,
@@ -101,4 +101,4 @@ FLUX1_DEV = Family(
     step_reuse=("residual",), step_blocks=("transformer_blocks", "single_transformer_blocks"),
     step_outputs=("encoder_hidden_states", "hidden_states"),
     stack_depth=lambda cfg: cfg["num_layers"] + cfg["num_single_layers"],
-    negative_prompt=False, tokenizer="tokenizer_2")
+    negative_prompt=False, tokenizer="tokenizer_2", max_steps=train_timesteps(SCHEDULER))

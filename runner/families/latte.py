@@ -7,7 +7,7 @@ share their token count (`trim_text`, see `runner.text`).
 
 from __future__ import annotations
 
-from .parts import PUBLISHED, scheduler, sd_vae, t5_encoder, tokens
+from .parts import PUBLISHED, ddim_leading, scheduler, sd_vae, t5_encoder, tokens
 from .record import Family
 
 TINY_VIDEO_LENGTH = 4   # frames the tiny Latte is built with (the published model has 16)
@@ -55,6 +55,7 @@ LATTE = Family(
                             height=512, width=512, transformer="latte1_transformer", vae="sd_vae")},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     exact_frames=lambda cfg: cfg.get("video_length", 16), trim_text=True,
+    max_steps=ddim_leading(PUBLISHED["latte1_scheduler"]),   # 1000: DDIM raises past it
     # Latte's transformer is a diffusers CacheMixin and runs the cond/uncond batch in one call
     step_reuse=("residual", "fastercache", "pab"), residual_forward=residual_forward)
 

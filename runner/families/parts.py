@@ -79,3 +79,50 @@ def tokens(pipe, prompts: list[str], max_tokens: int):
     """The tokenizer's ids and attention mask, padded to `max_tokens` (what the pipelines do)."""
     return pipe.tokenizer(prompts, padding="max_length", max_length=max_tokens, truncation=True,
                           return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
+
+
+# The most denoising steps a family's pipeline runs with its scheduler (`Family.max_steps`): a row
+# asking for more fails on the worker, after the model loaded and compiled, or, worse, makes NaN
+# outputs. From the scheduler config the random and tiny builds use (the hub checkpoints' own);
+# tests/test_models.py runs every family's pipeline at its bound and one step past it.
+
+def train_timesteps(config: dict) -> int:
+    """Schedulers that would run more steps than the model has training timesteps (UniPC in
+    WanPipeline, which sets the begin index; FLUX's FlowMatchEuler): held to
+    `num_train_timesteps`. Past it Wan's integer timesteps repeat, and a row asking for more is a
+    typo costing hours of GPU time, not a setting."""
+    return config["num_train_timesteps"]
+
+
+def ddim_leading(config: dict) -> int:
+    """DDIM (Latte-1, SD 2.1) raises in `set_timesteps` past `num_train_timesteps` (T). With
+    "leading" spacing n steps sample timesteps k * (T // n) + steps_offset, so with steps_offset 1
+    (SD 2.1) T steps reach timestep T, one past the table (an IndexError at the first step):
+    T - steps_offset steps stay inside it."""
+    return config["num_train_timesteps"] - config.get("steps_offset", 0)
+
+
+def dpm_solver_linspace(config: dict) -> int:
+    """DPM-Solver++ (PixArt) with "linspace" spacing: n + 1 points from 0 to T - 1 rounded to
+    integers repeat one once n >= T; the repeated timestep's step has length 0, which the
+    second-order update divides by: NaN outputs, no error. T - 1 steps keep them distinct."""
+    return config["num_train_timesteps"] - 1
+
+
+def unipc_flow_first_step(config: dict) -> int:
+    """UniPC with flow sigmas in a pipeline that does not set the scheduler's begin index
+    (diffusers' WanImageToVideoPipeline: Wan 2.1 I2V, TI2V-5B's image rows): the first step looks
+    its timestep up in the schedule and takes the second of two equal ones, so once the shift
+    squeezes the first two sigmas into one integer timestep (shift 3.0: from 334 steps; 5.0: from
+    201) the call runs one step short and fails at its end (`assert self.this_order > 0`). The
+    most steps whose first two timesteps differ, as `set_timesteps` computes them (sigma 1 less
+    1e-6 for the first; integer timesteps truncated)."""
+    t, shift = config["num_train_timesteps"], config["flow_shift"]
+
+    def second(n: int) -> int:     # the second timestep of an n-step schedule
+        s = 1 - (1 - 1 / t) / n    # np.linspace(1, 1 / t, n + 1)[1]
+        return int(shift * s / (1 + (shift - 1) * s) * t)
+
+    first = int((1 - 1e-6) * t)
+    # `second` grows with n: the bound is one below the first n whose two timesteps meet
+    return next((n - 1 for n in range(2, t + 1) if second(n) >= first), t)

@@ -4,7 +4,7 @@ of 28 blocks; DPM-Solver++ (its 1-step branch fails in these pipelines: at least
 
 from __future__ import annotations
 
-from .parts import PUBLISHED, scheduler, sd_vae, t5_encoder
+from .parts import PUBLISHED, dpm_solver_linspace, scheduler, sd_vae, t5_encoder
 from .record import Family
 
 
@@ -46,6 +46,9 @@ def _preset(hub_id: str, size: int, transformer: str, vae: str, max_tokens: int)
                 transformer=transformer, vae=vae)
 
 
+# DPM-Solver++ over linspace timesteps: 999 (1000 steps repeat one: NaN images)
+MAX_STEPS = dpm_solver_linspace(PUBLISHED["pixart_scheduler"])
+
 ALPHA = Family(
     name="pixart_alpha", kind="image", pipeline="PixArtAlphaPipeline",
     presets={"pixart_alpha_1024": _preset("PixArt-alpha/PixArt-XL-2-1024-MS", 1024,
@@ -53,7 +56,7 @@ ALPHA = Family(
              "pixart_alpha_512": _preset("PixArt-alpha/PixArt-XL-2-512x512", 512,
                                          "pixart_alpha_512", "sd_vae", 120)},
     build=_builder("PixArtAlphaPipeline"), encode=encode, call_args=call_args,
-    denoiser_config=denoiser_config, min_steps=2, step_reuse=("residual",),
+    denoiser_config=denoiser_config, min_steps=2, max_steps=MAX_STEPS, step_reuse=("residual",),
     step_blocks="transformer_blocks")
 
 SIGMA = Family(
@@ -61,5 +64,5 @@ SIGMA = Family(
     presets={"pixart_sigma_1024": _preset("PixArt-alpha/PixArt-Sigma-XL-2-1024-MS", 1024,
                                           "pixart_sigma_1024", "sdxl_vae", 300)},
     build=_builder("PixArtSigmaPipeline"), encode=encode, call_args=call_args,
-    denoiser_config=denoiser_config, min_steps=2, step_reuse=("residual",),
+    denoiser_config=denoiser_config, min_steps=2, max_steps=MAX_STEPS, step_reuse=("residual",),
     step_blocks="transformer_blocks")

@@ -48,6 +48,10 @@ class Family:
     # video: frame counts k * frame_step + 1 only (a VAE that compresses time by frame_step)
     frame_step: int | None = None
     min_steps: int = 1              # fewer steps fail in the pipeline (PixArt's DPM-Solver)
+    # the most steps its pipeline runs with the scheduler of its random and tiny builds (the hub
+    # checkpoint's own): computed from that scheduler config by a `parts` function that says why
+    # (`parts.train_timesteps`, ...); a row asking for more is refused before any model is built
+    max_steps: int | None = None
     # text embeddings trimmed to the prompt's token count (Latte's mask_feature): batch-mates must
     # share it (`runner.text`)
     trim_text: bool = False

@@ -5,7 +5,7 @@ checked downstream, and the checkpoint ships none).
 
 from __future__ import annotations
 
-from .parts import PUBLISHED, clip_tokenizer, scheduler, sd_vae
+from .parts import PUBLISHED, clip_tokenizer, ddim_leading, scheduler, sd_vae
 from .record import Family
 
 
@@ -49,4 +49,5 @@ SD21 = Family(
     presets={"sd21": dict(hub_id="stabilityai/stable-diffusion-2-1", size_factor=8, max_tokens=77,
                           height=768, width=768, unet="sd21_unet", vae="sd21_vae")},
     build=build, encode=encode,
+    max_steps=ddim_leading(PUBLISHED["sd21_scheduler"]),   # 999: steps_offset 1
     load_kwargs=dict(safety_checker=None, requires_safety_checker=False))

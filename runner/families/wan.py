@@ -10,7 +10,7 @@ the VAE's are `AutoencoderKLWan`'s defaults).
 
 from __future__ import annotations
 
-from .parts import scheduler, t5_encoder
+from .parts import scheduler, t5_encoder, train_timesteps
 from .record import Family
 
 _TRANSFORMER = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16,
@@ -74,4 +74,4 @@ WAN21 = Family(
     presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B")},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    video_vae=vae)
+    max_steps=train_timesteps(SCHEDULER), video_vae=vae)

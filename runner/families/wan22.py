@@ -28,12 +28,14 @@ guidance 5.0) are the model cards' examples.
 
 from __future__ import annotations
 
-from .parts import scheduler, t5_encoder
+from .parts import scheduler, t5_encoder, train_timesteps, unipc_flow_first_step
 from .record import Family
 from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode, vae as wan21_vae
 
 BOUNDARY_RATIO = 0.875      # A14B: transformer for t >= 875, transformer_2 below
 GUIDANCE_2 = 3.0            # A14B: the low-noise expert's guidance scale (the row's is the first's)
+A14B_SCHEDULER = dict(SCHEDULER, flow_shift=3.0)
+TI2V_SCHEDULER = dict(SCHEDULER, flow_shift=5.0)
 
 TI2V_TRANSFORMER = dict(TRANSFORMERS["14b"], num_attention_heads=24, ffn_dim=14336, num_layers=30,
                         in_channels=48, out_channels=48)
@@ -70,18 +72,18 @@ def ti2v_vae(tiny: bool):
                                               if tiny else {})})
 
 
-def _parts(preset: dict, tiny: bool, shift: float):
+def _parts(preset: dict, tiny: bool, scheduler_config: dict):
     from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
     tok, te = t5_encoder(preset["max_tokens"], tiny, UMT5_XXL, UMT5Config, UMT5EncoderModel)
     cfg = denoiser_config(preset, tiny)
     return dict(tokenizer=tok, text_encoder=te, transformer=WanTransformer3DModel.from_config(cfg),
-                scheduler=scheduler(UniPCMultistepScheduler, dict(SCHEDULER, flow_shift=shift))), cfg
+                scheduler=scheduler(UniPCMultistepScheduler, scheduler_config)), cfg
 
 
 def build_a14b(preset: dict, tiny: bool):
     from diffusers import WanPipeline, WanTransformer3DModel
-    parts, cfg = _parts(preset, tiny, 3.0)
+    parts, cfg = _parts(preset, tiny, A14B_SCHEDULER)
     # the low-noise expert: the same architecture, its own weights
     return WanPipeline(**parts, vae=wan21_vae(tiny), boundary_ratio=BOUNDARY_RATIO,
                        transformer_2=WanTransformer3DModel.from_config(cfg))
@@ -89,7 +91,7 @@ def build_a14b(preset: dict, tiny: bool):
 
 def build_ti2v(preset: dict, tiny: bool):
     from diffusers import WanPipeline
-    parts, _ = _parts(preset, tiny, 5.0)
+    parts, _ = _parts(preset, tiny, TI2V_SCHEDULER)
     return WanPipeline(**parts, vae=ti2v_vae(tiny), expand_timesteps=True)
 
 
@@ -130,7 +132,7 @@ WAN22_A14B = Family(
              "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0)},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    video_vae=wan21_vae)
+    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae)
 
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
@@ -139,4 +141,7 @@ WAN22_TI2V = Family(
                                    gpu_gib=38.0)},
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
-    long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae)
+    long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae,
+    # 200: its image rows' WanImageToVideoPipeline at shift 5.0 (text rows would run 1000); one
+    # bound for every row, whose image is only known once the prompts are read
+    max_steps=unipc_flow_first_step(TI2V_SCHEDULER))

@@ -25,7 +25,7 @@ diffusers Wan docs' I2V example (guidance 5.0, 81 frames, fps 16) and the model 
 
 from __future__ import annotations
 
-from .parts import scheduler, t5_encoder
+from .parts import scheduler, t5_encoder, unipc_flow_first_step
 from .record import Family
 from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args, vae as wan21_vae
 
@@ -96,4 +96,5 @@ WAN21_I2V = Family(
              "wan21_i2v_14b_720p": _preset("720P", 720, 1280, 60.0)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
-    long_attention=True, image="required", video_vae=wan21_vae)
+    long_attention=True, image="required", video_vae=wan21_vae,
+    max_steps=unipc_flow_first_step(SCHEDULER))   # 333 (WanImageToVideoPipeline, shift 3.0)
