@@ -151,7 +151,8 @@ class GenerationDefaults:
     height: int = key(1024, "per-row default: pixels, a multiple of the model's factor")
     width: int = key(1024, "per-row default: pixels, a multiple of the model's factor")
     num_frames: int = key(16, "per-row default, video models: must equal the model's video_length")
-    num_inference_steps: int = key(20, "per-row default: denoising steps")
+    num_inference_steps: int = key(20, "per-row default: denoising steps, at most the model's "
+                                       "limit (docs/models.md, Step limits)")
     guidance_scale: float = key(4.5, "per-row default: classifier-free guidance scale")
     negative_prompt: str = key("", "per-row default: negative prompt")
 
@@ -173,7 +174,8 @@ CANARY_BATCHES = 200   # run.canary_every_items=null: a canary batch per this ma
 class RunOptions:
     batch_size: int = key(1, "rows of one shard with the same shape are batched up to this")
     shard_size: int = key(8, "rows per shard (the unit a worker takes from the queue)")
-    warmup_steps: int = key(2, "denoising steps of the warm-up call after load/compile")
+    warmup_steps: int = key(2, "denoising steps of the warm-up call after load/compile (at most "
+                               "the model's step limit)")
     max_shard_retries: int = key(2, "a row whose shard keeps raising in the worker is recorded "
                                     "failed after this many retries")
     max_row_deaths: int = key(2, "a row in flight at this many worker deaths is recorded failed "

@@ -51,6 +51,100 @@ def test_tiny_weights_identical_across_builds():
         assert torch.equal(p, q), n
 
 
+# ---------------------------------------------------------------------------------------------
+# Step limits (`Family.max_steps`, `min_steps`): each family's pipeline, called as the worker calls
+# it, at its bound and one step past it, so the bound cannot drift from diffusers. What one step
+# past does (diffusers 0.42): "nan" (no error, NaN outputs), the exception, or None where the
+# pipeline would run on and the bound is the training timesteps (`parts.train_timesteps`).
+PAST_THE_BOUND = {"pixart_alpha_512": "nan", "pixart_sigma_1024": "nan", "sd21": IndexError,
+                  "latte1": ValueError, "wan21_i2v_14b_480p": AssertionError,
+                  "wan22_ti2v_5b": AssertionError,        # its image rows' pipeline
+                  "wan21_t2v_1_3b": None, "wan22_t2v_a14b": None, "flux1_dev": None}
+
+
+def cheap_denoiser(den) -> None:
+    """`den` computes once per input shape and returns that output on every later call: a
+    thousand steps in a second, through the pipeline's own scheduler calls (set_timesteps, begin
+    index, step), which are what the limits are about."""
+    real, kept = den.forward, {}
+
+    def forward(*args, **kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        if x.shape not in kept:
+            kept[x.shape] = real(*args, **kwargs)
+        out = kept[x.shape]
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out
+    den.forward = forward
+
+
+def test_every_family_has_its_step_bound_measured():
+    from runner.families import FAMILIES
+    assert {PRESETS[p].name for p in PAST_THE_BOUND} == set(FAMILIES)
+    assert all(f.max_steps for f in FAMILIES.values())
+
+
+@pytest.mark.parametrize("preset", sorted(PAST_THE_BOUND))
+def test_a_family_runs_its_max_steps_and_fails_one_past(preset):
+    spec = ModelSpec(preset, source="tiny")
+    fam, pipe = spec.family, build_pipeline(spec)
+    for name in ("transformer", "transformer_2", "unet"):
+        if getattr(pipe, name, None) is not None:
+            cheap_denoiser(getattr(pipe, name))
+    image = placeholder(64, 64) if fam.image else None    # TI2V: an image row, the stricter path
+
+    def run(steps):
+        return generate(pipe, fam, [item(0, frames=frames_of(spec), num_inference_steps=steps)],
+                        "cpu", image=image)
+    assert np.isfinite(run(fam.max_steps)).all()
+    past = PAST_THE_BOUND[preset]
+    if past is None:
+        assert fam.max_steps == pipe.scheduler.config.num_train_timesteps
+    elif past == "nan":
+        assert not np.isfinite(run(fam.max_steps + 1)).any()
+    else:
+        with pytest.raises(past):
+            run(fam.max_steps + 1)
+    assert np.isfinite(run(fam.min_steps)).all()
+    if fam.min_steps > 1:                                 # PixArt's DPM-Solver: not 1 step
+        with pytest.raises(IndexError):
+            run(fam.min_steps - 1)
+
+
+REUSE_AT_MIN_STEPS = [(p, m) for p in sorted(PAST_THE_BOUND)
+                      for m in PRESETS[p].step_reuse + (("cfg_reuse",) if PRESETS[p].cfg_calls else ())]
+
+
+@pytest.mark.parametrize("preset, method", REUSE_AT_MIN_STEPS)
+def test_step_reuse_runs_at_the_fewest_steps(preset, method):
+    """A plan over `min_steps` steps (1, PixArt-α 2) has no step to reuse; the call still runs."""
+    from runner import step_cache
+    from runner.config import StepCacheSection
+    spec = ModelSpec(preset, source="tiny")
+    fam, pipe = spec.family, build_pipeline(spec)
+    sc = StepCacheSection(method="residual", cfg_reuse="fastercache") if method == "cfg_reuse" \
+        else StepCacheSection(method=method)
+    step_cache.apply(pipe, sc, fam)
+    image = placeholder(64, 64) if fam.image == "required" else None
+    out = generate(pipe, fam, [item(0, frames=frames_of(spec), num_inference_steps=fam.min_steps)],
+                   "cpu", image=image)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("shift", [1.0, 2.0, 3.0, 5.0, 7.0, 12.0])
+def test_the_first_step_bound_of_unipc_is_where_set_timesteps_repeats_its_first_timestep(shift):
+    """`parts.unipc_flow_first_step` for other shifts a checkpoint may carry: the first two
+    timesteps of the real scheduler differ at the bound and meet one step past it."""
+    from diffusers import UniPCMultistepScheduler
+    from runner.families.parts import unipc_flow_first_step
+    from runner.families.wan import SCHEDULER
+    cfg = dict(SCHEDULER, flow_shift=shift)
+    n, s = unipc_flow_first_step(cfg), UniPCMultistepScheduler.from_config(cfg)
+    s.set_timesteps(n)
+    assert s.timesteps[0] != s.timesteps[1]
+    s.set_timesteps(n + 1)
+    assert s.timesteps[0] == s.timesteps[1]
+
+
 @pytest.mark.parametrize("preset", ["latte1", "pixart_sigma_1024", "sd21", "wan21_t2v_1_3b",
                                     "wan22_t2v_a14b", "flux1_dev"])
 def test_pretrained_roundtrip_from_local_directory(tmp_path, preset):

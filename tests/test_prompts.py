@@ -63,6 +63,29 @@ def test_steps_below_model_minimum(write_prompts):
         check(p, Constraints(size_factor=16, min_steps=2))
 
 
+def test_steps_above_model_maximum_name_the_row_its_id_and_the_bound(write_prompts, monkeypatch):
+    """Past `max_steps` the worker's pipeline fails (or makes NaN) after load and compile: refused
+    here, by the column-wise path and the row-by-row one alike; the bound itself passes."""
+    from runner import prompts
+    limits = Constraints(size_factor=16, max_steps=999)
+    p = write_prompts({"id": ["fox", "city", "sea"], "prompt": ["a", "b", "c"],
+                       "num_inference_steps": [20, 1000, 999]})
+    for fast in (True, False):
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(prompts, "_fast_items", lambda *a: None)
+            with pytest.raises(PromptError) as e:
+                check(p, limits)
+        assert str(e.value) == (f"{p}:1 (id 'city'): num_inference_steps=1000 must be <= 999 for "
+                                f"this model (its scheduler's limit: docs/models.md, \"Step limits\")")
+    ok = write_prompts({"prompt": ["a", "b"], "num_inference_steps": [999, None]}, "ok.parquet")
+    assert [i.num_inference_steps for i in check(ok, limits)[2]] == [999, GEN.num_inference_steps]
+    # the default past it is the key's error, not every row's
+    with pytest.raises(PromptError, match=r"^generation.num_inference_steps=1000 must be <= 999 for "
+                                          r"this model .*set generation.num_inference_steps"):
+        check(ok, limits, gen=dataclasses.replace(GEN, num_inference_steps=1000))
+
+
 def test_missing_prompt_column(write_prompts):
     p = write_prompts({"text": ["a"]})
     with pytest.raises(PromptError, match=r"no 'prompt' column \(columns: \['text'\]\)"):
@@ -309,7 +332,8 @@ def test_unknown_columns_warn_with_the_closest_name_or_fail_when_strict(write_pr
 
 
 @pytest.mark.parametrize("case", ["nan_guidance", "inf_guidance", "nan_seed_row", "binary_id_row",
-                                  "compute_steps_past_the_end", "strict_unknown_column"])
+                                  "compute_steps_past_the_end", "strict_unknown_column",
+                                  "steps_past_the_scheduler", "warmup_past_the_scheduler"])
 def test_hostile_inputs_exit_2_before_ray_naming_the_key_or_row(tmp_path, write_prompts, case):
     """The hostile evaluation's cases (issue 37, D1 and D4), on the real CLI, without a dry run:
     each is exit 2 with one error naming the key or file:row, before Ray starts."""
@@ -332,6 +356,13 @@ def test_hostile_inputs_exit_2_before_ray_naming_the_key_or_row(tmp_path, write_
         job = ["job=demo_video"]
         args = ["step_cache.method=residual", "step_cache.compute_steps=[0,2,9]"]
         needle = "step_cache.compute_steps=[0, 2, 9] names step 9, past the last step of"
+    elif case == "steps_past_the_scheduler":        # demo_image: PixArt-α, at most 999 steps
+        p = write_prompts({"id": ["fox", "city"], "prompt": ["a", "b"],
+                           "num_inference_steps": [20, 1000]})
+        args = [f"prompts.path={p}"]
+        needle = f"{p}:1 (id 'city'): num_inference_steps=1000 must be <= 999 for this model"
+    elif case == "warmup_past_the_scheduler":
+        args, needle = ["run.warmup_steps=1000"], "run.warmup_steps=1000: the warm-up call would run"
     else:
         p = write_prompts({"prompt": ["a"], "sed": [1]})
         args = [f"prompts.path={p}", "prompts.strict=true"]

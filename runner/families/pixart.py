@@ -1,5 +1,6 @@
 """PixArt-α and PixArt-Σ text-to-image: T5-XXL (120 tokens for α, 300 for Σ), an SD/SDXL VAE, a DiT
-of 28 blocks; DPM-Solver++ (its 1-step branch fails in these pipelines: at least 2 steps).
+of 28 blocks; DPM-Solver++ (PixArtAlphaPipeline's 1-step branch reads a second output DPM-Solver
+does not return: α takes at least 2 steps; PixArtSigmaPipeline has no such branch).
 """
 
 from __future__ import annotations
@@ -64,5 +65,5 @@ SIGMA = Family(
     presets={"pixart_sigma_1024": _preset("PixArt-alpha/PixArt-Sigma-XL-2-1024-MS", 1024,
                                           "pixart_sigma_1024", "sdxl_vae", 300)},
     build=_builder("PixArtSigmaPipeline"), encode=encode, call_args=call_args,
-    denoiser_config=denoiser_config, min_steps=2, max_steps=MAX_STEPS, step_reuse=("residual",),
+    denoiser_config=denoiser_config, max_steps=MAX_STEPS, step_reuse=("residual",),
     step_blocks="transformer_blocks")

@@ -47,7 +47,7 @@ class Family:
     exact_frames: Callable[[dict], int] | None = None
     # video: frame counts k * frame_step + 1 only (a VAE that compresses time by frame_step)
     frame_step: int | None = None
-    min_steps: int = 1              # fewer steps fail in the pipeline (PixArt's DPM-Solver)
+    min_steps: int = 1              # fewer steps fail in the pipeline (PixArt-α's 1-step branch)
     # the most steps its pipeline runs with the scheduler of its random and tiny builds (the hub
     # checkpoint's own): computed from that scheduler config by a `parts` function that says why
     # (`parts.train_timesteps`, ...); a row asking for more is refused before any model is built
