@@ -143,5 +143,5 @@ WAN22_TI2V = Family(
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
     long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae,
     # 200: its image rows' WanImageToVideoPipeline at shift 5.0 (text rows would run 1000); one
-    # bound for every row, whose image is only known once the prompts are read
+    # bound for all its rows, 4x the published 50, rather than a second one for text rows
     max_steps=unipc_flow_first_step(TI2V_SCHEDULER))
