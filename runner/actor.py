@@ -21,8 +21,8 @@ class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/w
         from .worker import Worker
         self.worker = Worker(rank, cfg, broker)
 
-    def warmup(self) -> dict:
-        return self.worker.warmup()
+    def warmup(self, asked_at: float | None = None) -> dict:
+        return self.worker.warmup(asked_at)
 
     def start_shard(self, seq: int, items: list[Item]) -> int:
         return self.worker.start_shard(seq, items)

@@ -15,6 +15,12 @@ Contract (used by `Worker.warmup` when the compile mode has `cache-all`):
   from the broker. `compile.cache_dir` may be a local path or an `s3://`/`gs://` URI (`<cache_dir>/<key>.artifact`, one get / one put
   through `runner.storage`); Inductor's and Triton's own working caches stay on a local disk
   (`local_dir`): the artifact carries everything a warm start needs.
+- A "fetch" worker waits for the claimant's artifact at most half the start-up time it has left
+  (`warm_from_shared_cache`'s `time_left_s`: what remains of `ray.worker_start_timeout_s`, after
+  which the driver gives a worker up), and then compiles itself in the other half: a claimant
+  that hangs or is very slow (never publishes, never says it failed) costs the job that one
+  worker, not all of them. Half is the even bet: the waiter gets a claimant's artifact if it
+  compiles in up to half that time, and can compile itself if compiling takes up to half.
 - Anything wrong (a timeout waiting for the compiling worker, a corrupt or mismatched artifact)
   is logged and the worker compiles itself: never a crash, never unverified code.
 """
@@ -93,24 +99,29 @@ class CacheBroker:
         self._event(key).set()
 
     async def fetch(self, key: str, timeout_s: float):
+        """(blob, digest) once the claimant published (blob None: it has nothing to share), or
+        None if it did not within `timeout_s`."""
         try:
             await asyncio.wait_for(self._event(key).wait(), timeout_s)
         except asyncio.TimeoutError:
-            return None, None
+            return None
         return self.blobs[key], self.digests[key]
 
 
-def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, wait_s: float) -> dict:
+def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, time_left_s: float) -> dict:
     """Before compiling: load a verified artifact if one exists for `key`. Returns the report;
     report["role"] == "compile" means this worker must `publish` after its warm-up call.
 
     Every worker first reads `cache_dir` itself: in a job whose cache a previous job filled, no
     worker waits for another (the workers' start-ups overlap whole). Only on a miss does a
-    "fetch" worker wait for the compiling one to publish through the broker. The claimant that
-    found the artifact in `cache_dir` publishes it at once, for workers that cannot read it."""
+    "fetch" worker wait for the compiling one to publish through the broker, for half of
+    `time_left_s` (the worker's start-up time left as this is called) at most: then it compiles
+    itself, in the other half. The claimant that found the artifact in `cache_dir` publishes it
+    at once, for workers that cannot read it."""
     import ray
     from compiler import cache as cc
 
+    t_call = time.perf_counter()
     report = {"cache_key": key, "cache_hit": False, "cache_source": None, "cache_wait_s": 0.0}
     role = ray.get(broker.claim.remote(key, rank)) if broker is not None else "compile"
     report["role"] = role
@@ -124,15 +135,23 @@ def warm_from_shared_cache(broker, key: str, rank: int, cache_dir: str, wait_s: 
         return report
     if role == "fetch":
         t0 = time.perf_counter()
-        blob, digest = ray.get(broker.fetch.remote(key, wait_s))
+        wait_s = max(0.0, time_left_s - (t0 - t_call)) / 2
+        got = ray.get(broker.fetch.remote(key, wait_s))
         report["cache_wait_s"] = time.perf_counter() - t0
-        if blob is None:
-            log.warning("no compile artifact for %s from the broker; compiling", key)
+        blob, digest = got or (None, None)
+        if got is None:      # why, for the worker's phase (the driver shows it) and its log
+            report["fallback"] = (f"the compiling worker's artifact did not come within "
+                                  f"{wait_s:.0f} s, half the start-up time left of "
+                                  f"ray.worker_start_timeout_s")
+        elif blob is None:
+            report["fallback"] = "the compiling worker failed: it had no artifact to share"
         elif hashlib.sha256(blob).hexdigest() != digest:
             log.warning("compile artifact for %s does not match the digest the broker recorded; "
                         "compiling", key)
         elif cc.unpack_and_load(blob, key):
             report.update(cache_hit=True, cache_source="broker")
+        if "fallback" in report:
+            log.warning("compile cache %s: %s; compiling it myself", key, report["fallback"])
     return report
 
 

@@ -229,7 +229,9 @@ class RayOptions:
     max_worker_restarts: int = key(3, "per worker: replacements started after deaths not pinned "
                                       "on a row (see run.max_row_deaths)")
     worker_start_timeout_s: float = key(900.0, "a worker not ready after this many seconds "
-                                               "(load + compile + warm-up) is given up")
+                                               "(load + compile + warm-up) is given up; one "
+                                               "waiting for another's compile artifact waits "
+                                               "half its time left, then compiles itself")
 
     def __post_init__(self):
         _positive("ray.max_worker_restarts", self.max_worker_restarts, allow_zero=True)
@@ -756,7 +758,8 @@ class WorkerConfig:
     step_cache: StepCacheSection = field(default_factory=StepCacheSection)
     num_threads: int | None = None   # CPU workers: torch threads (avoids oversubscribing cores)
     encode_batch: int = 8            # prompts per text-encoder call (the shard size: one shape)
-    cache_wait_s: float = 900.0      # longest wait for the compiling worker's artifact
+    start_timeout_s: float = 900.0   # ray.worker_start_timeout_s: a fetching worker waits for the
+                                     # compiling one's artifact half of what is left of it
     max_image_bytes: int = 64 << 20  # prompts.max_image_mib: the largest input image read
     canary: bool = False             # make a canary reference when ready (run.canary_*)
     canary_min_psnr_db: float = 40.0  # lossy modes' canary tolerance

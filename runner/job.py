@@ -847,7 +847,7 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool) -> WorkerConfig:
                         fps=job["output"].fps, compile=job["compile"],
                         step_cache=job["step_cache"], encode_batch=job["run"].shard_size,
                         num_threads=None if on_gpu else job["ray"].cpus_per_worker,
-                        cache_wait_s=job["ray"].worker_start_timeout_s,
+                        start_timeout_s=job["ray"].worker_start_timeout_s,
                         max_image_bytes=job["prompts"].max_image_bytes, canary=job["run"].canary,
                         canary_min_psnr_db=job["run"].canary_min_psnr_db)
 

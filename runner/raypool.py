@@ -7,7 +7,8 @@ Contract:
   there is no GPU or `model.device=cpu`), each a `runner.actor.WorkerActor` built from
   `worker_config(on_gpu)`, spread over nodes, never restarted by Ray itself (the dispatcher decides).
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
-- The Pool calls map one to one onto actor calls (`warmup`, `start_shard` + `finish_shard`,
+- The Pool calls map one to one onto actor calls (`warmup`, told when it was asked: the worker's
+  start-up deadline counts from then; `start_shard` + `finish_shard`,
   `canary`, `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
   `TaskError` (our code raised in the worker: its cause, `Type: message`) or `WorkerLost` (the
   actor or its node is gone: what it died of, `lost_cause`: its first line a cause that deaths
@@ -66,7 +67,7 @@ class RayPool:
 
     def start(self, rank: int) -> tuple[Any, Any]:
         actor = self.make_actor(rank)
-        ref = actor.warmup.remote()
+        ref = actor.warmup.remote(time.time())   # the start-up deadline counts from now
         self.warming[ref] = actor
         return actor, ref
 

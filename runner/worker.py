@@ -179,8 +179,10 @@ class WorkerContract(Protocol):
     implements it, and `runner.actor.WorkerActor` forwards it; tests/test_dispatch.py checks that
     the names and parameters of both match."""
 
-    def warmup(self) -> dict:
-        """Compile and warm up; the ready info (node, load and compile seconds, ...)."""
+    def warmup(self, asked_at: float | None = None) -> dict:
+        """Compile and warm up; the ready info (node, load and compile seconds, ...). `asked_at`:
+        when the driver started the worker (epoch seconds), from which it gives the worker
+        ray.worker_start_timeout_s to get here."""
 
     def start_shard(self, seq: int, items: list[Item]) -> int:
         """Queue shard `seq` (0, 1, 2, ... per worker) and return once its GPU work is done."""
@@ -266,12 +268,21 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
 
     # -- start-up ------------------------------------------------------------------------------
 
-    def warmup(self) -> dict:
+    def warmup(self, asked_at: float | None = None) -> dict:
         """Compile (if configured; from the shared cache when it has this model), then one short
         call at the default shape and batch size, so serving starts with compiled graphs."""
-        return self._gpu.submit(self._warmup).result()
+        return self._gpu.submit(self._warmup, asked_at).result()
 
-    def _warmup(self) -> dict:
+    def _start_time_left(self, asked_at: float | None) -> float:
+        """Seconds left of ray.worker_start_timeout_s before the driver gives this worker up: by
+        the driver's clock from `asked_at` (Ray's placing, the process's start and imports
+        counted), never more than by this process's own clock (a clock behind the driver's)."""
+        left = self.cfg.start_timeout_s - (time.perf_counter() - self.t_start)
+        if asked_at is not None:
+            left = min(left, self.cfg.start_timeout_s - (time.time() - asked_at))
+        return left
+
+    def _warmup(self, asked_at: float | None) -> dict:
         t0 = time.perf_counter()
         opts = self.cfg.compile
         cache, t_compile = None, t0
@@ -284,13 +295,15 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 key = cache_key(self.pipe, opts.options, self.cache_shapes())
                 self._phase("looking up the compile cache")
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
-                                               self.cfg.cache_wait_s)
+                                               self._start_time_left(asked_at))
+            miss = cache and (f"itself ({cache['fallback']})" if "fallback" in cache
+                              else "(compile cache miss)")
             self._phase("warming up from the compile cache" if cache and cache["cache_hit"] else
-                        "compiling and warming up" + (" (compile cache miss)" if cache else ""))
+                        "compiling and warming up" + (f" {miss}" if miss else ""))
             t_compile = time.perf_counter()
         else:
             self._phase("warming up")
-        try:   # from the claim on: a claimant that fails says so, or the others wait cache_wait_s
+        try:   # from the claim on: a claimant that fails says so, or the others wait half their time
             if opts.enabled:
                 compiler.compile_pipe(self.pipe, opts.options, fuse_qkv_projections=opts.fuse_qkv)
                 self._record_kernels(self.pipe._compile_report)

@@ -677,7 +677,7 @@ class HeldWorker:
     def __init__(self):
         self.released = threading.Event()
 
-    def warmup(self) -> dict:
+    def warmup(self, asked_at: float | None = None) -> dict:
         return {}
 
     def start_shard(self, seq: int, items) -> int:
