@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -106,7 +107,8 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
     """The compiling worker (the key's claimant) fails in `compile_pipe`, before its warm-up call
     (an out-of-memory fusing the QKV weights on a full GPU): it still tells the broker it has
     nothing to share, so the other workers compile at once. It told nobody: they waited out
-    `cache_wait_s` (ray.worker_start_timeout_s, 900 s) and were given up as not ready."""
+    their wait for its artifact (then ray.worker_start_timeout_s, 900 s; now half their time
+    left) and were given up as not ready."""
     import time
     import ray
     import torch
@@ -135,3 +137,48 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
         assert (blob, digest) == (None, None) and time.monotonic() - t0 < 30
     finally:
         ray.shutdown()
+
+
+def test_waiters_compile_themselves_when_the_claimant_hangs(tmp_path, s3_bucket, monkeypatch):
+    """The compiling worker (the key's claimant) hangs before its warm-up call (a wedged GPU, a
+    compile that never ends): it never publishes and never says it failed. The other worker waits
+    for its artifact half the start-up time it has left (of ray.worker_start_timeout_s), then
+    compiles itself in the other half and makes every output; the hung one is given up (killed
+    when the job ends, or as not ready). Before, the waiter waited ray.worker_start_timeout_s
+    itself from after its model load: the driver gave both up before its wait could end, and the
+    job failed with every worker gone (exit 2)."""
+    import pyarrow.parquet as pq
+    from conftest import compile_cache
+    from runner import warm
+    common = ["job=demo_image", "compile.mode=cache-all", "generation.num_inference_steps=2",
+              "run.batch_size=1", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
+    # Inductor's working cache (the node-local side of a URI cache_dir: the session's) filled
+    # first, here, with the artifact kept apart from the job's: the job's artifact store is
+    # empty (a miss: a claim and a wait), and the waiter's own compile takes ~1 s, not a cold
+    # compile's 15-20 s on a busy 2-core box, which would race the timeout.
+    monkeypatch.setenv("RUNNER_LOCAL_COMPILE_CACHE", compile_cache())
+    assert warm.main([*common, f"output.dir={tmp_path}", f"compile.cache_dir=s3://{s3_bucket}/warm"]) == 0
+    # The waiter's share: (40 s - its start and load, ~16 s on a busy 2-core box) / 2 ~ 12 s.
+    timeout_s = 40
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "runner", *common, f"output.dir={out}", "job.name=h",
+         f"compile.cache_dir=s3://{s3_bucket}/cc", f"ray.worker_start_timeout_s={timeout_s}",
+         "ray.max_worker_restarts=0"], cwd=ROOT,
+        # slow_warmup: the job's first worker to reach its warm-up call (the claimant: the other
+        # blocks on the broker before its own) sleeps there far past the timeout
+        env=fault_env("slow_warmup:600"), capture_output=True, text=True, timeout=GUARD_S)
+    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    err = r.stderr
+    assert err.count("compiling and warming up (compile cache miss)") == 1, err      # the claimant
+    fell_back = re.findall(r"worker (\d): compiling and warming up itself \(the compiling worker's "
+                           r"artifact did not come within (\d+) s, half the start-up time left of "
+                           r"ray.worker_start_timeout_s\)", err)
+    assert len(fell_back) == 1, err
+    rank, wait_s = int(fell_back[0][0]), int(fell_back[0][1])
+    (waiter,) = metrics(out / "h")                  # the hung claimant never became ready
+    assert waiter["rank"] == rank and waiter["cache_hit"] is False
+    # it waited what it said, half of what was left after its start: less than half the timeout
+    assert abs(waiter["cache_wait_s"] - wait_s) <= 1 and wait_s < timeout_s / 2
+    table = pq.read_table(out / "h" / "results.parquet").to_pylist()
+    assert len(table) == 8 and {(row["status"], row["worker"]) for row in table} == {("ok", rank)}
