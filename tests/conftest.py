@@ -405,7 +405,11 @@ FIRST = ("test_s3_jobs.py::test_a_stalled_store_ends_the_job_within_120_s_naming
          "test_s3_jobs.py::test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir",
          "test_cluster.py::test_worker_node_removed_mid_job",
          # a fifth: behind the stalled store (which mostly waits) on the first worker
-         "test_scaling.py::test_cold_then_warm_runs_each_from_its_own_cache")
+         "test_scaling.py::test_cold_then_warm_runs_each_from_its_own_cache",
+         # the next two (50-80 s in a -n 4 run, one process each, all CPU): second on the second
+         # and third workers, so that neither starts last and runs alone at the end
+         "test_compiler_compile.py::test_compiled_matches_eager_shares_graphs_and_never_recompiles[pixart_alpha_512]",
+         "test_step_reuse.py::test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles[flux1_dev-blocks1]")
 
 
 def long_tests_first(config, items) -> None:
