@@ -297,7 +297,9 @@ def test_a_pretrained_dry_run_without_the_hub_is_one_line_naming_hf_download(tmp
         assert ended - started < 5.0, ended - started
     else:
         assert len(silent_server.accepted_at) == 1                 # one probe, no client retries
-        assert ended - silent_server.accepted_at[0] < HUB_PROBE_S + 1.5
+        # + 3 s: the error and the interpreter's exit, ~0.5 s quiet, 2.1 s seen at load 13 on 2
+        # cores (1.5 s flaked there); a second probe would add HUB_PROBE_S and a connection
+        assert ended - silent_server.accepted_at[0] < HUB_PROBE_S + 3.0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr[-2000:]                       # no retries, no warnings
     assert lines[0].startswith("error: cannot reach the Hugging Face hub")
