@@ -30,7 +30,8 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     filesystem keeps it: one worker of the first job compiles, the other loads its artifact (its
     model loaded while the first compiles); a truncated artifact is rejected and `runner.warm`
     fills the cache again; the next job's workers (fresh processes, their local Inductor cache
-    aside) each warm from the store, side by side."""
+    aside) each warm from the store, side by side; then a job whose claimant hangs
+    (`_hung_claimant_job`)."""
     from runner.storage import resolve
     store = resolve(f"s3://{s3_bucket}/cc")
     common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={store.uri()}",
@@ -81,6 +82,11 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     assert slow["warmup_s"] >= 20 > fast["warmup_s"]     # the held-back one is the slow one
     assert fast["ready_at"] < slow["ready_at"] - 10      # 20 s held, less scheduling
     assert fast["warmup_with_cache_s"] < compiled[0]["warmup_with_compile_s"]
+
+    # A claimant that hangs: the waiter compiles itself in time (one CLI job here, not a test of
+    # its own: this test's jobs already warmed Inductor's local cache, ~25 CPU-s a new test
+    # would spend again on CI's 2 cores).
+    _hung_claimant_job(tmp_path, common, s3_bucket, local)
 
 
 def test_warm_needs_a_caching_mode(tmp_path):
@@ -139,36 +145,29 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
         ray.shutdown()
 
 
-def test_waiters_compile_themselves_when_the_claimant_hangs(tmp_path, s3_bucket, monkeypatch):
+def _hung_claimant_job(tmp_path, common, s3_bucket, local):
     """The compiling worker (the key's claimant) hangs before its warm-up call (a wedged GPU, a
     compile that never ends): it never publishes and never says it failed. The other worker waits
     for its artifact half the start-up time it has left (of ray.worker_start_timeout_s), then
     compiles itself in the other half and makes every output; the hung one is given up (killed
     when the job ends, or as not ready). Before, the waiter waited ray.worker_start_timeout_s
     itself from after its model load: the driver gave both up before its wait could end, and the
-    job failed with every worker gone (exit 2)."""
+    job failed with every worker gone (exit 2). Run by the test above, whose jobs left Inductor's
+    local cache warm (`local`): the waiter's own compile takes ~1 s, not a cold compile's 15-20 s
+    on a busy 2-core box, which would race the timeout; the artifact store is a new, empty one (a
+    miss: a claim and a wait)."""
     import pyarrow.parquet as pq
-    from conftest import compile_cache
-    from runner import warm
-    common = ["job=demo_image", "compile.mode=cache-all", "generation.num_inference_steps=2",
-              "run.batch_size=1", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
-    # Inductor's working cache (the node-local side of a URI cache_dir: the session's) filled
-    # first, here, with the artifact kept apart from the job's: the job's artifact store is
-    # empty (a miss: a claim and a wait), and the waiter's own compile takes ~1 s, not a cold
-    # compile's 15-20 s on a busy 2-core box, which would race the timeout.
-    monkeypatch.setenv("RUNNER_LOCAL_COMPILE_CACHE", compile_cache())
-    assert warm.main([*common, f"output.dir={tmp_path}", f"compile.cache_dir=s3://{s3_bucket}/warm"]) == 0
     # The waiter's share: (60 s - its start and load, ~16 s on a busy 2-core box) / 2 ~ 22 s: room
     # for a slow start on a loaded CI machine (40 s left ~12 s and failed past ~35 s of start-up).
     timeout_s = 60
-    out = tmp_path / "out"
+    args = [a for a in common if not a.startswith("compile.cache_dir=")]
     r = subprocess.run(
-        [sys.executable, "-m", "runner", *common, f"output.dir={out}", "job.name=h",
-         f"compile.cache_dir=s3://{s3_bucket}/cc", f"ray.worker_start_timeout_s={timeout_s}",
+        [sys.executable, "-m", "runner", "job=demo_image", *args, "job.name=h",
+         f"compile.cache_dir=s3://{s3_bucket}/cc-hung", f"ray.worker_start_timeout_s={timeout_s}",
          "ray.max_worker_restarts=0"], cwd=ROOT,
         # slow_warmup: the job's first worker to reach its warm-up call (the claimant: the other
         # blocks on the broker before its own) sleeps there far past the timeout
-        env=fault_env("slow_warmup:600"), capture_output=True, text=True, timeout=GUARD_S)
+        env=fault_env("slow_warmup:600", **local), capture_output=True, text=True, timeout=GUARD_S)
     assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     err = r.stderr
     assert err.count("compiling and warming up (compile cache miss)") == 1, err      # the claimant
@@ -177,9 +176,9 @@ def test_waiters_compile_themselves_when_the_claimant_hangs(tmp_path, s3_bucket,
                            r"ray.worker_start_timeout_s\)", err)
     assert len(fell_back) == 1, err
     rank, wait_s = int(fell_back[0][0]), int(fell_back[0][1])
-    (waiter,) = metrics(out / "h")                  # the hung claimant never became ready
+    (waiter,) = metrics(tmp_path / "h")             # the hung claimant never became ready
     assert waiter["rank"] == rank and waiter["cache_hit"] is False
     # it waited what it said, half of what was left after its start: less than half the timeout
     assert abs(waiter["cache_wait_s"] - wait_s) <= 1 and wait_s < timeout_s / 2
-    table = pq.read_table(out / "h" / "results.parquet").to_pylist()
+    table = pq.read_table(tmp_path / "h" / "results.parquet").to_pylist()
     assert len(table) == 8 and {(row["status"], row["worker"]) for row in table} == {("ok", rank)}
