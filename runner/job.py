@@ -55,10 +55,11 @@ from .ending import Ending, first_line
 from .images import StoreUnreachable, fill_hashes
 from .lock import LockedError, job_lock, holder as lock_holder
 from .progress import PhasePrinter, Progress
-from .prompts import Constraints, Item, PromptError, Shard, check_prompts, plan_shards
+from .prompts import (MAX_LISTED, Constraints, Item, PromptError, Shard, case_collisions,
+                      check_prompts, plan_shards)
 from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fallback_settings_id,
                       fingerprint, remove_temp_files, settings_id, start_fresh, write_parquet)
-from .storage import Store, StoreTimeout, resolve
+from .storage import Store, StoreTimeout, case_insensitive, resolve
 from .summary import json_text, summarize, summary_text, work_after
 
 log = logging.getLogger("runner")
@@ -260,6 +261,7 @@ def run(argv: list[str], start_pool: StartPool | None = None,
     # 2. Prompts and output directory: all checked before any worker or model.
     checked = check_input(job)
     _check_output_dir(job["output"].job_dir, create=not job["run"].dry_run)
+    check_case_collisions(checked.items, job["output"].job_dir)
     if job["run"].dry_run:
         return _dry_run(cfg, job, checked.items)
     store = _store(job["output"].job_dir)
@@ -971,3 +973,30 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
                        f"output.dir to a writable directory") from e
 
 
+def check_case_collisions(items: list[Item], job_dir: str) -> None:
+    """Ids that differ only in case ("Fox", "fox") name one media file where output.dir folds
+    case (macOS's default, FAT/exFAT, SMB): one output would silently replace the other while
+    both rows report ok. An error there, before any model; elsewhere (a case-sensitive directory,
+    an object store) both are fine. The directory is probed only when such ids exist: media/, or
+    its nearest existing parent (a dry run creates nothing)."""
+    pairs = case_collisions(items)
+    store = _store(job_dir)
+    if not pairs or not store.local:
+        return
+    probed = os.path.join(store.base, "media")
+    while not os.path.isdir(probed):
+        probed = os.path.dirname(probed)
+    try:
+        if not case_insensitive(probed):
+            return
+    except OSError as e:
+        raise JobError(f"output.dir: cannot probe {probed!r} for case-insensitive names "
+                       f"({e.strerror or e}); set output.dir to a writable directory") from e
+    listed = "\n  ".join(f"{a.id!r} ({a.source}) and {b.id!r} ({b.source})"
+                         for a, b in pairs[:MAX_LISTED])
+    shown = "" if len(pairs) <= MAX_LISTED else f", the first {MAX_LISTED} below"
+    raise JobError(f"output.dir: {store.base!r} is on a case-insensitive filesystem, where prompt "
+                   f"ids that differ only in case name one media file: one output would replace "
+                   f"the other ({len(pairs)} such ids{shown}). Rename one id of each pair, or set "
+                   f"output.dir to a case-sensitive directory or an object store (s3://, gs://):"
+                   f"\n  {listed}")

@@ -22,7 +22,9 @@ Contract:
   within what the model's pipeline runs (`Constraints.min_steps`, `max_steps`: `Family`'s).
 - A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
-  collide are an error, so no output can overwrite another.
+  collide are an error, so no output can overwrite another. Ids that differ only in case
+  (`case_collisions`) are an error only where output.dir folds case (checked by `runner.job`,
+  which knows the directory).
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
   would fail later (before any model is built): one error listing every bad row (the first
   `MAX_LISTED` as file:row: reason, and the count), so a 50k-row file is fixed in one pass.
@@ -578,6 +580,19 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
         from . import images
         images.check_sample(items, PromptError, max_image_bytes)
     return files, rows, items
+
+
+def case_collisions(items: list[Item]) -> list[tuple[Item, Item]]:
+    """Pairs of items whose ids differ only in case ("Fox", "fox"): (an earlier item, the later
+    one), one pair per later item. One dict of folded ids, cheap for a million rows. Sanitized ids
+    are ASCII, so folding here is what every case-insensitive filesystem does to them."""
+    first: dict[str, Item] = {}
+    pairs = []
+    for it in items:
+        seen = first.setdefault(it.id.casefold(), it)
+        if seen is not it:
+            pairs.append((seen, it))
+    return pairs
 
 
 def plan_shards(items: list[Item], shard_size: int, done: set[str] = frozenset()) -> list[Shard]:

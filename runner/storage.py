@@ -366,6 +366,22 @@ def atomic_path(path: str | os.PathLike):
             tmp.unlink()
 
 
+def case_insensitive(directory: str | os.PathLike) -> bool:
+    """Whether the local `directory` (existing, writable) folds case in file names, as macOS
+    APFS/HFS+ do by default, and FAT/exFAT, SMB and some FUSE mounts: there `media/Fox.png` and
+    `media/fox.png` are one file. Probed, not guessed from the OS (a Linux host can mount such a
+    filesystem, a Mac a case-sensitive volume): a uniquely named file with mixed case is created
+    (`.tmp-Case-*`: hidden from `list`, removed by `remove_temp_files` after a crash), its
+    case-swapped name looked up, and the file removed. Object stores are case-sensitive."""
+    fd, path = tempfile.mkstemp(prefix=f"{TMP_PREFIX}Case-", dir=directory)
+    os.close(fd)
+    try:
+        head, name = os.path.split(path)
+        return os.path.exists(os.path.join(head, name.swapcase()))
+    finally:
+        os.unlink(path)
+
+
 def check(value: str | os.PathLike) -> str:
     """The location's scheme ("file", "s3", "gs"), without touching any filesystem; ValueError
     (naming the value and the accepted forms) otherwise. For config checks before anything runs."""

@@ -469,6 +469,45 @@ def test_hostile_ids_stay_inside_the_output_dir_and_empty_prompts_are_counted(tm
     assert "2 rows with an empty prompt skipped" in (d / "summary.txt").read_text()
 
 
+CASE_IDS = ["Fox", "fox", "p1", "P1", "other"]
+
+
+def test_ids_differing_only_in_case_on_a_case_insensitive_dir_are_exit_2_before_any_worker(
+        tmp_path, write_prompts, capsys):
+    """On a filesystem that folds case (a real one: tests/casefold_fs.py), media/Fox.png and
+    media/fox.png are one file: run, one output would silently replace the other with both rows
+    reported ok. The job refuses to start, naming both ids of each pair, their rows and the fix."""
+    from casefold_fs import casefold_mount
+    p = write_prompts({"prompt": [f"prompt {i}" for i in CASE_IDS], "id": CASE_IDS})
+    with casefold_mount(tmp_path / "backing", tmp_path / "mnt") as mnt:
+        (mnt / "Probe").write_text("1")           # the mount really folds case
+        assert (mnt / "probe").read_text() == "1" and os.listdir(mnt) == ["Probe"]
+        (mnt / "Probe").unlink()
+        c = Cluster()
+        assert c.main(job_args(p, mnt)) == 2
+        assert c.pools == [] and c.generated == []            # no worker started, no model built
+        assert os.listdir(mnt / "j") == []                    # the probe left nothing behind
+        err = capsys.readouterr().err
+        assert "case-insensitive filesystem" in err and "(2 such ids)" in err
+        assert f"'Fox' ({p}:0) and 'fox' ({p}:1)" in err
+        assert f"'p1' ({p}:2) and 'P1' ({p}:3)" in err
+        assert "Rename one id" in err and "case-sensitive directory or an object store" in err
+        # a dry run is refused the same way, creating nothing
+        assert Cluster().main(job_args(p, mnt / "dry", "run.dry_run=true")) == 2
+        assert not (mnt / "dry").exists()
+
+
+def test_ids_differing_only_in_case_on_a_case_sensitive_dir_are_two_outputs(tmp_path,
+                                                                             write_prompts):
+    """The same ids where the directory keeps case apart (this machine's tmp_path: the probe says
+    so): no error, one output each."""
+    from runner.storage import case_insensitive
+    assert case_insensitive(tmp_path) is False and os.listdir(tmp_path) == []
+    p = write_prompts({"prompt": [f"prompt {i}" for i in CASE_IDS], "id": CASE_IDS})
+    assert Cluster().main(job_args(p, tmp_path / "out")) == 0
+    assert_complete(tmp_path / "out" / "j", ids=CASE_IDS)
+
+
 def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts, tmp_path, capsys):
     """Every output made, then the results table cannot be written (a non-empty directory holds
     its name: a real OSError): exit 3 naming it, no traceback, every finished row recorded; a

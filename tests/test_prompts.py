@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from runner.config import GenerationDefaults
-from runner.prompts import (Constraints, PromptError, check_prompts, plan_shards,
+from runner.prompts import (Constraints, PromptError, case_collisions, check_prompts, plan_shards,
                             sanitize_id)
 from conftest import GUARD_S
 
@@ -144,6 +144,16 @@ def test_ids_are_sanitized_and_collisions_rejected(write_prompts):
     with pytest.raises(PromptError, match=r"id 'x_y' .* is also used by .*dup.parquet:0"):
         check(p)
     assert sanitize_id("..\\..\\etc") == "_.._etc"
+
+
+def test_ids_differing_only_in_case_are_paired_for_the_output_dir_check(write_prompts):
+    """Not an error here (a case-sensitive output.dir keeps both: runner.job decides, see
+    tests/test_jobrun.py): each later id pairs with the first of its folded name."""
+    p = write_prompts({"prompt": list("abcde"), "id": ["Fox", "cat", "fox", "FOX", "a/b"]})
+    items = check(p)[2]
+    assert [(a.id, b.id, a.row, b.row) for a, b in case_collisions(items)] == \
+        [("Fox", "fox", 0, 2), ("Fox", "FOX", 0, 3)]
+    assert case_collisions(items[:2] + items[4:]) == []
 
 
 def test_directory_and_multiple_files_and_shards(tmp_path, write_prompts):
