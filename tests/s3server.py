@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from conftest import free_port   # the one way tests pick ports
 
 START_TIMEOUT_S = 30
 
@@ -42,18 +43,12 @@ class S3Server:
         fs.create_dir(name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def moto_server(port: int | None = None):
     """Starts `python -m moto.server` on a free (or the given) 127.0.0.1 port, waits until it answers,
     yields an S3Server, and always stops it. Raises RuntimeError (with the server's log) if it does
     not start."""
-    port = port or _free_port()
+    port = port or free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

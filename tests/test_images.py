@@ -7,7 +7,6 @@ import io
 import logging
 import os
 import signal
-import socket
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ from runner.config import GenerationDefaults
 from runner.prompts import Constraints, PromptError, check_prompts
 from runner.results import Results
 from runner.storage import resolve
+from conftest import free_port
 
 GEN = GenerationDefaults(seed=3, height=64, width=64, num_frames=5, num_inference_steps=2,
                          guidance_scale=5.0)
@@ -255,9 +255,7 @@ def test_an_unreachable_image_store_is_named_not_the_images(tmp_path, monkeypatc
     """A refused connection or a name that does not resolve: the store is said to be the cause
     (`StoreUnreachable`, exit 3 from the CLI), not "none of the images exists"."""
     if endpoint == "closed":
-        with socket.socket() as s:                                  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+        endpoint = f"http://127.0.0.1:{free_port()}"               # a port nothing listens on
     for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
                  "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
         monkeypatch.setenv(k, v)
