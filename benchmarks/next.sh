@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What issues 46 and 48 still need from a GPU machine, as foreground phases of under 10 minutes,
+# one device command each, every figure tarred into OUT/r.tgz (media left out):
+#   ab       GPU 0: the ready-time A/B against a9a589a (ready_ab.sh) of PixArt-α O3; GPU 1: of
+#            Latte (issue 46's ready bound; ~3-4 min each: two cold jobs)
+#   tables   GPU 0: TI2V-5B's image rows (families_x4.sh ti2v_img); GPU 1: the Latte O3 + reuse
+#            table (issue 46's >= 0.27 videos/s)
+#   both     4 GPUs: tables on GPUs 0 and 1, ab on GPUs 2 and 3, at once
+#   pixart   4 GPUs: scaling_x4.sh pixart (1, 2, 4 workers cold and warm, the 1,000-prompt job)
+#   wan      4 GPUs: scaling_x4.sh wan
+#   suite    the whole gpu suite, a test process per GPU (501 s on 2 H100s, 2026-11-26)
+# Here first: `git archive -o .ab/a9a589a.tgz a9a589a`; carry .devbundle, .whl and .ab. There:
+#   source .devbundle/install.sh && bash benchmarks/next.sh ab $OUT
+# Not one background script: it lives only while the machine stays held, and on 2026-11-26 the
+# machine was handed back twice between polling calls, the runs lost with their logs; a
+# foreground command writes what it has into $OUT even when its limit ends it.
+set -u
+phase=${1:?usage: next.sh ab|tables|both|pixart|wan|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
+pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
+             "next-$phase"; }
+trap pack EXIT   # also when the device's limit (timeout) ends the command
+
+ab() {   # GPUs $1 and $2
+  GPU=$1 JOBS=pixart_batch timeout 560 bash benchmarks/ready_ab.sh "$Q/ready-pixart" > "$Q/ready-pixart.log" 2>&1 &
+  GPU=$2 JOBS=latte_batch timeout 560 bash benchmarks/ready_ab.sh "$Q/ready-latte" > "$Q/ready-latte.log" 2>&1 &
+}
+tables() {   # GPUs $1 and $2; ftfy's wheels installed once here, so the two lanes' own
+             # once-only install cannot race (the image rows' peer-free job needs none)
+  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  SKIP_SUITE=1 TABLES=ti2v_img GPUS=$1 timeout 560 bash benchmarks/families_x4.sh "$Q" &
+  SKIP_SUITE=1 TABLES=latte GPUS=$2 timeout 560 bash benchmarks/families_x4.sh "$Q" &
+}
+case $phase in
+  ab)     ab 0 1; wait ;;
+  tables) tables 0 1; wait ;;
+  both)   tables 0 1; ab 2 3; wait ;;
+  pixart|wan)
+    bash benchmarks/scaling_x4.sh "$phase" "$Q" > "$Q/scaling-$phase.log" 2>&1; tail -30 "$Q/scaling-$phase.log" ;;
+  suite)
+    timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
+        --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
+    tail -3 "$Q/suite.log" ;;
+  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, pixart, wan or suite)" >&2; exit 2 ;;
+esac
+case $phase in ab|tables|both)
+  bash benchmarks/families_x4.sh "$Q" status; cat "$Q"/ready-*/ready.tsv 2>/dev/null ;;
+esac
