@@ -980,8 +980,10 @@ def check_case_collisions(items: list[Item], job_dir: str) -> None:
     an object store) both are fine. The directory is probed only when such ids exist: media/, or
     its nearest existing parent (a dry run creates nothing)."""
     pairs = case_collisions(items)
+    if not pairs:
+        return
     store = _store(job_dir)
-    if not pairs or not store.local:
+    if not store.local:
         return
     probed = os.path.join(store.base, "media")
     while not os.path.isdir(probed):
