@@ -460,6 +460,25 @@ def signal_handlers():
         signal.signal(s, h)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that builds a `runner.worker.Worker` in-process starts `compiler.prewarm`'s import
+    thread; `compile_pipe` waits for it, but a test whose compile never runs (mocked, or failing
+    first) left it importing Inductor into the next tests. Each import that makes a logger then
+    raced pytest's logging set-up at the start of a test phase, which walks logging's logger dict
+    without its lock ("RuntimeError: dictionary changed size during iteration" at the set-up of a
+    test in tests/test_compiler_cache.py failed CI once). Joined here, at the end of the call
+    phase that started it (a fixture's teardown would be too late: the teardown phase's logging
+    set-up comes first); seconds of imports that happen anyway."""
+    try:
+        return (yield)
+    finally:
+        import threading
+        for t in threading.enumerate():
+            if t.name == "compiler-prewarm":
+                t.join(300)
+
+
 @pytest.fixture
 def write_prompts(tmp_path):
     """write_prompts({"prompt": [...], ...}, name="p.parquet") -> path of a Parquet file."""
