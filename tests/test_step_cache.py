@@ -216,6 +216,21 @@ def test_fastercache_skips_the_unconditional_branch():
     assert len(seen) == STEPS and 8 in seen and 4 in seen
 
 
+@pytest.mark.parametrize("method", ["fastercache", "pab"])
+def test_a_hooked_pipeline_is_freed_once_dropped(method):
+    """The opaque op finds each hooked attention module by its key buffer's address; that table
+    held the modules, and through their hooks the whole pipeline, for the life of the process (on
+    a GPU: Latte-1's 11.3 GiB stayed allocated after its test, through all later tests)."""
+    import gc
+    import weakref
+    pipe = latte(method)
+    run(pipe, item(1))
+    refs = [weakref.ref(pipe.transformer), weakref.ref(pipe.text_encoder)]
+    del pipe
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 @pytest.mark.parametrize("method", ["residual", "fastercache", "pab"])
 def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     """Per-block compile (Latte's compiled block pairs; `O2` on CPU, whose step graph is dropped)
