@@ -291,7 +291,7 @@ CFG_KEYS = ("cfg_reuse", "cfg_window", "cfg_interval", "cfg_alpha", "uncond_step
 class StepCacheSection:
     """Step reuse (lossy): docs/compiler.md "Step reuse"; applied by runner/step_cache.py."""
     method: str = key("none", "none | residual (the block stack skipped on a fixed schedule; "
-                              "composes with O2/O3; Wan, PixArt, Latte) | fastercache | pab "
+                              "composes with O2/O3; Wan, PixArt, Latte, FLUX) | fastercache | pab "
                               "(attention outputs reused; Latte); lossy, docs/compiler.md")
     compute_ratio: float = key(0.54, "residual: share of the steps computed in full, the rest reuse "
                                      "the last computed step's residual (0.54 = 27 of 50 steps)")
