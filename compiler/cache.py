@@ -16,7 +16,9 @@ Contract:
   BEFORE handing the payload to `torch.compiler.load_cache_artifacts`. Any corruption, truncation or
   mismatch (or a failing load) logs a warning and returns False, so the caller compiles instead.
   Never raises, never loads unverified bytes.
-- `write_artifact(dir, key, blob)` (atomic: temp file + os.replace) and `read_artifact(dir, key)`.
+- `write_artifact(dir, key, blob)` (atomic: temp file + os.replace; mode 0644, readable by other
+  users of a shared directory) and `read_artifact(dir, key)` (None when missing; any other
+  OSError is the caller's: `runner.compile_cache` logs it and compiles).
 
 Header layout (big-endian): MAGIC (8 bytes) | version u16 | key length u16 | key (utf-8) |
 payload length u64 | sha256(payload) (32 bytes) | payload.
@@ -194,6 +196,9 @@ def write_artifact(directory: str | os.PathLike, key: str, blob: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
     try:
+        # mkstemp's 0600 would keep the artifact from the jobs of other users of a shared
+        # cache directory (a PermissionError at their warm-up); it holds compiled kernels only
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
             f.flush()

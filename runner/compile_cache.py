@@ -21,8 +21,9 @@ Contract (used by `Worker.warmup` when the compile mode has `cache-all`):
   that hangs or is very slow (never publishes, never says it failed) costs the job that one
   worker, not all of them. Half is the even bet: the waiter gets a claimant's artifact if it
   compiles in up to half that time, and can compile itself if compiling takes up to half.
-- Anything wrong (a timeout waiting for the compiling worker, a corrupt or mismatched artifact)
-  is logged and the worker compiles itself: never a crash, never unverified code.
+- Anything wrong (a timeout waiting for the compiling worker, a corrupt or mismatched artifact,
+  one that cannot be read: another user's, an I/O error) is logged and the worker compiles
+  itself: never a crash, never unverified code.
 """
 
 from __future__ import annotations
@@ -48,16 +49,20 @@ def local_dir(cache_dir: str) -> str:
 
 
 def read_artifact(cache_dir: str, key: str) -> bytes | None:
+    """The artifact's bytes, or None: missing, or not readable (a store that does not answer;
+    locally a file of another user's job made 0600 by an older version, a directory in its
+    place, an I/O error), which is logged: the worker compiles, it never fails its warm-up."""
     from compiler import cache as cc
     from .storage import is_uri, resolve
-    if not is_uri(cache_dir):
-        return cc.read_artifact(cache_dir, key)
     try:
+        if not is_uri(cache_dir):
+            return cc.read_artifact(cache_dir, key)
         return resolve(cache_dir).read_bytes(cc.artifact_path("", key).name)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:        # the store unreachable: compile, never crash
-        log.warning("compile cache %s not readable (%s); compiling", cache_dir, e)
+        log.warning("compile cache %s not readable (%s: %s); compiling", cache_dir,
+                    type(e).__name__, e)
         return None
 
 

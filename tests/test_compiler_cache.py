@@ -1,6 +1,8 @@
 """compiler.cache: keys change with every input; corrupt/truncated/wrong-key artifacts never load."""
 
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +134,95 @@ def test_artifact_write_on_a_full_disk_is_a_warning_not_a_crash(compiled, tmp_pa
         compile_cache.publish(None, report, str(d))
         assert sorted(p.name for p in d.iterdir()) == [".filler"]     # no temp file left
     assert "compile artifact not saved" in caplog.text and "No space left" in caplog.text
+
+
+def test_an_unreadable_artifact_in_cache_dir_is_a_warning_and_the_worker_compiles(tmp_path, caplog):
+    """A directory where `<key>.artifact` belongs (a real IsADirectoryError; an I/O error or
+    another user's file reads the same): `read_artifact` raised it out of the warm-up of every
+    worker of the key, and the job ended with no worker. Now the worker says so and compiles."""
+    from runner import compile_cache
+    (tmp_path / "k1.artifact").mkdir()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        report = compile_cache.warm_from_shared_cache(None, "k1", 0, str(tmp_path), 100.0)
+    assert report["role"] == "compile" and report["cache_hit"] is False
+    assert f"compile cache {tmp_path} not readable (IsADirectoryError" in caplog.text
+
+
+def _as_another_user(fn, timeout_s: float = 30.0):
+    """fn()'s value as a process of another user than the files' writer computes it: as root, a
+    forked child that drops to nobody (65534), ended after `timeout_s`; else this process."""
+    import pickle
+    import signal
+    import time
+    if os.geteuid() != 0:
+        return fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                       # the child: never returns into pytest
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            out = ("ok", fn())
+        except BaseException as e:
+            out = ("raised", f"{type(e).__name__}: {e}")
+        os.write(w, pickle.dumps(out))
+        os._exit(0)
+    os.close(w)
+    end = time.monotonic() + timeout_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the other user's process did not end within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    with os.fdopen(r, "rb") as f:
+        status, value = pickle.loads(f.read())
+    assert status == "ok", value
+    return value
+
+
+@pytest.fixture
+def shared_dir():
+    """A cache directory another user can reach (every directory above it traversable by all):
+    pytest's tmp_path is under a 0700 directory of this user."""
+    import shutil
+    import stat
+    import tempfile
+    d = tempfile.mkdtemp(prefix="runner-shared-cc-", dir=os.environ.get("PYTEST_DEBUG_TEMPROOT"))
+    os.chmod(d, 0o755)
+    try:
+        for up in Path(d).parents:
+            if not os.stat(up).st_mode & stat.S_IXOTH:
+                pytest.skip(f"{up} is not traversable by other users")
+        yield Path(d)
+    finally:
+        shutil.rmtree(d)
+
+
+def test_an_artifact_is_readable_by_other_users_and_one_that_is_not_is_compiled_past(shared_dir):
+    """A compile.cache_dir that the jobs of several users share: artifacts were written 0600
+    (mkstemp's mode), so another user's worker got PermissionError at its warm-up (every one of
+    its workers, every job, until the file was removed). Now they are written 0644, and one
+    left unreadable by an older version (`k0`) is a warning, then a compile."""
+    from runner import compile_cache
+    cache.write_artifact(shared_dir, "k1", b"compiled kernels")
+    assert (shared_dir / "k1.artifact").stat().st_mode & 0o777 == 0o644
+    cache.write_artifact(shared_dir, "k0", b"an older version's")
+    os.chmod(shared_dir / "k0.artifact", 0o600 if os.geteuid() == 0 else 0)
+
+    def read_both():
+        warned = []
+        handler = logging.Handler()
+        handler.emit = lambda record: warned.append(record.getMessage())
+        logging.getLogger("runner").addHandler(handler)
+        try:
+            return (compile_cache.read_artifact(str(shared_dir), "k1"),
+                    compile_cache.read_artifact(str(shared_dir), "k0"), warned)
+        finally:
+            logging.getLogger("runner").removeHandler(handler)
+    k1, k0, warned = _as_another_user(read_both)
+    assert k1 == b"compiled kernels" and k0 is None
+    assert [w for w in warned if "not readable (PermissionError" in w], warned
 
 
 def test_good_artifact_loads(artifact, loads, tmp_path):
