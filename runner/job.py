@@ -869,10 +869,19 @@ def _open_results(cfg, out) -> Results:
 
 def _check_same_config(cfg, out) -> None:
     store = _store(out.job_dir)
-    old_cfg = store.read_text("config.yaml")
+    try:
+        old_cfg = store.read_text("config.yaml")
+    except OSError as e:       # local: a directory in its place, no access; a store's: its own
+        if not store.local:
+            raise
+        raise _damaged_config(store, e) from e
     if old_cfg is not None and (store.exists(JOURNAL) or store.list(RECORDS)):
-        old = OmegaConf.create(old_cfg)
-        changes = config_changes(fingerprint(old), fingerprint(cfg))
+        try:
+            old = OmegaConf.create(old_cfg)
+            old_fingerprint = fingerprint(old)
+        except Exception as e:    # not YAML, not a mapping, keys missing: yaml's, omegaconf's errors
+            raise _damaged_config(store, e) from e
+        changes = config_changes(old_fingerprint, fingerprint(cfg))
         # the fingerprint holds whether the mode is lossy; the user changed the mode: name it
         mode = f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r}"
         named = {"lossy: False -> True": f"{mode} (lossless -> lossy)",
@@ -884,6 +893,18 @@ def _check_same_config(cfg, out) -> None:
             raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
                            f"set output.overwrite=true to regenerate everything, or choose another "
                            f"job.name or output.dir")
+
+
+def _damaged_config(store: Store, e: BaseException) -> JobError:
+    """The config.yaml of an earlier run that cannot be read as one (empty or zero-filled after a
+    power loss: its write is not synced; edited by hand): the error names it and the ways on. Its
+    removal is safe: each recorded row still carries the settings and parameters its output was
+    made from, and a rerun regenerates the rows made otherwise (`Results.plan`)."""
+    return JobError(f"{store.uri('config.yaml')} is damaged or unreadable ({first_line(e)}): it "
+                    f"is the config the outputs recorded there were made with. Restore it, or "
+                    f"remove it to resume (each output is still checked against what it was made "
+                    f"from; those made otherwise are regenerated), or set output.overwrite=true "
+                    f"to regenerate everything")
 
 
 def _nothing_to_do(results: Results, items, out, without_kernel: int = 0) -> dict:

@@ -527,6 +527,37 @@ def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts,
     assert_complete(d)
 
 
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda p: p.write_bytes(b""), id="empty"),            # a power loss: not synced
+    pytest.param(lambda p: p.write_bytes(b"\0" * 600), id="zero-filled"),
+    pytest.param(lambda p: p.write_text("model: {preset: [pixart\n"), id="not-yaml"),
+    pytest.param(lambda p: p.write_text("- model\n- compile\n"), id="a-list"),
+    pytest.param(lambda p: (p.unlink(), p.mkdir()), id="a-directory"),
+])
+def test_a_damaged_config_yaml_at_a_rerun_is_exit_2_naming_it_and_the_way_on(
+        prompts, tmp_path, capsys, damage):
+    """The config.yaml beside the record is what a rerun compares its config with. Damaged (as a
+    power loss leaves a file whose write was not synced, or an edit), the rerun ended in a
+    traceback (yaml's ReaderError, omegaconf's "Missing key compile"), exit 1. Now exit 2 naming
+    the file, why, and the ways on, before any worker; removing it resumes without redoing
+    anything done."""
+    c = Cluster()
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    made, conf = len(c.generated), tmp_path / "j" / "config.yaml"
+    damage(conf)
+    capsys.readouterr()
+    assert c.main(job_args(prompts, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert f"error: {conf} is damaged or unreadable (" in err and "Traceback" not in err
+    assert "remove it to resume" in err and "output.overwrite=true" in err
+    assert len(c.pools) == 1 and len(c.generated) == made        # no worker started
+    (conf.rmdir if conf.is_dir() else conf.unlink)()
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert f"nothing to do: all {len(IDS)} prompts already done" in capsys.readouterr().out
+    assert len(c.generated) == made
+    assert_complete(tmp_path / "j")
+
+
 def test_the_driver_imports_no_torch_and_no_ray_when_its_pool_is_not_rays(prompts, tmp_path):
     """The whole driver path on a pool that is not Ray's: Ray is never imported. Nor torch: the
     driver never needs it (it imported it to resolve `model.device=auto`, which it did not use:
