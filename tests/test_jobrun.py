@@ -535,7 +535,7 @@ def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts,
     pytest.param(lambda p: (p.unlink(), p.mkdir()), id="a-directory"),
 ])
 def test_a_damaged_config_yaml_at_a_rerun_is_exit_2_naming_it_and_the_way_on(
-        prompts, tmp_path, capsys, damage):
+        prompts, tmp_path, capsys, damage, within_60_s):
     """The config.yaml beside the record is what a rerun compares its config with. Damaged (as a
     power loss leaves a file whose write was not synced, or an edit), the rerun ended in a
     traceback (yaml's ReaderError, omegaconf's "Missing key compile"), exit 1. Now exit 2 naming
@@ -716,6 +716,52 @@ def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1] == f"note: {note}"
     assert (d / "summary.txt").read_text().endswith(f"\nnote: {note}\n")
+
+
+@pytest.fixture
+def within_60_s():
+    """A guard against a hang: past 60 s the test process ends, with every thread's traceback
+    (faulthandler's timer: it fires whatever thread holds the interpreter)."""
+    import faulthandler
+    import sys
+    faulthandler.dump_traceback_later(60, exit=True, file=sys.__stderr__)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_record_that_cannot_be_written_mid_job_is_exit_3_and_a_rerun_does_the_rest(
+        prompts, small_disk, monkeypatch, capsys, within_60_s):
+    """The disk fills between a shard's media files and its record (a real ENOSPC in the
+    record's write): the job stops (exit 3) naming the record and the fix, no traceback, no
+    temporary file; the record keeps the shard before, whole. Once there is room a rerun keeps
+    those 3 outputs and makes the other 9 (the 3 whose record was lost among them: their files
+    are rewritten, as the record never said they were done)."""
+    from runner import results
+    real, calls = results.Results.add, []
+
+    def disk_full_at_the_second_record(self, rows):
+        calls.append([r["id"] for r in rows])
+        if len(calls) == 2:
+            small_disk.fill()
+        return real(self, rows)
+    monkeypatch.setattr(results.Results, "add", disk_full_at_the_second_record)
+    c = Cluster()
+    assert c.main(job_args(prompts, small_disk.path)) == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1] == ("error: the job's record could not be written (OSError: [Errno 28] No space "
+                       "left on device). Finished outputs are kept: fix the storage and rerun the "
+                       "same command to resume.")
+    assert not [line for line in err if "Traceback" in line]
+    d = small_disk.path / "j"
+    assert calls[:2] == [IDS[:3], IDS[3:6]]
+    assert sorted(r["id"] for r in record_rows(d) if r["status"] == "ok") == IDS[:3]
+    assert [f for _, _, fs in os.walk(d) for f in fs if f.startswith(".tmp-")] == []
+    small_disk.free()
+    monkeypatch.setattr(results.Results, "add", real)
+    before = len(c.generated)
+    assert c.main(job_args(prompts, small_disk.path)) == 0
+    assert sorted(c.generated[before:]) == IDS[3:]
+    assert_complete(d)
 
 
 # -- issue 47: input images ----------------------------------------------------------------------
