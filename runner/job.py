@@ -316,7 +316,7 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     # int8-attention's kernel alone start no pool (on a cluster without it, every worker would
     # load and compile a model to take nothing): they are remade beside real work
     if items and not shards:
-        return _nothing_to_do(results, items, out, len(plan.fallback))
+        return _nothing_to_do(results, items, out, ending, len(plan.fallback))
     later = fallback_shards(plan, items, job["run"].shard_size, len(shards))
     _write_config(cfg, out.job_dir)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
@@ -907,10 +907,11 @@ def _damaged_config(store: Store, e: BaseException) -> JobError:
                     f"to regenerate everything")
 
 
-def _nothing_to_do(results: Results, items, out, without_kernel: int = 0) -> dict:
+def _nothing_to_do(results: Results, items, out, ending: Ending, without_kernel: int = 0) -> dict:
     """A rerun with every prompt done: say so in one line (and one more for `without_kernel`
     outputs made without int8-attention's kernel, not remade alone); the last real summary stays
-    in place."""
+    in place. A results table or record that cannot be written (the cause that ended the run
+    before, not fixed yet) is exit 3 naming it, as at the end of a run."""
     ids = [it.id for it in items]
     store = _store(out.job_dir)
     table_path = store.uri("results.parquet")
@@ -920,9 +921,16 @@ def _nothing_to_do(results: Results, items, out, without_kernel: int = 0) -> dic
                               columns=["id"]).column("id").to_pylist() != ids
     except Exception:                    # missing or unreadable (the driver died before writing it)
         stale = True
-    if stale:
-        results.write_table(ids)
-    results.compact()
+    try:
+        if stale:
+            results.write_table(ids)
+        results.compact()
+    except OSError as e:                 # a full disk, a store that refuses or does not answer
+        ending.saw(e)
+        return {"failed": 0, "items": len(ids), "ok": len(ids), "nothing_to_do": True,
+                "aborted": f"every prompt is done, but the results could not be written "
+                           f"({first_line(e)}): fix the store and rerun the same command to "
+                           f"write them"}
     info = store.fs.get_file_info(store.path("summary.txt"))
     if info.is_file:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.mtime.timestamp()))

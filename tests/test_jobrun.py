@@ -511,7 +511,8 @@ def test_ids_differing_only_in_case_on_a_case_sensitive_dir_are_two_outputs(tmp_
 def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts, tmp_path, capsys):
     """Every output made, then the results table cannot be written (a non-empty directory holds
     its name: a real OSError): exit 3 naming it, no traceback, every finished row recorded; a
-    rerun after the fix writes the table without generating anything again."""
+    rerun before the fix says so again (exit 3); one after it writes the table without
+    generating anything again."""
     d = tmp_path / "j"
     (d / "results.parquet" / "in-the-way").mkdir(parents=True)
     c = Cluster()
@@ -520,6 +521,14 @@ def test_a_store_failing_as_the_run_ends_is_exit_3_and_a_rerun_finishes(prompts,
     assert "the results or summary could not be written" in err and "Error" in err
     assert "Traceback" not in err
     assert sorted(r["id"] for r in record_rows(d) if r["status"] == "ok") == IDS
+    # a rerun before the fix: nothing to generate, the table still in the way: exit 3 again,
+    # naming it (it was a traceback, exit 1), nothing generated
+    made = len(c.generated)
+    assert c.main(job_args(prompts, tmp_path)) == 3
+    err = capsys.readouterr().err
+    assert ("error: every prompt is done, but the results could not be written (IsADirectoryError: "
+            in err and "rerun the same command to write them" in err and "Traceback" not in err)
+    assert len(c.generated) == made
     (d / "results.parquet" / "in-the-way").rmdir()
     (d / "results.parquet").rmdir()
     assert c.main(job_args(prompts, tmp_path)) == 0
