@@ -19,9 +19,22 @@ if TYPE_CHECKING:
 class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/worker.py)
     def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
         from .worker import Worker
-        self.worker = Worker(rank, cfg, broker)
+        # An error here (the model cannot load: `runner.models.ModelLoadError`) is raised again by
+        # `warmup`, the driver's first call: a task error, whose cause the driver shows and does
+        # not retry twice. Raised from __init__ it killed the actor, and the driver saw a lost
+        # worker ("The actor died because of an error raised in its creation task", the cause
+        # only in the worker's log), restarted ray.max_worker_restarts times: 4 loads.
+        self.worker, self.failed = None, None
+        try:
+            self.worker = Worker(rank, cfg, broker)
+        except Exception as e:
+            import traceback
+            traceback.clear_frames(e.__traceback__)   # their locals: a half-loaded model's memory
+            self.failed = e
 
     def warmup(self, asked_at: float | None = None) -> dict:
+        if self.failed is not None:
+            raise self.failed
         return self.worker.warmup(asked_at)
 
     def start_shard(self, seq: int, items: list[Item]) -> int:
@@ -37,4 +50,4 @@ class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/w
         return self.worker.metrics()
 
     def phases(self, since: int) -> list[tuple[str, float]]:
-        return self.worker.phases(since)
+        return self.worker.phases(since) if self.worker is not None else []

@@ -25,8 +25,7 @@ from pathlib import Path
 from .config import ModelSpec
 
 __all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_gpu_memory", "check_pretrained",
-           "hub_unreachable",
-           "video_length"]
+           "hub_unreachable", "model_path", "video_length"]
 
 
 class ModelLoadError(RuntimeError):
@@ -95,17 +94,18 @@ def _download_fix(spec: ModelSpec) -> str:
 
 
 def check_pretrained(spec: ModelSpec) -> None:
-    """Fail fast, on the driver, when `pretrained` weights cannot be found (no GPU time spent),
-    in one line: a hub that does not answer is found by `hub_unreachable` before any call of the
-    hub client (which retries for ~24 s, logging each try)."""
+    """Fail fast, on the driver, when `pretrained` weights cannot be found or are not the preset's
+    (no GPU time spent), in one line: a hub that does not answer is found by `hub_unreachable`
+    before any call of the hub client (which retries for ~24 s, logging each try); a checkpoint
+    of another family, or one incomplete or damaged on disk, by `runner.checkpoint`."""
     if spec.source != "pretrained":
         return
-    path = spec.path or spec.info["hub_id"]
-    if spec.path and _path_like(spec.path) and not os.path.isdir(path):
+    path = model_path(spec)
+    if spec.path and _path_like(path) and not os.path.isdir(path):
         # a hub id is "org/name", never absolute nor "./x": this one can only be a directory
         what = ("is a file, not a directory" if os.path.exists(path) else
                 "this directory does not exist")
-        raise ModelLoadError(f"model.path {path!r}: {what}; give the directory of a diffusers "
+        raise ModelLoadError(f"model.path {spec.path!r}: {what}; give the directory of a diffusers "
                              f"pipeline (save_pretrained, or `hf download {spec.info['hub_id']} "
                              f"--local-dir DIR`), or a hub id")
     if os.path.isdir(path):
@@ -113,7 +113,9 @@ def check_pretrained(spec: ModelSpec) -> None:
             raise ModelLoadError(f"model.path {path!r} is a directory without model_index.json: "
                                  f"not a diffusers pipeline (save one with save_pretrained, or "
                                  f"download {spec.info['hub_id']} into it)")
-        return
+        return _check_index(spec, str(Path(path) / "model_index.json"), folder=path)
+    # neither a directory here nor path-like: a hub id, or a relative directory that is not here
+    not_here = (f" (nor a directory under {os.getcwd()!r})" if spec.path else "")
     if not _offline(spec):
         why = hub_unreachable()
         if why is not None:
@@ -122,13 +124,38 @@ def check_pretrained(spec: ModelSpec) -> None:
                     f"cannot reach the Hugging Face hub ({why}); {path!r} is in the local hub "
                     f"cache: run with model.local_files_only=true (or HF_HUB_OFFLINE=1) to use it")
             raise ModelLoadError(f"cannot reach the Hugging Face hub ({why}) and {path!r} is not "
-                                 f"in the local hub cache. {_download_fix(spec)}")
-    if _pretrained_file(spec, "model_index.json") is None:
+                                 f"in the local hub cache{not_here}. {_download_fix(spec)}")
+    index = _pretrained_file(spec, "model_index.json")
+    if index is None:
         raise ModelLoadError(
-            f"cannot find the pretrained model {path!r} (not a local directory; "
+            f"cannot find the pretrained model {path!r} (not a local directory{not_here}; "
             + ("not in the local hub cache, and model.local_files_only or HF_HUB_OFFLINE=1 forbid "
                "the network" if _offline(spec) else "not on the hub, or not readable with the "
                "credentials here (HF_TOKEN, hf auth login)") + f"). {_download_fix(spec)}")
+    # offline, the hub cache's snapshot is what the workers load: checked as a directory is
+    _check_index(spec, index, folder=os.path.dirname(index) if _offline(spec) else None)
+
+
+def _check_index(spec: ModelSpec, index_file: str, folder: str | None) -> None:
+    from .checkpoint import check
+    where = (f"model.path {spec.path!r}" if spec.path else f"{spec.info['hub_id']!r}") + (
+        f" (the hub cache's copy in {folder})" if folder and not os.path.isdir(model_path(spec))
+        else "")
+    try:
+        index = json.loads(Path(index_file).read_text())
+        if not isinstance(index, dict):
+            raise ValueError(f"a JSON {type(index).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{where}: its model_index.json is unreadable ({type(e).__name__}: "
+                             f"{e}); not a diffusers pipeline, or damaged: save or download it "
+                             f"again") from e
+    check(index, spec.preset, where, folder)
+
+
+def model_path(spec: ModelSpec) -> str:
+    """What `from_pretrained` is given: model.path (`~` expanded: a hub id never starts with
+    it) or the preset's hub id."""
+    return os.path.expanduser(spec.path) if spec.path else spec.info["hub_id"]
 
 
 def _path_like(path: str) -> bool:
@@ -142,7 +169,7 @@ def _pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> st
     with `local_only` (or offline settings) from the cache alone. The cache is read directly:
     `hf_hub_download(local_files_only=True)` still goes to the network (huggingface_hub 2.4
     fetches an "agent harnesses" list for its User-Agent, 3 s when the hub does not answer)."""
-    path = spec.path or spec.info["hub_id"]
+    path = model_path(spec)
     if os.path.isdir(path):
         p = Path(path) / name
         return str(p) if p.exists() else None
@@ -211,6 +238,8 @@ def build_pipeline(spec: ModelSpec):
     pipe = pipe.to(spec.device)
     if pipe.dtype != spec.torch_dtype:  # tiny models are built in fp32
         pipe = pipe.to(dtype=spec.torch_dtype)
+    if spec.source == "pretrained":     # on the device: a GPU reads 64 GiB in ~0.1 s
+        _check_finite(pipe, spec)
     pipe.set_progress_bar_config(disable=True)
     for c in pipe.components.values():
         if isinstance(c, torch.nn.Module):
@@ -219,16 +248,54 @@ def build_pipeline(spec: ModelSpec):
 
 
 def _load_pretrained(spec: ModelSpec):
+    """`from_pretrained`, its errors as one line (the first of a worker's error is what the driver
+    shows) naming the checkpoint, the cause and the fix."""
     import diffusers
-    path = spec.path or spec.info["hub_id"]
+    path = model_path(spec)
     cls = getattr(diffusers, spec.family.pipeline)
+    where = "local directory" if os.path.isdir(path) else "hub id"
     try:
-        return cls.from_pretrained(path, dtype=spec.torch_dtype,
+        pipe = cls.from_pretrained(path, dtype=spec.torch_dtype,
                                    local_files_only=spec.local_files_only, **spec.family.load_kwargs)
-    except (OSError, ValueError) as e:
-        where = "local directory" if os.path.isdir(path) else "hub id"
+    except Exception as e:    # OSError, ValueError, safetensors' SafetensorError, AttributeError..
+        # its files named within the directory: the driver shows ~300 characters of the line
+        why = (str(e).strip().splitlines() or [""])[0].replace(path.rstrip("/") + "/", "")[:150]
         raise ModelLoadError(
-            f"could not load {cls.__name__} from {where} {path!r}: {e}\n"
-            f"Fix: download the weights once (hf download {spec.info['hub_id']} --local-dir DIR) "
-            f"and run with model.path=DIR, or set model.source=random/tiny for a run without "
-            f"weights.") from e
+            f"could not load {cls.__name__} from {where} {path!r}: {type(e).__name__}: {why}. "
+            f"Fix: download it again (hf download {spec.info['hub_id']} --local-dir DIR, then "
+            f"model.path=DIR) or model.source=random|tiny") from e
+    return pipe
+
+
+def _check_finite(pipe, spec: ModelSpec) -> None:
+    """Refuse weights that are inf or NaN as loaded: every output would be NaN (black frames), with
+    no error. A checkpoint's values past fp16's range (65504; it was trained in bf16 or fp32)
+    become inf in the cast; a damaged file can hold NaN. One flag per 64M values (a bool copy of
+    a whole embedding would be GiBs), one device sync: ~0.1 s for 64 GiB on a GPU."""
+    import torch
+    path = model_path(spec)
+    where = f"{'local directory' if os.path.isdir(path) else 'hub id'} {path!r}"
+    dtype, names, flags = spec.dtype, [], []
+    for cname, c in pipe.components.items():
+        if isinstance(c, torch.nn.Module):
+            for n, p in c.named_parameters():
+                if p.is_floating_point():
+                    names.append(f"{cname}.{n}")
+                    flags.append(torch.stack([torch.isfinite(x).all()
+                                              for x in p.detach().reshape(-1).split(1 << 26)]).all())
+    if not flags:
+        return
+    bad = [names[i] for i in (~torch.stack(flags)).nonzero().flatten().tolist()]
+    if not bad:
+        return
+    params = {f"{k}.{n}": p for k, c in pipe.components.items() if isinstance(c, torch.nn.Module)
+              for n, p in c.named_parameters()}
+    nan = any(bool(torch.isnan(params[n]).any()) for n in bad)
+    # the cause and the fix first: the driver shows a worker's error to ~300 characters
+    which = f"{len(bad)} tensors, the first {bad[0]}"
+    if dtype == "fp16" and not nan:
+        raise ModelLoadError(f"{where}: weights past fp16's range (65504) become inf in "
+                             f"model.dtype=fp16. Fix: model.dtype=bf16 (or fp32). {which}")
+    raise ModelLoadError(f"{where} holds inf or NaN weights (damaged, or a training run that "
+                         f"diverged). Fix: download it again (hf download {spec.info['hub_id']} "
+                         f"--local-dir DIR) or use another checkpoint. {which}")

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.families import PRESETS
+from runner.families import FAMILIES, PRESETS
 from runner.images import placeholder
 from runner.models import ModelLoadError, ModelSpec, build_pipeline, video_length
 from runner.prompts import Item
@@ -145,22 +145,220 @@ def test_the_first_step_bound_of_unipc_is_where_set_timesteps_repeats_its_first_
     assert s.timesteps[0] == s.timesteps[1]
 
 
-@pytest.mark.parametrize("preset", ["latte1", "pixart_sigma_1024", "sd21", "wan21_t2v_1_3b",
-                                    "wan22_t2v_a14b", "flux1_dev"])
-def test_pretrained_roundtrip_from_local_directory(tmp_path, preset):
+# ---------------------------------------------------------------------------------------------
+# Pretrained checkpoints from a local directory: each family's tiny pipeline saved by
+# `save_pretrained` (what `hf download --local-dir` gives, in layout), loaded the way a real
+# checkpoint is (the driver's checks, then `from_pretrained`), and broken the ways a user's can be.
+
+ONE_PRESET = {f.name: sorted(f.presets)[0] for f in FAMILIES.values()}    # one preset a family
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """preset -> the directory its tiny pipeline was saved to (built once per test process)."""
+    dirs = {}
+
+    def get(preset):
+        if preset not in dirs:
+            dirs[preset] = tmp_path_factory.mktemp(preset) / "model"
+            build_pipeline(ModelSpec(preset, source="tiny")).save_pretrained(dirs[preset])
+        return dirs[preset]
+    return get
+
+
+@pytest.mark.parametrize("preset", sorted(ONE_PRESET.values()))
+def test_pretrained_roundtrip_from_local_directory(saved, preset):
+    """Every family: its saved directory passes the driver's checks, loads as the same pipeline,
+    and makes the same output as the pipeline it was saved from (image rows too)."""
+    from runner.models import check_pretrained
     spec = ModelSpec(preset, source="tiny")
     pipe = build_pipeline(spec)
-    pipe.save_pretrained(tmp_path / "model")
-    loaded = build_pipeline(ModelSpec(preset, source="pretrained", path=str(tmp_path / "model"),
-                                      local_files_only=True))
+    pretrained = ModelSpec(preset, source="pretrained", path=str(saved(preset)), local_files_only=True)
+    check_pretrained(pretrained)
+    loaded = build_pipeline(pretrained)
     assert type(loaded) is type(pipe)
     frames = frames_of(spec)
-    assert frames_of(ModelSpec(preset, source="pretrained", path=str(tmp_path / "model"))) == frames
+    assert frames_of(pretrained) == frames
     fam = spec.family
-    a = generate(pipe, fam, [item(0, 5, frames)], "cpu")
-    b = generate(loaded, fam, [item(0, 5, frames)], "cpu")
+    image = placeholder(64, 64) if fam.image else None
+    a = generate(pipe, fam, [item(0, 5, frames)], "cpu", image=image)
+    b = generate(loaded, fam, [item(0, 5, frames)], "cpu", image=image)
     # the same weights (Wan's loaded pipeline differs in the 7th digit: fp32 kernel order)
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_of_another_family_is_refused_on_the_driver_naming_its_preset(saved):
+    """Each family's preset given each other family's directory: refused in one line naming what
+    the directory is and the preset that loads it. Before, the driver let all through: a worker
+    then failed after loading it (PixArt's given to Wan: "AttributeError: 'FrozenDict' object has
+    no attribute 'scale_factor_temporal'"), or loaded a WanPipeline of another model and ran it
+    with the wrong settings (a TI2V-5B or A14B directory under a Wan 2.1 preset)."""
+    import time
+    from runner.models import check_pretrained
+    for mine in ONE_PRESET.values():
+        for theirs in ONE_PRESET.values():
+            spec = ModelSpec(mine, source="pretrained", path=str(saved(theirs)))
+            t = time.monotonic()
+            if PRESETS[mine] is PRESETS[theirs]:
+                check_pretrained(spec)
+                continue
+            with pytest.raises(ModelLoadError) as e:
+                check_pretrained(spec)
+            msg = str(e.value)
+            assert time.monotonic() - t < 0.5 and "\n" not in msg
+            assert msg.startswith(f"model.path {str(saved(theirs))!r} is a {PRESETS[theirs].pipeline} "
+                                  f"checkpoint"), msg
+            assert f"model.preset={theirs}" in msg or f" {theirs} " in msg or f" {theirs} for" in msg, msg
+            assert PRESETS[mine].presets[mine]["hub_id"] in msg, msg
+
+
+def _sharded(src, dst):
+    """A copy of `src` whose text encoder is saved in shards (as the hub's large ones are)."""
+    import shutil
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "text_encoder")
+    spec = ModelSpec("pixart_alpha_512", source="pretrained", path=str(src), local_files_only=True)
+    build_pipeline(spec).text_encoder.save_pretrained(dst / "text_encoder", max_shard_size="40KB")
+    shards = sorted((dst / "text_encoder").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (dst / "text_encoder" / "model.safetensors.index.json").is_file()
+    return shards
+
+
+def _damage(d, how):
+    """Break checkpoint directory `d` as `how` says; the file the error must name."""
+    import shutil
+    if how == "no vae/":
+        shutil.rmtree(d / "vae")
+        return "vae/ is missing"
+    if how == "no config.json":
+        (d / "transformer" / "config.json").unlink()
+        return "transformer/config.json is missing"
+    if how == "no weights":
+        (d / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+        return "vae/ has no weights"
+    f = d / "transformer" / "diffusion_pytorch_model.safetensors"
+    if how == "truncated":
+        size = f.stat().st_size
+        with open(f, "r+b") as fh:
+            fh.truncate(size // 2)      # an interrupted download
+        return (f"transformer/diffusion_pytorch_model.safetensors is truncated: {size // 2} bytes, "
+                f"its header describes {size}")
+    if how == "corrupt header":
+        with open(f, "r+b") as fh:
+            fh.write(b"<html>error</html>")      # a proxy's error page saved as the file
+        return "transformer/diffusion_pytorch_model.safetensors is not a readable safetensors file"
+    shard = sorted((d / "text_encoder").glob("model-*.safetensors"))[-1]
+    if how == "missing shard":
+        shard.unlink()
+        return f"text_encoder/{shard.name} is missing (listed in model.safetensors.index.json)"
+    with open(shard, "r+b") as fh:              # "truncated shard"
+        fh.truncate(shard.stat().st_size - 1)
+    return f"text_encoder/{shard.name} is truncated"
+
+
+@pytest.mark.parametrize("how", ["no vae/", "no config.json", "no weights", "truncated",
+                                 "corrupt header", "missing shard", "truncated shard"])
+def test_an_incomplete_or_damaged_directory_is_refused_on_the_driver_naming_the_file(
+        saved, tmp_path, how):
+    """Before, the driver let each through and every worker failed at load, four times (a lost
+    worker restarted), with "no file named config.json found in directory DIR" (no vae/),
+    "incomplete metadata, file not fully covered" (a truncated text encoder, no file named) or
+    "Unable to load weights from checkpoint file"; now one line in milliseconds."""
+    import shutil
+    import time
+    from runner.models import check_pretrained
+    d = tmp_path / "model"
+    if "shard" in how:
+        _sharded(saved("pixart_alpha_512"), d)
+    else:
+        shutil.copytree(saved("pixart_alpha_512"), d)
+    spec = ModelSpec("pixart_alpha_512", source="pretrained", path=str(d), local_files_only=True)
+    check_pretrained(spec)                    # whole, it passes (the sharded copy too)
+    want = _damage(d, how)
+    t = time.monotonic()
+    with pytest.raises(ModelLoadError) as e:
+        check_pretrained(spec)
+    assert time.monotonic() - t < 0.5
+    msg = str(e.value)
+    assert msg.startswith(f"model.path {str(d)!r} is incomplete or damaged: {want}"), msg
+    assert "hf download PixArt-alpha/PixArt-XL-2-512x512 --local-dir DIR" in msg
+
+
+def test_a_damaged_directory_is_exit_2_in_a_dry_run_in_one_line(saved, tmp_path):
+    """The user's view: `python -m runner ... model.path=DIR` (no Ray, no model built)."""
+    import shutil
+    d = tmp_path / "model"
+    shutil.copytree(saved("pixart_alpha_512"), d)
+    _damage(d, "no vae/")
+    r, started, ended = _dry_run(tmp_path, "http://hub.invalid", "model.preset=pixart_alpha_512",
+                                 f"model.path={d}")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"error: model.path {str(d)!r} is incomplete or damaged: vae/ is missing (model_index.json "
+        f"lists vae: AutoencoderKL). Fix: download it again (remove what is damaged, then hf "
+        f"download PixArt-alpha/PixArt-XL-2-512x512 --local-dir DIR), or save the pipeline again "
+        f"(save_pretrained)"), r.stderr[-2000:]
+
+
+def _set_weight(d, value):
+    """Write `value` into one weight of the transformer saved in `d` (fp32 on disk)."""
+    from safetensors.torch import load_file, save_file
+    f = d / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights = load_file(f)
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] = value
+    save_file(weights, f, metadata={"format": "pt"})
+    return f"transformer.{name}"
+
+
+@pytest.mark.parametrize("value", [1e6, float("nan")])
+def test_weights_that_are_not_finite_as_loaded_are_refused_naming_the_dtype_fix(saved, tmp_path,
+                                                                                 value):
+    """A weight past fp16's range (a bf16/fp32 checkpoint) is inf in model.dtype=fp16, a NaN in
+    the file is NaN in any dtype. Before, the worker loaded, compiled and warmed up the model,
+    then its canary batch came out NaN: "the canary batch ... is not finite: this worker's model
+    or GPU computes NaN or inf", naming neither the weights nor the fix. Now its load fails
+    naming both; fp32 takes 1e6."""
+    import shutil
+    d = tmp_path / "model"
+    shutil.copytree(saved("pixart_alpha_512"), d)
+    name = _set_weight(d, value)
+
+    def load(dtype):
+        return build_pipeline(ModelSpec("pixart_alpha_512", source="pretrained", path=str(d),
+                                        local_files_only=True, dtype=dtype, device="cpu"))
+    with pytest.raises(ModelLoadError) as e:
+        load("fp16")
+    msg = str(e.value)
+    assert msg.startswith(f"local directory {str(d)!r}") and msg.endswith(
+        f"1 tensors, the first {name}"), msg
+    if value == 1e6:
+        assert "become inf in model.dtype=fp16. Fix: model.dtype=bf16 (or fp32)" in msg, msg
+        assert load("fp32").transformer.dtype == torch.float32
+    else:
+        assert "holds inf or NaN weights" in msg and "hf download PixArt-alpha/" in msg, msg
+        with pytest.raises(ModelLoadError, match="holds inf or NaN weights"):
+            load("fp32")
+
+
+def test_model_path_expands_home_and_names_a_relative_directory_that_is_not_here(
+        saved, tmp_path, monkeypatch):
+    """`~/models/x` (a YAML value, or quoted on the command line) is the home directory's: a
+    hub id never starts with `~`. Before, it was asked of the hub as an id. A relative path that
+    is no directory here is said to be none, besides not on the hub."""
+    import shutil
+    from runner.models import check_pretrained
+    shutil.copytree(saved("pixart_alpha_512"), tmp_path / "m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spec = ModelSpec("pixart_alpha_512", source="pretrained", path="~/m", local_files_only=True)
+    check_pretrained(spec)
+    assert type(build_pipeline(spec)).__name__ == "PixArtAlphaPipeline"
+    with pytest.raises(ModelLoadError, match=r"^model.path '~/nope': this directory does not exist"):
+        check_pretrained(ModelSpec("sd21", source="pretrained", path="~/nope"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"not a local directory \\(nor a directory under "
+                                             f"'{tmp_path}'\\)"):
+        check_pretrained(ModelSpec("sd21", source="pretrained", path="models/sd21",
+                                   local_files_only=True))
 
 
 def test_missing_pretrained_model_says_how_to_fix(tmp_path):
@@ -322,3 +520,54 @@ def test_a_cached_model_without_the_hub_points_to_local_files_only(tmp_path, sil
     r, _, _ = _dry_run(tmp_path, silent_server.url, "model.local_files_only=true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dry run of" in r.stdout and len(silent_server.held) == 1     # no connection at all
+
+
+def test_a_worker_that_cannot_load_the_model_fails_its_warmup_not_its_actor(saved, tmp_path):
+    """`WorkerActor` keeps its Worker's load error for the driver's first call (`warmup`): a task
+    error naming the cause, retried once. Raised from the actor's __init__ it was a lost worker
+    whose cause Ray's text hid ("The actor died because of an error raised in its creation
+    task"), restarted ray.max_worker_restarts times. No Ray here: the actor class itself."""
+    import shutil
+    from runner import job
+    from runner.actor import WorkerActor
+    from runner.config import load_config, split
+    d = tmp_path / "model"
+    shutil.copytree(saved("pixart_alpha_512"), d)
+    _set_weight(d, float("nan"))
+    j = split(load_config(["job=demo_image", "model.source=pretrained", f"model.path={d}",
+                           "model.preset=pixart_alpha_512", "model.local_files_only=true",
+                           f"output.dir={tmp_path / 'out'}"]))
+    actor = WorkerActor(0, job.worker_config(j, job.check_input(j).limits, on_gpu=False))
+    assert actor.phases(0) == []               # the driver polls start-up phases meanwhile
+    with pytest.raises(ModelLoadError, match=f"^local directory {str(d)!r} holds inf or NaN"):
+        actor.warmup()
+
+
+@pytest.mark.e2e
+def test_a_model_load_error_on_the_workers_ends_the_job_naming_it_after_one_retry(saved,
+                                                                                   tmp_path):
+    """The user's view of a checkpoint the driver does not read (a .bin weights file that is no
+    pickle), on Ray: exit 2, the last line names the file and the fix, two start-ups (one retry
+    of the same error), no Ray traceback on the terminal. Before: four start-ups (each a lost
+    worker), ~230 lines of worker tracebacks, and a last line naming none of it."""
+    import shutil
+    import time
+    from test_faults import cli
+    d = tmp_path / "model"
+    shutil.copytree(saved("pixart_alpha_512"), d)
+    (d / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    (d / "vae" / "diffusion_pytorch_model.bin").write_text("not a pickle")
+    t = time.monotonic()
+    rc, out, err = cli(["job=demo_image", "model.source=pretrained", "model.preset=pixart_alpha_512",
+                        f"model.path={d}", "model.local_files_only=true", "ray.cpu_workers=1",
+                        f"output.dir={tmp_path / 'out'}", "generation.height=64",
+                        "generation.width=64"])
+    took = time.monotonic() - t
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("error: every worker is gone"), err[-3000:]
+    assert (f"start-up failed: ModelLoadError: could not load PixArtAlphaPipeline from local "
+            f"directory {str(d)!r}: OSError: Unable to load weights from checkpoint file for "
+            f"'vae/diffusion_pytorch_model.bin'") in last, last
+    assert err.count("worker 0: starting") == 2, err[-3000:]
+    assert "creation task" not in err and "Traceback" not in err, err[-3000:]
+    print(f"failed in {took:.1f} s")

@@ -77,6 +77,11 @@ class Family:
     # `step_reuse=` and `branch=` (unless compile_pipe already installed that forward)
     residual_forward: Callable[[Any, int], None] | None = None
     load_kwargs: dict = field(default_factory=dict)   # extra `from_pretrained` arguments
+    # model_index.json entries that tell this family's checkpoints from another family's of the
+    # same pipeline class (Wan 2.1 T2V, Wan 2.2 A14B and TI2V-5B are all WanPipeline): entry ->
+    # set (a component, a true flag, a value) or not (absent, null, false). `runner.checkpoint`
+    # checks a pretrained checkpoint against it on the driver, before a worker loads it
+    checkpoint: dict[str, bool] = field(default_factory=dict)
     # the pipeline runs a negative-prompt branch (classifier-free guidance); False for a
     # guidance-distilled model (FLUX.1-dev: guidance_scale is an embedding, no second pass), whose
     # rows' negative_prompt is not encoded

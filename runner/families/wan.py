@@ -74,4 +74,5 @@ WAN21 = Family(
     presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B")},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    max_steps=train_timesteps(SCHEDULER), video_vae=vae)
+    max_steps=train_timesteps(SCHEDULER), video_vae=vae,
+    checkpoint={"transformer_2": False, "boundary_ratio": False, "expand_timesteps": False})

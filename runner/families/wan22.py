@@ -132,7 +132,8 @@ WAN22_A14B = Family(
              "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0)},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae)
+    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae,
+    checkpoint={"transformer_2": True, "boundary_ratio": True})
 
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
@@ -144,4 +145,5 @@ WAN22_TI2V = Family(
     long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae,
     # 200: its image rows' WanImageToVideoPipeline at shift 5.0 (text rows would run 1000); one
     # bound for all its rows, 4x the published 50, rather than a second one for text rows
-    max_steps=unipc_flow_first_step(TI2V_SCHEDULER))
+    max_steps=unipc_flow_first_step(TI2V_SCHEDULER),
+    checkpoint={"transformer_2": False, "expand_timesteps": True})

@@ -97,4 +97,6 @@ WAN21_I2V = Family(
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
     long_attention=True, image="required", video_vae=wan21_vae,
-    max_steps=unipc_flow_first_step(SCHEDULER))   # 333 (WanImageToVideoPipeline, shift 3.0)
+    max_steps=unipc_flow_first_step(SCHEDULER),   # 333 (WanImageToVideoPipeline, shift 3.0)
+    # Wan 2.2 I2V-A14B is a WanImageToVideoPipeline too: two experts, no CLIP image encoder
+    checkpoint={"image_encoder": True, "transformer_2": False})
