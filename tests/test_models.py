@@ -507,10 +507,14 @@ def test_a_pretrained_dry_run_without_the_hub_is_one_line_naming_hf_download(tmp
 
 def test_a_cached_model_without_the_hub_points_to_local_files_only(tmp_path, silent_server):
     """In the local hub cache: the error says how to use it; with model.local_files_only=true the
-    dry run goes ahead without touching the network (the hub's own client is never asked)."""
+    dry run goes ahead without touching the network (the hub's own client is never asked). The
+    snapshot is what the workers load offline: checked as a directory is (a component that never
+    downloaded is named, in the cache)."""
+    import json
     repo = tmp_path / "hf" / "hub" / "models--PixArt-alpha--PixArt-XL-2-1024-MS"
     (repo / "snapshots" / "abc123").mkdir(parents=True)
-    (repo / "snapshots" / "abc123" / "model_index.json").write_text("{}")
+    index = repo / "snapshots" / "abc123" / "model_index.json"
+    index.write_text(json.dumps({"_class_name": "PixArtAlphaPipeline"}))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     r, _, _ = _dry_run(tmp_path, silent_server.url)
@@ -520,6 +524,12 @@ def test_a_cached_model_without_the_hub_points_to_local_files_only(tmp_path, sil
     r, _, _ = _dry_run(tmp_path, silent_server.url, "model.local_files_only=true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dry run of" in r.stdout and len(silent_server.held) == 1     # no connection at all
+    index.write_text(json.dumps({"_class_name": "PixArtAlphaPipeline",
+                                 "vae": ["diffusers", "AutoencoderKL"]}))
+    r, _, _ = _dry_run(tmp_path, silent_server.url, "model.local_files_only=true")
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"error: 'PixArt-alpha/PixArt-XL-2-1024-MS' (the hub cache's copy in {index.parent}) is "
+        f"incomplete or damaged: vae/ is missing"), r.stderr[-2000:]
 
 
 def test_a_worker_that_cannot_load_the_model_fails_its_warmup_not_its_actor(saved, tmp_path):
