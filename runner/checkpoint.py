@@ -1,8 +1,8 @@
 """A pretrained checkpoint checked from its files on the driver, before any worker loads it: JSON
 and safetensors headers only (no torch; milliseconds for a 64 GiB checkpoint).
 
-Contract: `check(index, preset, where, folder)` raises `ModelLoadError`, one line naming the value
-and the fix, when
+Contract: `problem(index, preset, where, folder)` is None, or one line naming the value and the
+fix (`runner.models.check_pretrained` raises it as a `ModelLoadError`) when
 - `index` (the checkpoint's model_index.json, parsed) is not of `preset`'s family: another
   pipeline class (`_class_name`), or the same class with the entries of another family
   (`Family.checkpoint`: a Wan 2.2 A14B directory given to a Wan 2.1 preset);
@@ -24,7 +24,6 @@ import re
 from pathlib import Path
 
 from .families import PRESETS
-from .models import ModelLoadError
 
 # the weights file names diffusers and transformers load without a `variant` (their sharded
 # forms list their shards in `<name>.index.json`)
@@ -35,25 +34,26 @@ NO_WEIGHTS = re.compile(r"Scheduler|Tokenizer|Processor|FeatureExtractor")
 MAX_HEADER = 100 << 20    # safetensors' own bound on a header (100 MB)
 
 
-def check(index: dict, preset: str, where: str, folder: str | None) -> None:
+def problem(index: dict, preset: str, where: str, folder: str | None) -> str | None:
     fam = PRESETS[preset]
     why = _not_of_family(index, preset)
     if why:
         fits = [p for p in PRESETS if not _not_of_family(index, p)]
         other = (f"model.preset={' or '.join(fits)} for this checkpoint, or " if fits else "")
-        raise ModelLoadError(
+        return (
             f"{where} {why}. Fix: {other}a {preset} checkpoint (hf download "
             f"{fam.presets[preset]['hub_id']} --local-dir DIR, then model.path=DIR)")
     if folder is not None:
         problems = [p for name, entry in sorted(index.items())
                     for p in _component_problems(Path(folder), name, entry)]
         if problems:
-            raise ModelLoadError(
+            return (
                 f"{where} is incomplete or damaged: {'; '.join(problems[:5])}"
                 f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}. Fix: "
                 f"download it again (remove what is damaged, then hf download "
                 f"{fam.presets[preset]['hub_id']} --local-dir DIR), or save the pipeline again "
                 f"(save_pretrained)")
+    return None
 
 
 def _is_set(value) -> bool:

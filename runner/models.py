@@ -137,7 +137,7 @@ def check_pretrained(spec: ModelSpec) -> None:
 
 
 def _check_index(spec: ModelSpec, index_file: str, folder: str | None) -> None:
-    from .checkpoint import check
+    from .checkpoint import problem
     where = (f"model.path {spec.path!r}" if spec.path else f"{spec.info['hub_id']!r}") + (
         f" (the hub cache's copy in {folder})" if folder and not os.path.isdir(model_path(spec))
         else "")
@@ -149,7 +149,9 @@ def _check_index(spec: ModelSpec, index_file: str, folder: str | None) -> None:
         raise ModelLoadError(f"{where}: its model_index.json is unreadable ({type(e).__name__}: "
                              f"{e}); not a diffusers pipeline, or damaged: save or download it "
                              f"again") from e
-    check(index, spec.preset, where, folder)
+    why = problem(index, spec.preset, where, folder)
+    if why:
+        raise ModelLoadError(why)
 
 
 def model_path(spec: ModelSpec) -> str:
