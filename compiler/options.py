@@ -41,7 +41,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | key `compile_text_encoder` (default null = on when compiling) | compiled: also compile the text encoder's blocks, with the lossless settings only in every mode (the runner encodes a shard's prompts in one call of a fixed batch: one graph) |
 
 `max-autotune` is in neither preset: on an H100 it took first-call compile from 6 s to 58 s for no
-gain on PixArt (see performance.md), and the presets must keep the first call short.
+gain on PixArt (an early measurement, before benchmarks/ kept one), and the presets must keep the first call short.
 Why `max-optimize` uses `max_autotune_pointwise` rather than `coordinate_descent_tuning`
 (BENCHMARKS.md, "Compiler, third round"): on Latte-1 O3 the descent ran 290 serial compile-and-time
 trials, 97 s of a 128 s first call, for 6.84 it/s; `max_autotune_pointwise` compiles its few

@@ -257,7 +257,7 @@ class OutputSection:
 class CompileSection:
     """Handed to `compiler.parse_options` as one dict (all but cache_dir); see docs/compiler.md's flags."""
     mode: str = key("none", "none (eager) | colon-joined flags, e.g. max-optimize:cache-all | O2 | O3")
-    memory_format: str | None = key(None, "null | channels_last")
+    memory_format: str | None = key(None, "null | channels_last | contiguous")
     dynamic: bool = key(False, "true: one compiled graph serves several resolutions")
     fuse_qkv: bool = key(True, "fuse the q/k/v projections of every attention block")
     fuse_gelu: bool = key(True, "compiled, CUDA: Linear + GELU(tanh) as one GEMM with a GELU epilogue")
@@ -783,8 +783,9 @@ def _show(v) -> str:
 def markdown_table() -> str:
     """Every key as a markdown table (tests/test_ux.py checks docs/configuration.md holds exactly this)."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{k.name}` | {_type_name(k.type)} | `{_show(k.default)}` | {k.doc} |"
-             for k in schema().values()]
+    # a doc's own "a | b" choices escaped: unescaped, each split the row into more cells
+    rows += [f"| `{k.name}` | {_type_name(k.type)} | `{_show(k.default)}` | "
+             f"{k.doc.replace('|', chr(92) + '|')} |" for k in schema().values()]
     return "\n".join(rows)
 
 

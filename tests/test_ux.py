@@ -59,6 +59,9 @@ def test_the_documented_key_table_is_generated_from_the_schema():
     body = doc[doc.index("\n", start) + 1:doc.index("<!-- /config-table -->")].strip()
     assert body == markdown_table(), ("docs/configuration.md's key table is stale: paste "
                                       "`python -m runner.config --markdown`")
+    # each row four cells: a doc's "a | b" escaped (it split rows into up to 17 cells)
+    rows = [r.replace("\\|", "") for r in body.splitlines()]
+    assert [r.count("|") for r in rows] == [5] * len(rows)
 
 
 @pytest.mark.parametrize("arg,needle", [

@@ -1,7 +1,8 @@
 """Measurement tools, apart from the job's own modules. Each is `python -m runner.bench.<tool>`:
 
 - `compiled`: eager vs compiled pipelines side by side (the compiler applied to the models);
-- `vs_loop`: the job against plain diffusers loops, eager and `torch.compile`;
+- `vs_loop`: the job against plain diffusers loops, eager and `torch.compile`, and the peer stack
+  (cache-dit's step cache + `torch.compile`);
 - `scaling`: the same job with 1..N workers (table, JSON, plots);
 - `decode`: the VAE decoder alone, eager vs compiled, contiguous vs channels_last, cudnn.benchmark;
 - `tuning`: what Inductor's kernel tuning costs and buys on one model;
