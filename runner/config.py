@@ -783,9 +783,9 @@ def _show(v) -> str:
 def markdown_table() -> str:
     """Every key as a markdown table (tests/test_ux.py checks docs/configuration.md holds exactly this)."""
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    # a doc's own "a | b" choices escaped: unescaped, each split the row into more cells
-    rows += [f"| `{k.name}` | {_type_name(k.type)} | `{_show(k.default)}` | "
-             f"{k.doc.replace('|', chr(92) + '|')} |" for k in schema().values()]
+    for k in schema().values():
+        doc = k.doc.replace("|", r"\|")   # a doc's own "a | b" choices: unescaped, more cells
+        rows.append(f"| `{k.name}` | {_type_name(k.type)} | `{_show(k.default)}` | {doc} |")
     return "\n".join(rows)
 
 

@@ -255,7 +255,6 @@ def _load_pretrained(spec: ModelSpec):
     import diffusers
     path = model_path(spec)
     cls = getattr(diffusers, spec.family.pipeline)
-    where = "local directory" if os.path.isdir(path) else "hub id"
     try:
         pipe = cls.from_pretrained(path, dtype=spec.torch_dtype,
                                    local_files_only=spec.local_files_only, **spec.family.load_kwargs)
@@ -263,10 +262,16 @@ def _load_pretrained(spec: ModelSpec):
         # its files named within the directory: the driver shows ~300 characters of the line
         why = (str(e).strip().splitlines() or [""])[0].replace(path.rstrip("/") + "/", "")[:150]
         raise ModelLoadError(
-            f"could not load {cls.__name__} from {where} {path!r}: {type(e).__name__}: {why}. "
+            f"could not load {cls.__name__} from {_source(spec)}: {type(e).__name__}: {why}. "
             f"Fix: download it again (hf download {spec.info['hub_id']} --local-dir DIR, then "
             f"model.path=DIR) or model.source=random|tiny") from e
     return pipe
+
+
+def _source(spec: ModelSpec) -> str:
+    """The checkpoint as load errors name it: "local directory '/models/x'" or "hub id 'org/x'"."""
+    path = model_path(spec)
+    return f"{'local directory' if os.path.isdir(path) else 'hub id'} {path!r}"
 
 
 def _check_finite(pipe, spec: ModelSpec) -> None:
@@ -275,26 +280,24 @@ def _check_finite(pipe, spec: ModelSpec) -> None:
     become inf in the cast; a damaged file can hold NaN. One flag per 64M values (a bool copy of
     a whole embedding would be GiBs), one device sync: ~0.1 s for 64 GiB on a GPU."""
     import torch
-    path = model_path(spec)
-    where = f"{'local directory' if os.path.isdir(path) else 'hub id'} {path!r}"
-    dtype, names, flags = spec.dtype, [], []
+    where = _source(spec)
+    dtype, names, params, flags = spec.dtype, [], [], []
     for cname, c in pipe.components.items():
         if isinstance(c, torch.nn.Module):
             for n, p in c.named_parameters():
                 if p.is_floating_point():
                     names.append(f"{cname}.{n}")
+                    params.append(p)
                     flags.append(torch.stack([torch.isfinite(x).all()
                                               for x in p.detach().reshape(-1).split(1 << 26)]).all())
     if not flags:
         return
-    bad = [names[i] for i in (~torch.stack(flags)).nonzero().flatten().tolist()]
+    bad = (~torch.stack(flags)).nonzero().flatten().tolist()
     if not bad:
         return
-    params = {f"{k}.{n}": p for k, c in pipe.components.items() if isinstance(c, torch.nn.Module)
-              for n, p in c.named_parameters()}
-    nan = any(bool(torch.isnan(params[n]).any()) for n in bad)
+    nan = any(bool(torch.isnan(params[i]).any()) for i in bad)
     # the cause and the fix first: the driver shows a worker's error to ~300 characters
-    which = f"{len(bad)} tensors, the first {bad[0]}"
+    which = f"{len(bad)} tensors, the first {names[bad[0]]}"
     if dtype == "fp16" and not nan:
         raise ModelLoadError(f"{where}: weights past fp16's range (65504) become inf in "
                              f"model.dtype=fp16. Fix: model.dtype=bf16 (or fp32). {which}")
