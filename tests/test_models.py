@@ -155,13 +155,14 @@ ONE_PRESET = {f.name: sorted(f.presets)[0] for f in FAMILIES.values()}    # one 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """preset -> the directory its tiny pipeline was saved to (built once per test process)."""
+    """preset -> the directory its tiny pipeline was saved to (built once per test process), in
+    fp32 on any machine: `device="auto"` would save fp16 where a GPU is (`ModelSpec.resolved`)."""
     dirs = {}
 
     def get(preset):
         if preset not in dirs:
             dirs[preset] = tmp_path_factory.mktemp(preset) / "model"
-            build_pipeline(ModelSpec(preset, source="tiny")).save_pretrained(dirs[preset])
+            build_pipeline(ModelSpec(preset, source="tiny", device="cpu")).save_pretrained(dirs[preset])
         return dirs[preset]
     return get
 
@@ -305,6 +306,8 @@ def _set_weight(d, value):
     f = d / "transformer" / "diffusion_pytorch_model.safetensors"
     weights = load_file(f)
     name = sorted(weights)[0]
+    # an fp16 file would hold inf for 1e6 already: every dtype refused, not fp16's cast alone
+    assert weights[name].dtype == torch.float32, (f, weights[name].dtype)
     weights[name].view(-1)[0] = value
     save_file(weights, f, metadata={"format": "pt"})
     return f"transformer.{name}"
