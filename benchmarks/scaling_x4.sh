@@ -9,22 +9,23 @@
 #   4-worker job (the acceptance's whole span with a warm cache); run.shard_size=4.
 #   One bench command: groups 1+2 (GPUs 0 | 1,2, at once) cold, 1+2 warm, 4 cold, 4 warm.
 # wan: Wan 2.1 T2V 1.3B, 480x832 x 33 frames, 20 steps, O3 + step reuse (residual, 15 of 20
-#   steps computed, as in 2026-11-25-step-reuse-h100.md), 8 prompts per worker (1: 8, 2: 16,
-#   4: 32), run.shard_size=1 (a video is ~5 s: shards of one keep the 4 workers' tails even);
+#   steps computed, as in 2026-11-25-step-reuse-h100.md), 16 prompts per worker (1: 16, 2: 32,
+#   4: 64; at 8 a worker, 2026-11-26, the last video's tail was ~15 % of the steady window),
+#   run.shard_size=1 (a video is ~5 s: shards of one keep the 4 workers' tails even);
 #   groups 1+2 cold, 1+2 warm, 4 cold, 4 warm.
-# all: pixart then wan (~16 min: more than one 10-minute device command; run the two phases as
-#   two commands there).
-# Wall time (H100, from known figures: PixArt O3 ~1.5 images/s per worker, cold first ready ~55 s
-# (compile ~34 s), warm ~20 s (Ray and process start ~10 s, load ~6 s, warm-up ~6 s); Wan 1.3B
-# 33f/20 O3 + residual ~0.195 videos/s per worker (5.1 s/video), cold ready ~85 s, warm ~40 s;
-# + ~5 s per run for Ray's shutdown, ~10 s for the bench itself):
-#   pixart: 1+2 cold ~105 s (55 + 64/1.5 = 98 s; the 2-worker run ~101 s) + 1+2 warm ~68 s
-#           + 4 cold ~106 s (55 + 256/6 + ramp) + 4 warm 1,000 ~192 s (20 + 1000/6) ≈ 480 s
-#   wan:    1+2 cold ~136 s (85 + 8 x 5.1 + ramp) + 1+2 warm ~87 s + 4 cold ~136 s
-#           + 4 warm ~87 s ≈ 460 s
-# Each bench is limited to 560 s (timeout: room for the copies in one 600 s device command); what finished is kept (the bench writes scaling.json
-# after every group). Sizes: PIXART_PER_WORKER, PIXART_WARM (warm prompts per worker count),
-# WAN_PER_WORKER; 8 GPUs: PIXART_WORKERS=1+2+4,8 PIXART_WARM=64,128,256,2000 (and WAN_WORKERS).
+# all: pixart then wan.
+# One command on the device is at most 10 minutes, and a phase is more (measured on 4 H100s,
+# 2026-11-26-scaling-h100x4.md): ONLY=1+2 runs that group alone, ONLY=4 the 4-worker group, each
+# with resume=true, so the second call keeps the first's rows (the 1-worker base) and adds its own.
+# Their walls there: pixart 1+2 cold 150 s + warm 100 s = 250 s; 4 cold 145 s + 4 warm 1,000
+# prompts ~220 s (ready 46 s, 6.1 images/s) = ~365 s. wan (at 8 a worker) 1+2 cold 214 s + warm
+# 96 s, 4 cold 156 s; at 16 a worker ~380 s (ONLY=1+2) and ~315 s (ONLY=4).
+# Always resume=true: a fresh machine has no /tmp/scaling-*, a warm one goes on with it; to start
+# over there, remove /tmp/scaling-PHASE first.
+# Each bench is limited to 560 s (timeout: room for the copies in one 600 s device command); what
+# finished is kept (the bench writes scaling.json after every group). Sizes: PIXART_PER_WORKER,
+# PIXART_WARM (warm prompts per worker count), WAN_PER_WORKER; 8 GPUs: PIXART_WORKERS=1+2+4,8
+# PIXART_WARM=64,128,256,2000 (and WAN_WORKERS).
 # Every figure is in OUTDIR/<pixart|wan>/scaling.json, one row per run (cache cold|warm):
 # first_ready_s / all_ready_s (the job's clock: Ray's start included), worker_ready_s (the slowest
 # worker's own Worker() to ready; per rank in worker_ready_s_by_rank), model_load_s, cache_wait_s,
@@ -35,6 +36,7 @@ set -u
 phase=$1; out=$2; mkdir -p "$out"
 source "$(dirname "$0")/keep.sh"
 versions
+ONLY=${ONLY:+only=$ONLY}   # one group of the bench now (see above), else all of them
 keep() { keep_runs "$1" "$out/$2" 'w[0-9]*' 'scaling.*'; }   # the table and each run's figures
 
 table() {  # the short table, and each run's workers' own start-up
@@ -56,7 +58,7 @@ t0=$SECONDS
 if [ "$phase" = pixart ] || [ "$phase" = all ]; then
   timeout 560 python3 -m runner.bench.scaling job=pixart_batch workers=${PIXART_WORKERS:-1+2,4} \
       prompts_per_worker=${PIXART_PER_WORKER:-64} cache=both warm_prompts=${PIXART_WARM:-64,128,1000} \
-      model.source=random compile.mode=O3 run.shard_size=4 out=/tmp/scaling-pixart \
+      model.source=random compile.mode=O3 run.shard_size=4 out=/tmp/scaling-pixart $ONLY resume=true \
       > "$out/pixart.log" 2>&1
   echo "pixart: exit $? after $((SECONDS - t0)) s"
   keep /tmp/scaling-pixart pixart
@@ -65,10 +67,10 @@ fi
 t1=$SECONDS
 if [ "$phase" = wan ] || [ "$phase" = all ]; then
   timeout 560 python3 -m runner.bench.scaling job=wan_batch workers=${WAN_WORKERS:-1+2,4} \
-      prompts_per_worker=${WAN_PER_WORKER:-8} cache=both model.source=random compile.mode=O3 \
+      prompts_per_worker=${WAN_PER_WORKER:-16} cache=both model.source=random compile.mode=O3 \
       generation.num_frames=33 generation.num_inference_steps=20 step_cache.method=residual \
       step_cache.compute_ratio=0.75 step_cache.first_blocks=1 run.shard_size=1 \
-      out=/tmp/scaling-wan > "$out/wan.log" 2>&1
+      out=/tmp/scaling-wan $ONLY resume=true > "$out/wan.log" 2>&1
   echo "wan: exit $? after $((SECONDS - t1)) s"
   keep /tmp/scaling-wan wan
   table wan

@@ -125,6 +125,67 @@ def test_a_warm_run_starts_with_the_artifact_alone(tmp_path):
         _fresh_cache(str(tmp_path), "w1", str(tmp_path / "cache-w2-warm" / "none"))
 
 
+def test_resume_keeps_the_groups_a_time_limit_let_finish_and_reruns_the_rest(tmp_path, monkeypatch):
+    """A 10-minute device command cut the bench off during the 4-worker warm run (2026-11-26): a
+    second call with resume=true keeps the finished groups' rows and runs only what is missing, from
+    nothing (a half-done group's row is dropped); other arguments are refused, naming the file."""
+    from runner.bench import scaling
+    argv = ["job=demo_image", "workers=1+2,4", "prompts_per_worker=4", "cache=both",
+            "warm_prompts=4,8,100", f"out={tmp_path}", "model.device=cpu"]
+    rows = [r for r in weak_rows("cold", 5.0) + weak_rows("warm", 2.0)
+            if not (r["cache"] == "warm" and r["workers"] == 4)]
+    rows[2]["ok"] = 3                      # 4 cold: as it was kept, left out of the check below
+    scaling._summarize(rows, [*argv, "resume=true"], str(tmp_path))
+    ran = []
+
+    def run_group(opts, out, rest, group, gpus, cache, n_of, fill):
+        ran.append((group, cache, [n_of[k] for k in group]))
+        return [dict(r, ok=r["ok"] + 1000) for r in weak_rows(cache, 2.0) if r["workers"] in group], []
+    monkeypatch.setattr(scaling, "_run_group", run_group)
+    monkeypatch.setattr(scaling, "_gpu_slices", lambda group, cpu: [None] * len(group))
+    out = scaling.main([*argv, "resume=true"])
+    assert ran == [([4], "warm", [100])]                   # only the missing group, its own size
+    assert [(r["cache"], r["workers"], r["ok"] >= 1000) for r in out] == [
+        ("cold", 1, False), ("cold", 2, False), ("cold", 4, False),
+        ("warm", 1, False), ("warm", 2, False), ("warm", 4, True)]
+    assert json.load(open(tmp_path / "scaling.json"))["rows"] == out
+    ran.clear()                                            # without resume: everything again
+    scaling.main(argv)
+    assert [(g, c) for g, c, _ in ran] == [([1, 2], "cold"), ([1, 2], "warm"), ([4], "cold"),
+                                           ([4], "warm")]
+    with pytest.raises(SystemExit, match=r"resume=true: .*scaling.json was made by other arguments"):
+        scaling.main([*argv[:-1], "model.device=cpu", "compile.mode=O2", "resume=true"])
+    with pytest.raises(SystemExit, match="resume='yes': true or false"):
+        scaling.main([*argv, "resume=yes"])
+
+
+def test_only_splits_a_bench_into_commands_against_one_base(tmp_path, monkeypatch):
+    """only=1+2, then only=4 resume=true (two device commands): the second call runs the 4-worker
+    group alone and its rows are against the 1-worker base the first call measured."""
+    from runner.bench import scaling
+    argv = ["job=demo_image", "workers=1+2,4", "prompts_per_worker=4", "cache=both",
+            f"out={tmp_path}", "model.device=cpu"]
+    ran = []
+
+    def run_group(opts, out, rest, group, gpus, cache, n_of, fill):
+        ran.append(("+".join(map(str, group)), cache))
+        start = {"cold": 5.0, "warm": 2.0}[cache]
+        return [r for r in weak_rows(cache, start, per_worker=4) if r["workers"] in group], []
+    monkeypatch.setattr(scaling, "_run_group", run_group)
+    monkeypatch.setattr(scaling, "_gpu_slices", lambda group, cpu: [None] * len(group))
+    first = scaling.main([*argv, "only=1+2"])
+    assert ran == [("1+2", "cold"), ("1+2", "warm")] and [r["workers"] for r in first] == [1, 2, 1, 2]
+    ran.clear()
+    rows = scaling.main([*argv, "only=4", "resume=true"])
+    assert ran == [("4", "cold"), ("4", "warm")]
+    assert [(r["cache"], r["workers"], r["base_workers"]) for r in rows] == [
+        ("cold", 1, 1), ("cold", 2, 1), ("cold", 4, 1), ("warm", 1, 1), ("warm", 2, 1), ("warm", 4, 1)]
+    assert rows[2]["span_efficiency"] == pytest.approx(
+        (5 + 16 / 1.5) / (5 + 16 / 6) / 4)   # against the first call's 1-worker row
+    with pytest.raises(SystemExit, match=r"only='3': give groups of workers='1\+2,4' \(1\+2, 4\)"):
+        scaling.main([*argv, "only=3"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["cache=hot"], "cache='hot': one of cold, warm, both"),
     (["cache=both", "cache_from=/x"], "cache_from='/x' is for cache=warm"),

@@ -30,6 +30,12 @@ under `out` are removed first) and with its own local Ray (RAY_ADDRESS is not pa
   one `python -m runner.warm` run with the same job arguments first (`cache-fill`).
 `warm_prompts=` gives the warm runs their own prompt counts (one, or one per worker count: e.g. a
 1,000-prompt 4-worker job against 64- and 128-prompt bases).
+`resume=true` goes on with a bench a time limit cut short (a GPU machine's 10-minute command): the
+rows `out/scaling.json` holds from the same arguments are kept and their groups not run again; a
+group cut off midway runs again from nothing (its runs' partial outputs are not resumed: their
+figures would be wrong). A warm group needs its cold runs' caches still under `out`.
+`only=` runs those groups of `workers` alone (e.g. `only=1+2`, then `only=4 resume=true`): a bench
+longer than one command split ahead of time, every row still against the same base.
 
 Figures per run (a row of `scaling.json` and of the table), from the run's summary.json and
 metrics/*.json; the job's times run from the driver's start of the run (after the config, prompt
@@ -86,14 +92,17 @@ from . import parse_args
 SPAN_LABEL = "whole span, start-up included"
 CACHES = ("cold", "warm", "both")
 USAGE = ("python -m runner.bench.scaling job=NAME [workers=1,2,4,8] [prompts=N | prompts_per_worker=N] "
-         "[cache=cold|warm|both] [warm_prompts=N,...] [cache_from=DIR] [out=DIR] [key=value ...]\n"
+         "[cache=cold|warm|both] [warm_prompts=N,...] [cache_from=DIR] [only=GROUPS] [resume=true] "
+         "[out=DIR] [key=value ...]\n"
          "       python -m runner.bench.scaling replot=DIR   (table and plots again from DIR/scaling.json)")
 
 
 def _args(argv):
     opts, rest = parse_args(argv, {"workers": "1,2", "prompts": "128", "prompts_per_worker": None,
                                    "out": "scaling", "job": None, "replot": None, "cache": "cold",
-                                   "warm_prompts": None, "cache_from": None}, USAGE,
+                                   "warm_prompts": None, "cache_from": None, "resume": "false",
+                                   "only": None},
+                            USAGE,
                             passthrough=True)
     if not opts["job"] and not opts["replot"]:
         raise SystemExit(f"usage: {USAGE}")
@@ -104,7 +113,22 @@ def _args(argv):
     if opts["cache_from"] and opts["cache"] != "warm":
         raise SystemExit(f"cache_from={opts['cache_from']!r} is for cache=warm (cache=both warms "
                          "each run from its own cold run's cache)")
+    if opts["resume"] not in ("true", "false"):
+        raise SystemExit(f"resume={opts['resume']!r}: true or false")
     return opts, rest
+
+
+def _resumed(out: str, argv: list[str]) -> list[dict]:
+    """resume=true: the rows an earlier call with the same arguments left in out/scaling.json."""
+    path = os.path.join(out, "scaling.json")
+    if not os.path.exists(path):
+        return []
+    d = json.load(open(path))
+    same = lambda args: [a for a in args if not a.startswith(("resume=", "only="))]
+    if same(d["argv"]) != same(argv):
+        raise SystemExit(f"resume=true: {path} was made by other arguments ({' '.join(d['argv'])}); "
+                         "give the same ones, or another out= for a new bench")
+    return d["rows"]
 
 
 COLUMNS = ["workers", "cache", "prompts", "alongside", "ok", "compiled", "loaded", "first_ready_s",
@@ -251,16 +275,36 @@ def main(argv: list[str]) -> list[dict]:
     out = os.path.abspath(opts["out"])
     os.makedirs(out, exist_ok=True)
     groups = _plan(opts["workers"])
+    now = _plan(opts["only"]) if opts["only"] else groups
+    if any(g not in groups for g in now):
+        raise SystemExit(f"only={opts['only']!r}: give groups of workers={opts['workers']!r} "
+                         f"({', '.join('+'.join(map(str, g)) for g in groups)})")
     counts = [k for g in groups for k in g]
     if len(set(counts)) != len(counts):
         raise SystemExit(f"workers={opts['workers']!r}: each worker count once (runs are named w<count>)")
     n_of = _sizes(opts, counts)
     slices = [_gpu_slices(g, cpu="model.device=cpu" in rest) for g in groups]  # before any run
+    rows = _resumed(out, argv) if opts["resume"] == "true" else []
+    return _run_groups(opts, argv, out, rest, zip(groups, slices), now, n_of, rows)
+
+
+def _run_groups(opts: dict, argv: list[str], out: str, rest: list[str], planned, now: list,
+                n_of: dict, rows: list[dict]) -> list[dict]:
+    """Each (group, its GPUs) of `planned` that is in `now`, cold and/or warm, skipping what `rows`
+    (kept by resume=true) already holds; the table and plots rewritten after every group."""
     caches = {"cold": ["cold"], "warm": ["warm"], "both": ["cold", "warm"]}[opts["cache"]]
-    fill = _fill(opts, out, rest) if opts["cache"] == "warm" else None
-    rows = []
-    for group, gpus in zip(groups, slices):
-        for cache in caches:   # both: the group cold, then warm from what its cold runs left
+    done = {(r["workers"], r.get("cache", "cold")) for r in rows}
+    if opts["cache"] == "warm" and not all((k, "warm") in done for g in now for k in g):
+        fill = _fill(opts, out, rest)
+    else:
+        fill = None
+    for group, gpus in planned:
+        for cache in caches if group in now else []:   # both: cold, then warm from its cold runs
+            if all((k, cache) in done for k in group):
+                print(f"resume: {cache} runs with {'+'.join(map(str, group))} workers kept from "
+                      "scaling.json", flush=True)
+                continue
+            rows = [r for r in rows if not (r["workers"] in group and r.get("cache", "cold") == cache)]
             new, failed = _run_group(opts, out, rest, group, gpus, cache, n_of[cache], fill)
             rows = sorted(rows + new, key=lambda r: (CACHES.index(r.get("cache", "cold")), r["workers"]))
             if rows:
