@@ -8,7 +8,8 @@
 #   both     4 GPUs: tables on GPUs 0 and 1, ab on GPUs 2 and 3, at once
 #   pixart12 4 GPUs: scaling_x4.sh pixart, its 1+2 group (1 and 2 workers, cold then warm: ~250 s),
 #            and meanwhile on the fourth GPU the one gpu test that failed on 2026-11-26 (test_models
-#            -k finite_check; a fixture's fault, since mended)
+#            -k finite_check; a fixture's fault, since mended), then load_probe.py (where a
+#            worker's 21.8 s model_load_s goes: ~2 min)
 #   pixart4  4 GPUs: then its 4-worker group, cold and the warm 1,000-prompt job (~365 s; the same
 #            bench goes on: run it on the machine pixart12 ran on, within its 30 s idle release)
 #   wan12, wan4  the same for scaling_x4.sh wan (~380 s, ~315 s)
@@ -41,11 +42,13 @@ case $phase in
   both)   tables 0 1; ab 2 3; wait ;;
   pixart12|wan12)
     if [ "$phase" = pixart12 ]; then   # GPU 3 is free while the 1+2 group runs
-      CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -m gpu tests/test_models.py -k finite_check \
-          -v -s -p no:cacheprovider > "$Q/finite_check.log" 2>&1 &
+      ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -m gpu tests/test_models.py -k finite_check \
+          -v -s -p no:cacheprovider > "$Q/finite_check.log" 2>&1
+        CUDA_VISIBLE_DEVICES=3 timeout 300 python3 benchmarks/load_probe.py > "$Q/load_probe.json" \
+          2> "$Q/load_probe.log" ) &
     fi
     ONLY=1+2 bash benchmarks/scaling_x4.sh "${phase%12}" "$Q" > "$Q/scaling.log" 2>&1
-    wait; tail -30 "$Q/scaling.log"; tail -3 "$Q/finite_check.log" 2>/dev/null ;;
+    wait; tail -30 "$Q/scaling.log"; tail -3 "$Q/finite_check.log" "$Q/load_probe.log" 2>/dev/null ;;
   pixart4|wan4)
     ONLY=4 bash benchmarks/scaling_x4.sh "${phase%4}" "$Q" > "$Q/scaling.log" 2>&1; tail -30 "$Q/scaling.log" ;;
   suite)

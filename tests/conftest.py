@@ -308,11 +308,28 @@ def pytest_sessionfinish(session, exitstatus):
     own = {os.path.basename(_SESSION.get("compile_cache", "")), *KEPT_BY_DESIGN}
     left = sorted(set(os.listdir(root)) - own)
     if left:
-        session.config.get_terminal_writer().line()
-        session.config.get_terminal_writer().line(
-            f"the suite left {len(left)} files or directories in its temp folder ({root}): "
-            f"{', '.join(left[:20])}; whatever makes them must remove them", red=True)
+        tw = session.config.get_terminal_writer()
+        tw.line()
+        tw.line(f"the suite left {len(left)} files or directories in its temp folder ({root}): "
+                f"{', '.join(left[:20])}; whatever makes them must remove them", red=True)
+        for name in left[:5]:      # what each is, to find its maker (a GPU run named two unknowns)
+            tw.line(f"  {_describe(os.path.join(root, name))}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _describe(path: str) -> str:
+    """One line on a left-over file: its name, size, age and first bytes (or a folder's entries)."""
+    import time
+    try:
+        st = os.lstat(path)
+        if os.path.isdir(path):
+            return f"{os.path.basename(path)}/: {sorted(os.listdir(path))[:8]}"
+        with open(path, "rb") as f:
+            head = f.read(160)
+    except OSError as e:
+        return f"{os.path.basename(path)}: {e}"
+    return (f"{os.path.basename(path)}: {st.st_size} bytes, written {time.time() - st.st_mtime:.0f} s "
+            f"ago, starts {head!r}")
 
 
 def start_shared_ray(config):
