@@ -50,8 +50,8 @@ table() {   # the vs_loop arguments of each table
                  generation.num_inference_steps=20 step_cache.compute_ratio=0.7" ;;
     latte) echo "job=latte_batch $R prompts=8 arms=job modes=O3+residual" ;;
     *_peer) table "${1%_peer}" | sed -E 's/arms=[a-z_,]+/arms=cachedit/' ;;   # its peer arm alone
-    ti2v_img) echo "job=wan22_ti2v_batch $R prompts=2 images=all arms=job modes=O3+residual+cfg \
-                 step_cache.compute_ratio=0.5" ;;
+    ti2v_img) echo "job=wan22_ti2v_batch $R prompts=2 images=all arms=job,cachedit modes=O3+residual+cfg \
+                 step_cache.compute_ratio=0.5" ;;   # issue 48: the cachedit arm in every table
   esac
 }
 TABLES=${TABLES:-"ti2v wan81 i2v14b a14b flux pixart latte ti2v_img"}

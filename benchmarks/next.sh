@@ -3,7 +3,8 @@
 # one device command each, every figure tarred into OUT/r.tgz (media left out):
 #   ab       GPU 0: the ready-time A/B against a9a589a (ready_ab.sh) of PixArt-α O3; GPU 1: of
 #            Latte (issue 46's ready bound; ~3-4 min each: two cold jobs)
-#   tables   GPU 0: TI2V-5B's image rows (families_x4.sh ti2v_img); GPU 1: the Latte O3 + reuse
+#   tables   GPU 0: TI2V-5B's image rows with the cachedit arm (families_x4.sh ti2v_img, ~8 min
+#            estimated); GPU 1: the Latte O3 + reuse
 #            table (issue 46's >= 0.27 videos/s)
 #   both     4 GPUs: tables on GPUs 0 and 1, ab on GPUs 2 and 3, at once
 #   pixart12 4 GPUs: scaling_x4.sh pixart, its 1+2 group (1 and 2 workers, cold then warm: ~250 s),
