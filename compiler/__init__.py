@@ -35,7 +35,7 @@ from .options import FLAG_TABLE_MD, FLAGS, PRESETS, CompileOptions, parse_option
 
 # These need torch (`compiler/pipeline.py`): imported on first use, so that checking options alone
 # (a job's driver, before any worker starts) imports no torch: ~1.3 s of CPU in every process.
-_PIPELINE = ("compile_pipe", "prewarm", "denoiser_of", "StepGraph", "compile_kwargs")
+_PIPELINE = ("compile_pipe", "prewarm", "denoiser_of", "StepGraph", "compile_kwargs", "compile_times")
 
 __all__ = ["parse_options", "CompileOptions", "FLAGS", "PRESETS", "FLAG_TABLE_MD", *_PIPELINE]
 

@@ -83,6 +83,19 @@ def prewarm(build_int8_attention: bool = False) -> threading.Thread:
     return t
 
 
+def compile_times(min_s: float = 0.05) -> dict[str, float]:
+    """Seconds this process spent in each of Dynamo's and Inductor's timed phases, summed over every
+    compile so far (`torch._dynamo.utils.compile_times`: bytecode tracing, the backend call, its
+    cache loads, guards...), those of at least `min_s`: where a warm start's first call goes.
+    Nested phases overlap (a parent's time includes its children's). {} where torch has no table."""
+    from torch._dynamo.utils import compile_times as table
+    try:
+        names, values = table(repr="csv", aggregate=True)
+        return {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= min_s}
+    except (TypeError, ValueError):   # another torch's signature or format
+        return {}
+
+
 def _device_type(module: torch.nn.Module) -> str:
     p = next(module.parameters(), None)
     return p.device.type if p is not None else "cpu"

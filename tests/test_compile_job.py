@@ -58,6 +58,17 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     assert loaded[0]["warmup_with_cache_s"] < compiled[0]["warmup_with_compile_s"]
     ((name, size),) = store.list().items()
     assert name.endswith(".artifact") and compiled[0]["artifact_bytes"] == size
+    # where each start-up went: its parts within the totals; Inductor lowered graphs in the
+    # compiling worker only (Dynamo's own timing table, compiler.compile_times)
+    for w in m:
+        s = w["startup_s"]
+        assert set(s) == {"gpu_check", "build", "text_cache", "cache_lookup", "warmup_call",
+                          "canary_ref"}, s
+        assert 0 < s["build"] and s["gpu_check"] + s["build"] + s["text_cache"] <= w["model_load_s"]
+        assert s["cache_lookup"] + s["warmup_call"] + s["canary_ref"] <= w["warmup_s"]
+        assert w["compile_times_s"]["_compile.compile_inner"] > 0
+    assert "GraphLowering.compile_to_module" in compiled[0]["compile_times_s"]
+    assert "GraphLowering.compile_to_module" not in loaded[0]["compile_times_s"], loaded[0]
 
     # A truncated artifact in the cache is rejected (logged), and `runner.warm` compiles and
     # fills the cache again ahead of the next job.
