@@ -41,7 +41,7 @@ keep() { keep_runs "$1" "$out/$2" 'w[0-9]*' 'scaling.*'; }   # the table and eac
 
 table() {  # the short table, and each run's workers' own start-up
   python3 - "$out/$1/scaling.json" <<'EOF'
-import json, sys
+import glob, json, os, sys
 from runner.bench.scaling import SHORT
 from runner.outputs import format_table
 rows = json.load(open(sys.argv[1]))["rows"]
@@ -51,6 +51,13 @@ for r in rows:
     print(f"{r['run']:>8}: worker_ready_s by rank {r.get('worker_ready_s_by_rank')}, model_load_s "
           f"{f(r.get('model_load_s'))}, cache_wait_s {f(r.get('cache_wait_s'))}, warm-up with cache "
           f"{f(r.get('warmup_with_cache_s'))} / with compile {f(r.get('warmup_with_compile_s'))}")
+    # the slowest worker's start-up by part, and Dynamo/Inductor's largest phases (its metrics)
+    ms = [json.load(open(p)) for p in glob.glob(f"{os.path.dirname(sys.argv[1])}/{r['run']}/metrics/worker-*.json")]
+    if ms:
+        w = max(ms, key=lambda m: m.get("ready_at") or 0)
+        top = sorted((w.get("compile_times_s") or {}).items(), key=lambda kv: -kv[1])[:6]
+        print(f"{'':>10}startup_s {({k: round(v, 1) for k, v in (w.get('startup_s') or {}).items()})}; "
+              f"compile_times_s {dict(top)}")
 EOF
 }
 
