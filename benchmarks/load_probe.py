@@ -9,9 +9,9 @@ times the same steps as `Worker.__init__` in a fresh process per variant, one GP
   text_cache   `TextCache.of`
 variants: `plain`, and `prewarm` (compiler.prewarm's thread started first, as a compiling worker
 does: its imports and torch-source hash share the GIL with the build). `profile` adds the build's
-20 costliest functions (cProfile, cumulative) to the plain variant.
+20 costliest functions (cProfile, cumulative) to the plain variant. One JSON line per variant.
 
-    python3 benchmarks/load_probe.py [preset=pixart_alpha_1024] [dtype=fp16] > load_probe.json
+    python3 benchmarks/load_probe.py [preset=pixart_alpha_1024] [dtype=fp16] > load_probe.jsonl
     python3 benchmarks/load_probe.py source=tiny device=cpu dtype=fp32     (the probe itself, on a CPU)
 """
 import json
@@ -71,17 +71,19 @@ def main(argv):
         if k not in opts:
             raise SystemExit(f"unknown argument {k!r}; valid: {', '.join(opts)}")
         opts[k] = v
-    rows = []
+    print(json.dumps({"opts": opts}), flush=True)
     for variant in ("plain", "prewarm", "plain", "prewarm", "profile"):   # twice: page cache
         t = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", CHILD, variant, *opts.values()],
-                           capture_output=True, text=True, timeout=300)
-        line = [x for x in r.stdout.splitlines() if x.startswith("PROBE ")]
-        row = json.loads(line[0][6:]) if line else {"variant": variant, "error": r.stderr[-2000:]}
+        try:
+            r = subprocess.run([sys.executable, "-c", CHILD, variant, *opts.values()],
+                               capture_output=True, text=True, timeout=240)
+            line = [x for x in r.stdout.splitlines() if x.startswith("PROBE ")]
+            row = json.loads(line[0][6:]) if line else {"variant": variant, "error": r.stderr[-2000:]}
+        except subprocess.TimeoutExpired:
+            row = {"variant": variant, "error": "no result in 240 s"}
         row["process_s"] = time.perf_counter() - t
         print({k: v for k, v in row.items() if k != "profile"}, file=sys.stderr, flush=True)
-        rows.append(row)
-    print(json.dumps({"opts": opts, "rows": rows}, indent=1))
+        print(json.dumps(row), flush=True)   # a line a variant: a time limit keeps what finished
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 #   pixart12 4 GPUs: scaling_x4.sh pixart, its 1+2 group (1 and 2 workers, cold then warm: ~250 s),
 #            and meanwhile on the fourth GPU the one gpu test that failed on 2026-11-26 (test_models
 #            -k finite_check; a fixture's fault, since mended), then load_probe.py (where a
-#            worker's 21.8 s model_load_s goes: ~2 min)
+#            worker's 21.8 s model_load_s goes: ~2 min; it shares the host's CPUs and disk with
+#            the 1+2 group's start-up: compare its figures with the runs' startup_parts_s)
 #   pixart4  4 GPUs: then its 4-worker group, cold and the warm 1,000-prompt job (~365 s; the same
 #            bench goes on: run it on the machine pixart12 ran on, within its 30 s idle release)
 #   wan12, wan4  the same for scaling_x4.sh wan (~380 s, ~315 s)
@@ -45,7 +46,7 @@ case $phase in
     if [ "$phase" = pixart12 ]; then   # GPU 3 is free while the 1+2 group runs
       ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -m gpu tests/test_models.py -k finite_check \
           -v -s -p no:cacheprovider > "$Q/finite_check.log" 2>&1
-        CUDA_VISIBLE_DEVICES=3 timeout 300 python3 benchmarks/load_probe.py > "$Q/load_probe.json" \
+        CUDA_VISIBLE_DEVICES=3 timeout 300 python3 benchmarks/load_probe.py > "$Q/load_probe.jsonl" \
           2> "$Q/load_probe.log" ) &
     fi
     ONLY=1+2 bash benchmarks/scaling_x4.sh "${phase%12}" "$Q" > "$Q/scaling.log" 2>&1

@@ -56,7 +56,7 @@ for r in rows:
     if ms:
         w = max(ms, key=lambda m: m.get("ready_at") or 0)
         top = sorted((w.get("compile_times_s") or {}).items(), key=lambda kv: -kv[1])[:6]
-        print(f"{'':>10}startup_s {({k: round(v, 1) for k, v in (w.get('startup_s') or {}).items()})}; "
+        print(f"{'':>10}startup_parts_s {({k: round(v, 1) for k, v in (w.get('startup_parts_s') or {}).items()})}; "
               f"compile_times_s {dict(top)}")
 EOF
 }

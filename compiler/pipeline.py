@@ -88,11 +88,11 @@ def compile_times(min_s: float = 0.05) -> dict[str, float]:
     compile so far (`torch._dynamo.utils.compile_times`: bytecode tracing, the backend call, its
     cache loads, guards...), those of at least `min_s`: where a warm start's first call goes.
     Nested phases overlap (a parent's time includes its children's). {} where torch has no table."""
-    from torch._dynamo.utils import compile_times as table
-    try:
+    try:   # a private table: another torch may move it or change its format
+        from torch._dynamo.utils import compile_times as table
         names, values = table(repr="csv", aggregate=True)
         return {n: round(float(v), 3) for n, v in zip(names, values) if float(v) >= min_s}
-    except (TypeError, ValueError):   # another torch's signature or format
+    except (ImportError, AttributeError, TypeError, ValueError):
         return {}
 
 

@@ -239,7 +239,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)
         self.text.batch = cfg.encode_batch
         self._sync()
-        # where the start-up goes (metrics' startup_s; warm-up's parts are added by _warmup)
+        # where the start-up goes (metrics' startup_parts_s; _warmup adds the warm-up's parts)
         startup = {"gpu_check": t1 - t0, "build": t2 - t1, "text_cache": time.perf_counter() - t2}
         instrument(self.pipe, lambda: self._marks)   # brackets text encoding and decoding
         if self.family.image_pipeline is not None:   # its own encode_prompt; the shared VAE's
@@ -247,7 +247,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.m = dict(rank=rank, host=socket.gethostname(), pid=os.getpid(), node_id=_node_id(),
                       device=self.spec.device, dtype=self.spec.dtype,
                       gpu_name=torch.cuda.get_device_name() if self.cuda else None,
-                      model_load_s=time.perf_counter() - t0, startup_s=startup, started_at=started_at,
+                      model_load_s=time.perf_counter() - t0, startup_parts_s=startup,
+                      started_at=started_at,
                       loaded_at=time.time(), items=0, failed=0, steps=0,
                       steady_s=0.0, e2e=[], time_s=dict.fromkeys(STAGES, 0.0),
                       canaries=0, canary_s=0.0, canary_ref_s=None)
@@ -302,7 +303,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 t = time.perf_counter()
                 cache = warm_from_shared_cache(self.broker, key, self.rank, opts.cache_dir,
                                                self._start_time_left(asked_at))
-                self.m["startup_s"]["cache_lookup"] = time.perf_counter() - t
+                self.m["startup_parts_s"]["cache_lookup"] = time.perf_counter() - t
             miss = cache and (f"itself ({cache['fallback']})" if "fallback" in cache
                               else "(compile cache miss)")
             self._phase("warming up from the compile cache" if cache and cache["cache_hit"] else
@@ -318,7 +319,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             t = time.perf_counter()
             self._warmup_call()
             self._sync()
-            self.m["startup_s"]["warmup_call"] = time.perf_counter() - t
+            self.m["startup_parts_s"]["warmup_call"] = time.perf_counter() - t
             if cache and cache["role"] == "compile":   # before the canary's call: the others wait
                 from .compile_cache import publish
                 publish(self.broker, cache, opts.cache_dir)
@@ -335,13 +336,14 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             if not finite:
                 raise FloatingPointError("the canary batch (the job's default shape) is not "
                                          "finite: this worker's model or GPU computes NaN or inf")
-            self.m["canary_ref_s"] = self.m["startup_s"]["canary_ref"] = time.perf_counter() - t_ref
+            self.m["canary_ref_s"] = time.perf_counter() - t_ref
+            self.m["startup_parts_s"]["canary_ref"] = self.m["canary_ref_s"]
         t_end = time.perf_counter()
         self.m["compile_mode"] = opts.mode
         self.m["warmup_s"] = t_end - t0
         if opts.enabled:
             self._record_compile(cache, t0, t_compile, t_end)
-            self.m["compile_times_s"] = compiler.compile_times()   # Dynamo/Inductor's own split
+            self.m["compile_times_s"] = compiler.compile_times(min_s=0.001)   # Dynamo/Inductor's split
         if self.cuda:  # peak memory of serving, not of loading/compiling
             torch.cuda.reset_peak_memory_stats()
         self._util = UtilSampler.start(self.cuda)

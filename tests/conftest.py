@@ -319,11 +319,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 def _describe(path: str) -> str:
     """One line on a left-over file: its name, size, age and first bytes (or a folder's entries)."""
+    import stat
     import time
     try:
         st = os.lstat(path)
-        if os.path.isdir(path):
+        if stat.S_ISDIR(st.st_mode):
             return f"{os.path.basename(path)}/: {sorted(os.listdir(path))[:8]}"
+        if not stat.S_ISREG(st.st_mode):    # a FIFO's open() would block; a socket, a link
+            return f"{os.path.basename(path)}: mode {stat.filemode(st.st_mode)}"
         with open(path, "rb") as f:
             head = f.read(160)
     except OSError as e:

@@ -127,8 +127,8 @@ def test_a_warm_run_starts_with_the_artifact_alone(tmp_path):
 
 def test_resume_keeps_the_groups_a_time_limit_let_finish_and_reruns_the_rest(tmp_path, monkeypatch):
     """A 10-minute device command cut the bench off during the 4-worker warm run (2026-11-26): a
-    second call with resume=true keeps the finished groups' rows and runs only what is missing, from
-    nothing (a half-done group's row is dropped); other arguments are refused, naming the file."""
+    second call with resume=true keeps the finished groups' rows and runs only what is missing
+    (the next test: a half-done group); other arguments are refused, naming the file."""
     from runner.bench import scaling
     argv = ["job=demo_image", "workers=1+2,4", "prompts_per_worker=4", "cache=both",
             "warm_prompts=4,8,100", f"out={tmp_path}", "model.device=cpu"]
@@ -143,6 +143,8 @@ def test_resume_keeps_the_groups_a_time_limit_let_finish_and_reruns_the_rest(tmp
         return [dict(r, ok=r["ok"] + 1000) for r in weak_rows(cache, 2.0) if r["workers"] in group], []
     monkeypatch.setattr(scaling, "_run_group", run_group)
     monkeypatch.setattr(scaling, "_gpu_slices", lambda group, cpu: [None] * len(group))
+    (tmp_path / "cache-w4").mkdir()                        # what the 4-worker cold run left
+    (tmp_path / "cache-w4" / "k.artifact").write_bytes(b"a")
     out = scaling.main([*argv, "resume=true"])
     assert ran == [([4], "warm", [100])]                   # only the missing group, its own size
     assert [(r["cache"], r["workers"], r["ok"] >= 1000) for r in out] == [
@@ -184,6 +186,47 @@ def test_only_splits_a_bench_into_commands_against_one_base(tmp_path, monkeypatc
         (5 + 16 / 1.5) / (5 + 16 / 6) / 4)   # against the first call's 1-worker row
     with pytest.raises(SystemExit, match=r"only='3': give groups of workers='1\+2,4' \(1\+2, 4\)"):
         scaling.main([*argv, "only=3"])
+
+
+def test_a_split_bench_refuses_rows_without_their_base_or_cache(tmp_path, monkeypatch):
+    """Before any run: only=4 on another machine (no scaling.json: the 4-worker rows would be their
+    own base, efficiency 1.0), only= over an earlier bench without resume=true, and a warm group
+    whose kept cold run's compile artifact is gone; a half-done group runs again, its kept row
+    replaced, not doubled."""
+    from runner.bench import scaling
+    argv = ["job=demo_image", "workers=1+2,4", "prompts_per_worker=4", "cache=both",
+            f"out={tmp_path}", "model.device=cpu"]
+    ran = []
+
+    def run_group(opts, out, rest, group, gpus, cache, n_of, fill):
+        ran.append(("+".join(map(str, group)), cache))
+        return [dict(r, run="new") for r in weak_rows(cache, 2.0, per_worker=4) if r["workers"] in group], []
+    monkeypatch.setattr(scaling, "_run_group", run_group)
+    monkeypatch.setattr(scaling, "_gpu_slices", lambda group, cpu: [None] * len(group))
+    with pytest.raises(SystemExit, match=r"no cold row with 1 worker\(s\), the base of every other"):
+        scaling.main([*argv, "only=4", "resume=true"])
+    # kept: 1 and 2 cold, 1 warm (the 2-worker warm run was cut off), 4 cold
+    kept = [r for r in weak_rows("cold", 5.0, per_worker=4) + weak_rows("warm", 2.0, per_worker=4)
+            if (r["cache"], r["workers"]) not in (("warm", 2), ("warm", 4))]
+    scaling._summarize(kept, argv, str(tmp_path))
+    with pytest.raises(SystemExit, match="add resume=true to go on with it"):
+        scaling.main([*argv, "only=4"])
+    with pytest.raises(SystemExit, match=r"warm run with 4 workers needs the compile artifact .*cache-w4"):
+        scaling.main([*argv, "only=4", "resume=true"])
+    assert ran == []                                     # refused before any run
+    (tmp_path / "cache-w4").mkdir()
+    (tmp_path / "cache-w4" / "k.artifact").write_bytes(b"a")
+    (tmp_path / "cache-w1").mkdir()
+    (tmp_path / "cache-w1" / "k.artifact").write_bytes(b"a")   # w2's is gone: 1+2 warm can't run
+    with pytest.raises(SystemExit, match="warm run with 2 workers"):
+        scaling.main([*argv, "resume=true"])
+    (tmp_path / "cache-w2").mkdir()
+    (tmp_path / "cache-w2" / "k.artifact").write_bytes(b"a")
+    rows = scaling.main([*argv, "resume=true"])
+    assert ran == [("1+2", "warm"), ("4", "warm")]
+    assert [(r["cache"], r["workers"], r.get("run")) for r in rows] == [
+        ("cold", 1, None), ("cold", 2, None), ("cold", 4, None),
+        ("warm", 1, "new"), ("warm", 2, "new"), ("warm", 4, "new")]   # the kept warm w1 replaced
 
 
 @pytest.mark.parametrize("args, message", [

@@ -285,7 +285,34 @@ def main(argv: list[str]) -> list[dict]:
     n_of = _sizes(opts, counts)
     slices = [_gpu_slices(g, cpu="model.device=cpu" in rest) for g in groups]  # before any run
     rows = _resumed(out, argv) if opts["resume"] == "true" else []
+    _check_split(opts, out, groups, now, rows)
     return _run_groups(opts, argv, out, rest, zip(groups, slices), now, n_of, rows)
+
+
+def _check_split(opts: dict, out: str, groups: list, now: list, rows: list[dict]) -> None:
+    """Before any run: a bench split by only= keeps every row against the same base. Refused: only=
+    over an earlier scaling.json without resume=true (its rows would be replaced); a base (the
+    fewest workers) neither run now nor kept (rows against themselves: efficiency 1.0 whatever
+    they measure); a warm run whose cold run is kept but whose cache is gone."""
+    caches = {"cold": ["cold"], "warm": ["warm"], "both": ["cold", "warm"]}[opts["cache"]]
+    done = {(r["workers"], r.get("cache", "cold")) for r in rows}
+    if opts["only"] and opts["resume"] != "true" and os.path.exists(os.path.join(out, "scaling.json")):
+        raise SystemExit(f"only={opts['only']!r}: {out}/scaling.json holds an earlier bench's rows; "
+                         "add resume=true to go on with it, or give another out=")
+    base = min(k for g in groups for k in g)
+    for cache in caches:
+        if not any(base in g for g in now) and (base, cache) not in done:
+            raise SystemExit(f"only={opts['only']!r}: no {cache} row with {base} worker(s), the base "
+                             f"of every other, in {out}/scaling.json: run its group first (on this "
+                             "machine: a bench's rows compare runs side by side)")
+    for g in now if opts["cache"] == "both" else []:   # its cold runs kept, its warm ones to run
+        kept = all((k, "cold") in done for k in g) and not all((k, "warm") in done for k in g)
+        for k in g if kept else []:
+            if glob.glob(os.path.join(out, f"cache-w{k}", "*.artifact")):
+                continue
+            raise SystemExit(f"resume=true: the warm run with {k} workers needs the compile artifact "
+                             f"its cold run left in {out}/cache-w{k}, gone (another machine?): run "
+                             "the bench again from its first group")
 
 
 def _run_groups(opts: dict, argv: list[str], out: str, rest: list[str], planned, now: list,
