@@ -83,7 +83,7 @@ def prewarm(build_int8_attention: bool = False) -> threading.Thread:
     return t
 
 
-def compile_times(min_s: float = 0.05) -> dict[str, float]:
+def compile_times(min_s: float = 0.001) -> dict[str, float]:
     """Seconds this process spent in each of Dynamo's and Inductor's timed phases, summed over every
     compile so far (`torch._dynamo.utils.compile_times`: bytecode tracing, the backend call, its
     cache loads, guards...), those of at least `min_s`: where a warm start's first call goes.

@@ -343,7 +343,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.m["warmup_s"] = t_end - t0
         if opts.enabled:
             self._record_compile(cache, t0, t_compile, t_end)
-            self.m["compile_times_s"] = compiler.compile_times(min_s=0.001)   # Dynamo/Inductor's split
+            self.m["compile_times_s"] = compiler.compile_times()   # Dynamo/Inductor's own split
         if self.cuda:  # peak memory of serving, not of loading/compiling
             torch.cuda.reset_peak_memory_stats()
         self._util = UtilSampler.start(self.cuda)

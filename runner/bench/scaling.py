@@ -91,6 +91,7 @@ from . import parse_args
 
 SPAN_LABEL = "whole span, start-up included"
 CACHES = ("cold", "warm", "both")
+RUNS = {"cold": ("cold",), "warm": ("warm",), "both": ("cold", "warm")}   # the runs of each cache=
 USAGE = ("python -m runner.bench.scaling job=NAME [workers=1,2,4,8] [prompts=N | prompts_per_worker=N] "
          "[cache=cold|warm|both] [warm_prompts=N,...] [cache_from=DIR] [only=GROUPS] [resume=true] "
          "[out=DIR] [key=value ...]\n"
@@ -289,13 +290,17 @@ def main(argv: list[str]) -> list[dict]:
     return _run_groups(opts, argv, out, rest, zip(groups, slices), now, n_of, rows)
 
 
+def _done(rows: list[dict]) -> set[tuple[int, str]]:
+    """(workers, cache) of each row kept (rows of a scaling.json from before cache= are cold)."""
+    return {(r["workers"], r.get("cache", "cold")) for r in rows}
+
+
 def _check_split(opts: dict, out: str, groups: list, now: list, rows: list[dict]) -> None:
     """Before any run: a bench split by only= keeps every row against the same base. Refused: only=
     over an earlier scaling.json without resume=true (its rows would be replaced); a base (the
     fewest workers) neither run now nor kept (rows against themselves: efficiency 1.0 whatever
     they measure); a warm run whose cold run is kept but whose cache is gone."""
-    caches = {"cold": ["cold"], "warm": ["warm"], "both": ["cold", "warm"]}[opts["cache"]]
-    done = {(r["workers"], r.get("cache", "cold")) for r in rows}
+    caches, done = RUNS[opts["cache"]], _done(rows)
     if opts["only"] and opts["resume"] != "true" and os.path.exists(os.path.join(out, "scaling.json")):
         raise SystemExit(f"only={opts['only']!r}: {out}/scaling.json holds an earlier bench's rows; "
                          "add resume=true to go on with it, or give another out=")
@@ -319,8 +324,7 @@ def _run_groups(opts: dict, argv: list[str], out: str, rest: list[str], planned,
                 n_of: dict, rows: list[dict]) -> list[dict]:
     """Each (group, its GPUs) of `planned` that is in `now`, cold and/or warm, skipping what `rows`
     (kept by resume=true) already holds; the table and plots rewritten after every group."""
-    caches = {"cold": ["cold"], "warm": ["warm"], "both": ["cold", "warm"]}[opts["cache"]]
-    done = {(r["workers"], r.get("cache", "cold")) for r in rows}
+    caches, done = RUNS[opts["cache"]], _done(rows)
     if opts["cache"] == "warm" and not all((k, "warm") in done for g in now for k in g):
         fill = _fill(opts, out, rest)
     else:
