@@ -9,9 +9,8 @@
 #   both     4 GPUs: tables on GPUs 0 and 1, ab on GPUs 2 and 3, at once
 #   pixart12 4 GPUs: scaling_x4.sh pixart, its 1+2 group (1 and 2 workers, cold then warm: ~250 s),
 #            and meanwhile on the fourth GPU the one gpu test that failed on 2026-11-26 (test_models
-#            -k finite_check; a fixture's fault, since mended), then load_probe.py (where a
-#            worker's 21.8 s model_load_s goes: ~2 min; it shares the host's CPUs and disk with
-#            the 1+2 group's start-up: compare its figures with the runs' startup_parts_s)
+#            -k finite_check; a fixture's fault, since mended), then Inductor's torch_key timed
+#            alone (load_probe.py and warm_probe.py ran on one H100 on 2026-11-27: startup_probe.sh)
 #   pixart4  4 GPUs: then its 4-worker group, cold and the warm 1,000-prompt job (~365 s; the same
 #            bench goes on: run it on the machine pixart12 ran on, within its 30 s idle release)
 #   wan12, wan4  the same for scaling_x4.sh wan (~380 s, ~315 s)
@@ -22,6 +21,8 @@
 # machine was handed back twice between polling calls, the runs lost with their logs; a
 # foreground command writes what it has into $OUT even when its limit ends it.
 set -u
+# Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
+source "$(dirname "$0")/pyc.sh"
 phase=${1:?usage: next.sh ab|tables|both|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
@@ -46,11 +47,14 @@ case $phase in
     if [ "$phase" = pixart12 ]; then   # GPU 3 is free while the 1+2 group runs
       ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -m gpu tests/test_models.py -k finite_check \
           -v -s -p no:cacheprovider > "$Q/finite_check.log" 2>&1
-        CUDA_VISIBLE_DEVICES=3 timeout 300 python3 benchmarks/load_probe.py > "$Q/load_probe.jsonl" \
-          2> "$Q/load_probe.log" ) &
+        # what Inductor's torch_key (a hash of torch's sources) costs alone: 3-5 s inside a
+        # worker's prewarm thread (warm_probe.py, 2026-11-27), how much of it its own?
+        for i in 1 2; do python3 -c "import time; from torch._inductor import codecache as c
+t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_counter() - t, 3),
+      'settable', hasattr(c.torch_key, 'set'))"; done > "$Q/torch_key.log" 2>&1 ) &
     fi
     ONLY=1+2 bash benchmarks/scaling_x4.sh "${phase%12}" "$Q" > "$Q/scaling.log" 2>&1
-    wait; tail -30 "$Q/scaling.log"; tail -3 "$Q/finite_check.log" "$Q/load_probe.log" 2>/dev/null ;;
+    wait; tail -30 "$Q/scaling.log"; tail -3 "$Q/finite_check.log" "$Q/torch_key.log" 2>/dev/null ;;
   pixart4|wan4)
     ONLY=4 bash benchmarks/scaling_x4.sh "${phase%4}" "$Q" > "$Q/scaling.log" 2>&1; tail -30 "$Q/scaling.log" ;;
   suite)
