@@ -14,7 +14,9 @@
 #   pixart4  4 GPUs: then its 4-worker group, cold and the warm 1,000-prompt job (~365 s; the same
 #            bench goes on: run it on the machine pixart12 ran on, within its 30 s idle release)
 #   wan12, wan4  the same for scaling_x4.sh wan (~380 s, ~315 s)
-#   suite    the whole gpu suite, a test process per GPU (334 s on 4 H100s, 501 s on 2, 2026-11-26)
+#   suite    the whole gpu suite, a test process per GPU (334 s on 4 H100s, 501 s on 2, 2026-11-26;
+#            354 s on 4 H100s, 2026-11-27)
+#   ti2v_img one GPU: the TI2V image rows alone (~8 min: a one-GPU kind counts less device time)
 # Here first: `git archive -o .ab/a9a589a.tgz a9a589a`; carry .devbundle, .whl and .ab. There:
 #   source .devbundle/install.sh && bash benchmarks/next.sh ab $OUT
 # Not one background script: it lives only while the machine stays held, and on 2026-11-26 the
@@ -23,7 +25,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -43,6 +45,9 @@ case $phase in
   ab)     ab 0 1; wait ;;
   tables) tables 0 1; wait ;;
   both)   tables 0 1; ab 2 3; wait ;;
+  ti2v_img)
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   pixart12|wan12)
     if [ "$phase" = pixart12 ]; then   # GPU 3 is free while the 1+2 group runs
       ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -m gpu tests/test_models.py -k finite_check \
@@ -61,9 +66,9 @@ t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_cou
     timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
         --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
     tail -3 "$Q/suite.log" ;;
-  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, pixart12, pixart4, wan12, wan4 or suite)" >&2
+  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, pixart12, pixart4, wan12, wan4 or suite)" >&2
      exit 2 ;;
 esac
-case $phase in ab|tables|both)
+case $phase in ab|tables|both|ti2v_img)
   bash benchmarks/families_x4.sh "$Q" status; cat "$Q"/ready-*/ready.tsv 2>/dev/null ;;
 esac

@@ -205,6 +205,35 @@ def test_cachedit_arm_computes_the_steps_of_the_jobs_schedule():
 
 
 
+def test_cachedit_arm_caches_the_pipeline_ti2v_image_rows_call():
+    """TI2V's image rows run its own WanImageToVideoPipeline over the same modules; cache-dit
+    enabled on the text pipeline left it without a cache context, so every step ran in full
+    (2026-11-27, on an H100: "Cache context not exist ... skip cache" on each call)."""
+    pytest.importorskip("cache_dit", reason="cache-dit: the `bench` extra (installed by `.[test]`)")
+    from PIL import Image
+
+    from runner.bench.vs_loop import _cachedit, _peer_on_image_pipeline
+    fam = FAMILIES["wan22_ti2v"]
+    rows = [{"image": "images/a.png"}, {"image": "images/b.png"}]
+    with pytest.raises(ValueError, match="images=all or images=none"):
+        _peer_on_image_pipeline(fam, rows + [{"image": None}])
+    assert not _peer_on_image_pipeline(fam, [{"image": None}])
+    assert not _peer_on_image_pipeline(FAMILIES["wan21"], rows)   # one pipeline: no choice
+    assert _peer_on_image_pipeline(fam, rows)
+    pipe = build_pipeline(ModelSpec("wan22_ti2v_5b", source="tiny"))
+    i2v = fam.image_pipeline(pipe)
+    ran = []
+    for i, blk in enumerate(pipe.transformer.blocks):
+        blk.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
+    sc = split(load_config(["job=wan22_ti2v_batch", "step_cache.compute_ratio=0.5"]))["step_cache"]
+    mask = _cachedit(i2v, sc, STEPS)
+    assert 0 < sum(mask) < STEPS
+    with torch.inference_mode():
+        i2v(prompt="a cat", image=Image.new("RGB", (64, 64), (200, 30, 60)), height=64, width=64,
+            num_frames=5, num_inference_steps=STEPS, guidance_scale=5.0,
+            generator=torch.Generator().manual_seed(0), output_type="np")
+    assert ran.count(0) == 2 * STEPS and ran.count(1) == 2 * sum(mask)   # F1B0, both branches
+
 def _block_steps(pipe, run) -> dict:
     """{(expert, block): {step: calls}} for blocks 0 and 1 of each expert during `run()`: the step
     is the index of the pipeline's current timestep in the call's schedule."""

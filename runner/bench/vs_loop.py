@@ -131,9 +131,13 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     cuda = spec.device.startswith("cuda")
     if cuda:   # (an earlier arm gave its memory back as it ended: `_arm`, below)
         torch.cuda.reset_peak_memory_stats()   # this arm's peak, not an earlier arm's
-    pipe = build_pipeline(spec)
     peer = arm in ("cachedit", "cachedit_sage")
-    mask = _cachedit(pipe, job["step_cache"], g.num_inference_steps) if peer else None
+    on_i2v = peer and _peer_on_image_pipeline(spec.family, prompts)   # before any GPU time
+    pipe = build_pipeline(spec)
+    # image rows run the family's image-to-video pipeline over the same modules (TI2V), if any
+    i2v = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
+    mask = (_cachedit(i2v if on_i2v else pipe, job["step_cache"], g.num_inference_steps)
+            if peer else None)
     if arm == "cachedit_sage":
         _sage(pipe)
     if arm != "loop":
@@ -141,11 +145,12 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
         for name in names:          # a second expert (Wan 2.2 A14B) compiled as the first
             if getattr(pipe, name, None) is not None:
                 setattr(pipe, name, torch.compile(getattr(pipe, name)))
+                if i2v is not pipe:   # the image rows' pipeline calls the same compiled module
+                    setattr(i2v, name, getattr(pipe, name))
     video = spec.family.kind == "video"
     extra = spec.family.call_args(pipe, g.num_frames if video else None)   # as the job calls it
     if spec.family.image:   # image-to-video: the row's image, fitted as the job fits it
         from .. import images
-        i2v = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
     os.makedirs(out, exist_ok=True)
     util = UtilSampler.start(cuda)
     ends, calls = [], []   # end of each item (written); seconds of each pipe call alone
@@ -175,6 +180,22 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
                 # the rate without the loop's serial write (outputs kept as arrays): pipe calls only
                 call_items_per_s=(len(calls) - 1) / sum(calls[1:]) if len(calls) > 1 else None,
                 computed_steps=sum(mask) if mask else None, peak_mem_gb=peak)
+
+
+def _peer_on_image_pipeline(family, prompts: list[dict]) -> bool:
+    """Whether cache-dit goes on the family's `image_pipeline` (TI2V's own WanImageToVideoPipeline
+    over the same modules, which the loop calls for image rows) rather than on the pipeline.
+    cache-dit keeps its cache context on the pipeline object it was enabled on; a call on another
+    runs every step in full ("Cache context not exist ... skip cache"), so with two pipelines the
+    rows must be all image rows or none."""
+    with_image = {bool(p.get("image")) for p in prompts}
+    if family.image_pipeline is None or with_image == {False}:
+        return False
+    if with_image == {True}:
+        return True
+    raise ValueError(f"the cachedit arms cache one pipeline object, and {family.name}'s image rows "
+                     "run another (its image-to-video pipeline): give rows all with an image or "
+                     "all without (images=all or images=none), not images=half")
 
 
 def _sage(pipe) -> None:
