@@ -12,7 +12,9 @@
 # The I2V peer needs ftfy: here, `python3 -m pip download --no-deps --only-binary=:all:
 #   --python-version 3.12 --platform any -d .whl ftfy wcwidth`, then carry .whl along.
 # SKIP_SUITE=1 goes straight to the tables; TABLES="wan81 flux" runs only those (in that order);
-# GPUS="1 3" runs lanes on those GPUs only; TABLE_peer is TABLE's cachedit arm alone.
+# GPUS="1 3" runs lanes on those GPUs only; TABLE_peer is TABLE's cachedit arm alone. LANES=2
+# (with GPUS="0" or "0 2"): each table on two GPUs, its job's arms and its loops' at once, one
+# vs_loop command (`lanes=2`): a table too long for one device command on one GPU.
 # Everything lands in /tmp/q: suite.log (+ junit.xml), <table>.log, <table>/vs_loop.json with each
 # job's summary.json and metrics/ (the media stay in /tmp/q/media-<table>).
 set -u
@@ -65,7 +67,9 @@ lane() {   # GPU $1: claim the next unclaimed table (mkdir is atomic), run it, r
     local t0=$SECONDS
     set -f   # the step lists ([0,1,...]) are arguments, not glob patterns
     # shellcheck disable=SC2046
-    CUDA_VISIBLE_DEVICES=$gpu timeout 1500 python3 -m runner.bench.vs_loop $(table "$t") \
+    local devs=$gpu two=   # LANES=2: the job's arms on GPU g, the loops' on g+1, at once (lanes=2)
+    [ "${LANES:-1}" = 2 ] && { devs="$gpu,$((gpu + 1))"; two=lanes=2; }
+    CUDA_VISIBLE_DEVICES=$devs timeout 1500 python3 -m runner.bench.vs_loop $(table "$t") $two \
         out="$Q/media-$t" > "$Q/$t.log" 2>&1
     local rc=$?
     set +f

@@ -17,6 +17,9 @@
 #   suite    the whole gpu suite, a test process per GPU (334 s on 4 H100s, 501 s on 2, 2026-11-26;
 #            354 s on 4 H100s, 2026-11-27)
 #   ti2v_img one GPU: the TI2V image rows alone (~8 min: a one-GPU kind counts less device time)
+#   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
+#            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
+#            from that day's arms: job 183 s ready + 88 s a video, peer 127 s a video)
 # Here first: `git archive -o .ab/a9a589a.tgz a9a589a`; carry .devbundle, .whl and .ab. There:
 #   source .devbundle/install.sh && bash benchmarks/next.sh ab $OUT
 # Not one background script: it lives only while the machine stays held, and on 2026-11-26 the
@@ -25,7 +28,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -45,6 +48,9 @@ case $phase in
   ab)     ab 0 1; wait ;;
   tables) tables 0 1; wait ;;
   both)   tables 0 1; ab 2 3; wait ;;
+  i2v14b)
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   ti2v_img)
     [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
@@ -66,9 +72,9 @@ t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_cou
     timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
         --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
     tail -3 "$Q/suite.log" ;;
-  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, pixart12, pixart4, wan12, wan4 or suite)" >&2
+  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, pixart12, pixart4, wan12, wan4 or suite)" >&2
      exit 2 ;;
 esac
-case $phase in ab|tables|both|ti2v_img)
+case $phase in ab|tables|both|ti2v_img|i2v14b)
   bash benchmarks/families_x4.sh "$Q" status; cat "$Q"/ready-*/ready.tsv 2>/dev/null ;;
 esac
