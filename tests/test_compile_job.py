@@ -31,7 +31,7 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     model loaded while the first compiles); a truncated artifact is rejected and `runner.warm`
     fills the cache again; the next job's workers (fresh processes, their local Inductor cache
     aside) each warm from the store, side by side; then a job whose claimant hangs
-    (`_hung_claimant_job`)."""
+    (`_start_hung_claimant_job`, beside the third)."""
     from runner.storage import resolve
     store = resolve(f"s3://{s3_bucket}/cc")
     common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={store.uri()}",
@@ -80,24 +80,33 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     report = json.loads(r.stdout)
     assert report["cache_hit"] is False and report["artifact_bytes"] == store.list()[name] == size
 
+    # A claimant that hangs (`_start_hung_claimant_job`), started now and checked last: the waiter
+    # compiles itself in time (one CLI job here, not a test of its own: this test's jobs already
+    # warmed Inductor's local cache, ~25 CPU-s a new test would spend again on CI's 2 cores). It
+    # runs beside job c: its own store, job directory and fault markers, and both jobs mostly wait
+    # (c's held warm-up, h's wait for the hung claimant's artifact): 125 -> ~95 s alone here.
+    hung = _start_hung_claimant_job(tmp_path, common, s3_bucket, local)
+
     # The next job (issue 48 item 4): every worker warms from the (rewritten) artifact in the
     # cache itself, so none waits for another's warm-up: with the first worker to warm up held
     # back 20 s (a slow GPU, a long canary), the other is ready well before it. (Before: the
     # others waited for the claimant to publish after its whole warm-up.)
-    cli(*common, "job.name=c", faults="wait_ready,slow_warmup:20", **local)
-    ws = metrics(tmp_path / "c")
-    assert os.listdir(tmp_path / "local-cc" / "inductor")     # the workers' local side was there
-    assert [(w["cache_hit"], w["cache_source"], w["cache_wait_s"]) for w in ws] == \
-        [(True, "cache_dir", 0.0)] * 2
-    fast, slow = sorted(ws, key=lambda w: w["ready_at"])
-    assert slow["warmup_s"] >= 20 > fast["warmup_s"]     # the held-back one is the slow one
-    assert fast["ready_at"] < slow["ready_at"] - 10      # 20 s held, less scheduling
-    assert fast["warmup_with_cache_s"] < compiled[0]["warmup_with_compile_s"]
+    try:
+        cli(*common, "job.name=c", faults="wait_ready,slow_warmup:20", **local)
+        ws = metrics(tmp_path / "c")
+        assert os.listdir(tmp_path / "local-cc" / "inductor")     # the workers' local side was there
+        assert [(w["cache_hit"], w["cache_source"], w["cache_wait_s"]) for w in ws] == \
+            [(True, "cache_dir", 0.0)] * 2
+        fast, slow = sorted(ws, key=lambda w: w["ready_at"])
+        assert slow["warmup_s"] >= 20 > fast["warmup_s"]     # the held-back one is the slow one
+        assert fast["ready_at"] < slow["ready_at"] - 10      # 20 s held, less scheduling
+        assert fast["warmup_with_cache_s"] < compiled[0]["warmup_with_compile_s"]
 
-    # A claimant that hangs: the waiter compiles itself in time (one CLI job here, not a test of
-    # its own: this test's jobs already warmed Inductor's local cache, ~25 CPU-s a new test
-    # would spend again on CI's 2 cores).
-    _hung_claimant_job(tmp_path, common, s3_bucket, local)
+        _check_hung_claimant_job(tmp_path, hung)
+    finally:
+        if hung.poll() is None:      # job c failed: job h's driver goes too (Ray ends its actors)
+            hung.kill()
+            hung.wait()
 
 
 def test_warm_needs_a_caching_mode(tmp_path):
@@ -156,7 +165,15 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
         ray.shutdown()
 
 
-def _hung_claimant_job(tmp_path, common, s3_bucket, local):
+# Job h's ray.worker_start_timeout_s. The waiter's share: (60 s - its start and load, ~16 s on a
+# busy 2-core box) / 2 ~ 22 s: room for a slow start on a loaded CI machine (40 s left ~12 s and
+# failed past ~35 s of start-up). 70 since job c runs beside it: its 2 workers load their models
+# while h's do (h's waiter loaded in 11.6 s instead of 4.8 s on a quiet 2-core box), so ~22 s
+# is still the waiter's share; its longer wait costs nothing while job c runs.
+HUNG_TIMEOUT_S = 70
+
+
+def _start_hung_claimant_job(tmp_path, common, s3_bucket, local) -> subprocess.Popen:
     """The compiling worker (the key's claimant) hangs before its warm-up call (a wedged GPU, a
     compile that never ends): it never publishes and never says it failed. The other worker waits
     for its artifact half the start-up time it has left (of ray.worker_start_timeout_s), then
@@ -166,21 +183,26 @@ def _hung_claimant_job(tmp_path, common, s3_bucket, local):
     job failed with every worker gone (exit 2). Run by the test above, whose jobs left Inductor's
     local cache warm (`local`): the waiter's own compile takes ~1 s, not a cold compile's 15-20 s
     on a busy 2-core box, which would race the timeout; the artifact store is a new, empty one (a
-    miss: a claim and a wait)."""
-    import pyarrow.parquet as pq
-    # The waiter's share: (60 s - its start and load, ~16 s on a busy 2-core box) / 2 ~ 22 s: room
-    # for a slow start on a loaded CI machine (40 s left ~12 s and failed past ~35 s of start-up).
-    timeout_s = 60
+    miss: a claim and a wait). Started here, checked by `_check_hung_claimant_job`."""
     args = [a for a in common if not a.startswith("compile.cache_dir=")]
-    r = subprocess.run(
-        [sys.executable, "-m", "runner", "job=demo_image", *args, "job.name=h",
-         f"compile.cache_dir=s3://{s3_bucket}/cc-hung", f"ray.worker_start_timeout_s={timeout_s}",
-         "ray.max_worker_restarts=0"], cwd=ROOT,
-        # slow_warmup: the job's first worker to reach its warm-up call (the claimant: the other
-        # blocks on the broker before its own) sleeps there far past the timeout
-        env=fault_env("slow_warmup:600", **local), capture_output=True, text=True, timeout=GUARD_S)
-    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    err = r.stderr
+    # its output to files, not pipes: nobody reads them while job c runs
+    with open(tmp_path / "h.out", "w") as out, open(tmp_path / "h.err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runner", "job=demo_image", *args, "job.name=h",
+             f"compile.cache_dir=s3://{s3_bucket}/cc-hung",
+             f"ray.worker_start_timeout_s={HUNG_TIMEOUT_S}", "ray.max_worker_restarts=0"], cwd=ROOT,
+            # slow_warmup: the job's first worker to reach its warm-up call (the claimant: the
+            # other blocks on the broker before its own) sleeps there far past the timeout
+            env=fault_env("slow_warmup:600", **local), stdout=out, stderr=err)
+
+
+def _check_hung_claimant_job(tmp_path, p: subprocess.Popen) -> None:
+    """Job h of `_start_hung_claimant_job`: the waiter fell back to compiling and made every output."""
+    import pyarrow.parquet as pq
+    p.wait(timeout=GUARD_S)
+    out, err = (tmp_path / "h.out").read_text(), (tmp_path / "h.err").read_text()
+    timeout_s = HUNG_TIMEOUT_S
+    assert p.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
     assert err.count("compiling and warming up (compile cache miss)") == 1, err      # the claimant
     fell_back = re.findall(r"worker (\d): compiling and warming up itself \(the compiling worker's "
                            r"artifact did not come within (\d+) s, half the start-up time left of "
