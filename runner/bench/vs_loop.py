@@ -48,7 +48,9 @@ first item's fill and the last write). A loop's `call_items_per_s` is its rate w
 arrays), for a peer whose loop would not write files. `peak_mem_gb`: the GPU memory peak (torch's
 allocator, weights included): a loop's over its whole run, the job's while serving.
 `images=auto|all|half|none`: which generated prompts carry an image (`auto`: all of them for a
-model that takes one; `half`: every other row, for a model where it is optional: Wan 2.2 TI2V).
+model that takes one; `half`: every other row, for a model where it is optional: Wan 2.2 TI2V;
+not with the cachedit arms, which cache the one pipeline object the rows call: TI2V's image rows
+call its image-to-video pipeline, its text rows the text one).
 An arm that fails is a row with its `error` (the table goes on with the next arm).
 """
 
