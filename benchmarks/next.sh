@@ -49,10 +49,8 @@ case $phase in
   tables) tables 0 1; wait ;;
   both)   tables 0 1; ab 2 3; wait ;;
   i2v14b)
-    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   ti2v_img)
-    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   pixart12|wan12)
     if [ "$phase" = pixart12 ]; then   # GPU 3 is free while the 1+2 group runs
