@@ -204,7 +204,6 @@ def test_cachedit_arm_computes_the_steps_of_the_jobs_schedule():
     assert ran.count(0) == 2 * STEPS and ran.count(1) == 2 * sum(mask)
 
 
-
 def test_cachedit_arm_caches_the_pipeline_ti2v_image_rows_call():
     """TI2V's image rows run its own WanImageToVideoPipeline over the same modules; cache-dit
     enabled on the text pipeline left it without a cache context, so every step ran in full
@@ -233,6 +232,7 @@ def test_cachedit_arm_caches_the_pipeline_ti2v_image_rows_call():
             num_frames=5, num_inference_steps=STEPS, guidance_scale=5.0,
             generator=torch.Generator().manual_seed(0), output_type="np")
     assert ran.count(0) == 2 * STEPS and ran.count(1) == 2 * sum(mask)   # F1B0, both branches
+
 
 def _block_steps(pipe, run) -> dict:
     """{(expert, block): {step: calls}} for blocks 0 and 1 of each expert during `run()`: the step
