@@ -17,6 +17,8 @@
 #   suite    the whole gpu suite, a test process per GPU (334 s on 4 H100s, 501 s on 2, 2026-11-26;
 #            354 s on 4 H100s, 2026-11-27)
 #   ti2v_img one GPU: the TI2V image rows alone (~8 min: a one-GPU kind counts less device time)
+#   round17  i2v14b on GPUs 0-1, the TI2V-5B decode with and without time Winograd on GPU 3
+#            (runner.bench.decode variants=winograd), the Latte table on GPU 2 after 200 s
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
 #            from that day's arms: job 183 s ready + 88 s a video, peer 127 s a video)
@@ -28,7 +30,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -50,6 +52,13 @@ case $phase in
   both)   tables 0 1; ab 2 3; wait ;;
   i2v14b)
     SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
+  round17)   # GPUs 0-1: i2v14b; GPU 3: the TI2V decode with time Winograd; GPU 2: Latte's
+             # table once I2V's two lanes have compiled (~200 s) and are on their GPUs
+    ( CUDA_VISIBLE_DEVICES=3 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
+        variants=winograd iters=3 out="$Q/decode_winograd.json" > "$Q/decode_winograd.log" 2>&1 ) &
+    ( sleep 200; SKIP_SUITE=1 TABLES=latte GPUS=2 timeout 360 bash benchmarks/families_x4.sh "$Q" ) &
+    SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q"
+    wait; tail -12 "$Q/decode_winograd.log" ;;
   ti2v_img)
     SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   pixart12|wan12)
@@ -73,6 +82,6 @@ t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_cou
   *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, pixart12, pixart4, wan12, wan4 or suite)" >&2
      exit 2 ;;
 esac
-case $phase in ab|tables|both|ti2v_img|i2v14b)
+case $phase in ab|tables|both|ti2v_img|i2v14b|round17)
   bash benchmarks/families_x4.sh "$Q" status; cat "$Q"/ready-*/ready.tsv 2>/dev/null ;;
 esac

@@ -142,7 +142,8 @@ def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[s
         cuda = device == "cuda"
         return video_vae.chunked_decode(vae, None, None if opts.dynamic else aux_kw,
                                         channels_last=cuda and video_vae.CHANNELS_LAST,
-                                        subpixel=cuda and video_vae.SUBPIXEL)
+                                        subpixel=cuda and video_vae.SUBPIXEL,
+                                        winograd=video_vae.WINOGRAD if cuda else 0)
     return {} if opts.dynamic else transforms.compile_blocks(vae.decoder, aux_kw)
 
 

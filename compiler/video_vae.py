@@ -63,6 +63,10 @@ CHANNELS_LAST = True
 # (module docstring), 2.25x fewer FLOPs in them (Wan 2.2 at 704x1280 x 121: 273 -> 123 of 2,010
 # TFLOP). Not measured yet: `python -m runner.bench.decode` prints the decode with it on and off.
 SUBPIXEL = True
+# What compile_pipe installs for the 3x3x3 convolutions over 2 or more frames: F(m, 3) along time,
+# m up to this (`_winograd_conv`; 0 off). Not measured yet: `python -m runner.bench.decode
+# model=wan22_ti2v_5b frames=121 variants=winograd` prints the decode with 0, 2 and 4.
+WINOGRAD = 0
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
 
@@ -97,11 +101,111 @@ def _sampler(up):
 def _cconv(conv, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A WanCausalConv3d over (B, Ci, T, H, W) after its (B, Ci, 2, H, W) cache: (B, Co, T, H, W)
     and the new cache (the last 2 frames of cache + input). Spatial zero padding is the
-    convolution's own (no padded copy); the time padding is the cache."""
+    convolution's own (no padded copy); the time padding is the cache. Where `winograd_weights`
+    gave the convolution a time-Winograd kernel for m dividing T, it runs as `_winograd_conv`."""
     x = torch.cat([cache, x], 2)
     pad = conv._padding                                   # (w, w, h, h, 2 * t, 0) as diffusers keeps it
-    y = F.conv3d(x, conv.weight, conv.bias, conv.stride, (0, pad[2], pad[0]))
+    t = x.shape[2] - CACHE_T
+    m = next((m for m in (4, 2) if t % m == 0 and hasattr(conv, f"winograd{m}")), None)
+    if m is not None:
+        y = _winograd_conv(x, getattr(conv, f"winograd{m}"), conv.bias, m, (pad[2], pad[0]))
+    else:
+        y = F.conv3d(x, conv.weight, conv.bias, conv.stride, (0, pad[2], pad[0]))
     return y, x[:, :, -CACHE_T:].clone()
+
+
+def winograd_matrices(m: int, r: int = 3) -> tuple[list, list, list]:
+    """Toom-Cook F(m, r) for a correlation along time, y[j] = sum_k g[k] x[j + k] (j < m):
+    y = A^T ((G g) * (B^T x)) over n = m + r - 1 points, returned as (A^T (m x n), G (n x r),
+    B^T (n x n)) nested lists of floats. Points 0, +-1 (F(2, 3)) and +-1/2 (F(4, 3)) and infinity:
+    every entry of B^T and A^T within [-1.25, 1.25], so the transformed frames stay the input's
+    size (fp16 rounding: 2.3x direct's error for F(2, 3), 5x for F(4, 3), 0.05 %-0.1 %)."""
+    from fractions import Fraction as Q
+    points = {2: [Q(0), Q(1), Q(-1)], 4: [Q(0), Q(1), Q(-1), Q(1, 2), Q(-1, 2)]}[m]
+    n = m + r - 1
+    at = [[p**j for p in points] + [Q(int(j == m - 1))] for j in range(m)]
+    f = [_prod(p - q for q in points if q != p) for p in points]
+    g = [[p**k / fi for k in range(r)] for p, fi in zip(points, f)] + [[Q(int(k == r - 1)) for k in range(r)]]
+    # B^T row i: the coefficients (ascending powers) of prod_{j != i} (x - p_j), the Lagrange
+    # basis' numerator at point i (G divides by its value there); the last row, infinity's:
+    # those of prod_j (x - p_j).
+    bt = [_poly([q for q in points if q != p]) + [Q(0)] for p in points] + [_poly(points)]
+    for j in range(m):                              # exact (Fractions): y[j] = sum_k g[k] x[j + k]
+        for k in range(r):
+            for col in range(n):
+                got = sum(at[j][i] * g[i][k] * bt[i][col] for i in range(n))
+                assert got == int(col == j + k), (m, j, k, col, got)
+    return ([[float(v) for v in row] for row in at], [[float(v) for v in row] for row in g],
+            [[float(v) for v in row] for row in bt])
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out = out * x
+    return out
+
+
+def _poly(roots: list) -> list:
+    """Coefficients, ascending powers, of prod (x - root)."""
+    c = [1]
+    for a in roots:
+        c = [(c[i - 1] if i else 0) - a * (c[i] if i < len(c) else 0) for i in range(len(c) + 1)]
+    return c
+
+
+def _winograd_conv(x: torch.Tensor, u: torch.Tensor, bias, m: int, padding) -> torch.Tensor:
+    """A 3x3x3 convolution (time unpadded, stride 1) of (B, Ci, T + 2, H, W) frames as F(m, 3)
+    along time: (B, Co, T, H, W), m dividing T. Each tile of m output frames reads n = m + 2
+    input frames, transformed (B^T, sums of frames: fused by Inductor into whatever wrote them)
+    into n frames, each convolved in 2-D with its own transformed kernel (`u`: (n, Co, Ci, 3, 3),
+    `winograd_weights`), the n results recombined (A^T) into m frames: n instead of 3m 2-D
+    convolutions (F(4, 3): 6 instead of 12, half the multiply-adds; F(2, 3): 4 instead of 6)."""
+    at, _, bt = _WINOGRAD[m]
+    n = m + 2
+    b, _, t2, h, w = x.shape
+    tiles = (t2 - CACHE_T) // m
+    frames = [x[:, :, f] for f in range(t2)]                              # (B, Ci, H, W) each
+    ys = [[None] * m for _ in range(tiles)]
+    for i in range(n):                     # one 2-D convolution per point, every tile in its batch
+        v = torch.cat([_combine(bt[i], frames[s * m:s * m + n]) for s in range(tiles)], 0)
+        mi = F.conv2d(v, u[i], None, 1, padding).view(tiles, b, -1, h, w)  # (tiles, B, Co, H, W)
+        for s in range(tiles):
+            for j in range(m):
+                if at[j][i]:
+                    term = at[j][i] * mi[s]
+                    ys[s][j] = term if ys[s][j] is None else ys[s][j] + term
+    y = torch.stack([f for tile in ys for f in tile], 2)                  # (B, Co, T, H, W)
+    return y if bias is None else y + bias.view(1, -1, 1, 1, 1)
+
+
+def _combine(coeffs: list, frames: list) -> torch.Tensor:
+    """sum_l coeffs[l] frames[l], zero coefficients skipped."""
+    out = None
+    for c, f in zip(coeffs, frames):
+        if c:
+            term = f if c == 1 else -f if c == -1 else c * f
+            out = term if out is None else out + term
+    return out
+
+
+_WINOGRAD = {m: winograd_matrices(m) for m in (2, 4)}
+
+
+def winograd_weights(conv, largest: int) -> None:
+    """Give a 3x3x3 causal convolution (stride 1) its time-Winograd kernels for F(m, 3), m = 2
+    up to `largest` (2 or 4), as non-persistent buffers `winograd<m>`: (n, Co, Ci, 3, 3), G times
+    the weight along time (float64 sums, then the weight's dtype and memory format)."""
+    if tuple(conv.kernel_size) != (3, 3, 3) or tuple(conv.stride) != (1, 1, 1):
+        return
+    for m in (2, 4):
+        if m > largest:
+            continue
+        g = torch.tensor(_WINOGRAD[m][1], dtype=torch.float64, device=conv.weight.device)
+        u = torch.einsum("ik,ocktv->ioctv", g, conv.weight.double()).to(conv.weight.dtype)
+        if conv.weight.is_contiguous(memory_format=torch.channels_last_3d):   # each u[i] channels_last
+            u = u.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+        conv.register_buffer(f"winograd{m}", u, persistent=False)
 
 
 def resblock(block, x, c1, c2):
@@ -265,11 +369,16 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
 
 
 def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = None,
-                   channels_last: bool = False, subpixel: bool = False) -> dict[str, int]:
+                   channels_last: bool = False, subpixel: bool = False,
+                   winograd: int = 0) -> dict[str, int]:
     """Install the chunked decode on `vae` (module docstring). `chunk`: latent frames per pass
     after the first (None: `chunk_for` each call's frame size). `compile_kwargs`: torch.compile's
     arguments for each block function (None: eager). `subpixel`: the upsamplers as four-phase
-    2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution)."""
+    2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution). `winograd`:
+    the 3x3x3 convolutions over 2 or more frames as F(m, 3) along time, m up to it (0: off, 2
+    or 4; `_winograd_conv`)."""
+    if winograd not in (0, 2, 4):
+        raise ValueError(f"winograd={winograd}: the largest F(m, 3) tile must be 0 (off), 2 or 4")
     if not supported(vae):
         raise ValueError(f"{type(vae).__name__}: not a Wan causal video VAE (Wan 2.1's or 2.2's "
                          "decoder)")
@@ -280,6 +389,9 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
             if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)):
                 fmt = torch.channels_last_3d if m.weight.dim() == 5 else torch.channels_last
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+    for m in vae.decoder.modules():
+        if winograd and isinstance(m, torch.nn.Conv3d):
+            winograd_weights(m, winograd)
     dec = vae.decoder
     samplers = [u for u, _ in map(_sampler, dec.up_blocks) if u is not None]
     subpixel = subpixel and all(map(_plain_up2x, samplers))

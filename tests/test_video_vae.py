@@ -68,6 +68,44 @@ def test_wan22_chunked_decode_is_diffusers_decode(frames):
             torch.testing.assert_close(chunked.decode(z).sample, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("t", [1, 2, 4, 6, 8])
+def test_time_winograd_conv_is_the_causal_conv(m, t):
+    """F(m, 3) along time over t frames after the 2-frame cache = the 3x3x3 causal convolution
+    (float64: transform errors show; t not a multiple of m: the direct convolution), the new
+    cache the same; a 3x1x1 or strided convolution gets no Winograd kernels."""
+    torch.manual_seed(t)
+    conv = torch.nn.Conv3d(5, 4, 3, padding=(0, 1, 1)).double()
+    conv._padding = (1, 1, 1, 1, 2, 0)
+    x, cache = torch.randn(2, 5, t, 6, 3, dtype=torch.float64), torch.randn(2, 5, 2, 6, 3, dtype=torch.float64)
+    ref, ref_cache = video_vae._cconv(conv, x, cache)
+    video_vae.winograd_weights(conv, m)
+    assert hasattr(conv, f"winograd{m}") and conv.winograd2.shape == (4, 4, 5, 3, 3)
+    assert "winograd2" not in conv.state_dict()                   # not saved with the weights
+    out, new_cache = video_vae._cconv(conv, x, cache)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    assert torch.equal(new_cache, ref_cache)
+    time_only = torch.nn.Conv3d(5, 10, (3, 1, 1))
+    video_vae.winograd_weights(time_only, 4)
+    assert not hasattr(time_only, "winograd2")
+    with pytest.raises(ValueError, match="winograd=3"):
+        video_vae.chunked_decode(_vae(), 1, winograd=3)
+
+
+def test_wan22_decode_with_time_winograd():
+    """Wan 2.2's decoder, fp32, in chunks of 2 in channels_last_3d (convolutions over 1, 2, 4
+    and 8 frames: direct, F(2, 3), F(4, 3) and two F(4, 3) tiles) with F(4, 3): diffusers'
+    video within 1e-4 (the compiled path: the gpu test at the published size)."""
+    vae = _vae22()
+    z = torch.randn(1, 48, 5, 6, 5)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        fast = copy.deepcopy(vae)
+        video_vae.chunked_decode(fast, 2, channels_last=True, subpixel=True, winograd=4)
+        assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) >= 10
+        torch.testing.assert_close(fast.decode(z).sample, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("h, w, channels_last", [(5, 7, False), (4, 4, True), (1, 3, False)])
 def test_four_phase_upsampling_is_the_upsample_then_the_conv(h, w, channels_last):
     """A 3x3 convolution of the 2x nearest upsampling = the 2x2 four-phase convolution of the

@@ -2,7 +2,7 @@
 search each give, side by side in one process (CUDA).
 
     python -m runner.bench.decode [model=<preset>] [batch=1] [iters=10] [frames=81]
-        [variants=all|installed] [chunks=auto|N,M] [out=decode.json]
+        [variants=all|installed|winograd] [chunks=auto|N,M] [out=decode.json]
 
 Builds the model's VAE at its published size (random weights, fp16) and times `vae.decode` of a
 (batch, C, H/8, W/8) latent (video models: (batch, C, (frames - 1)/4 + 1, H/s, W/s), s the VAE's
@@ -15,7 +15,10 @@ one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.ch
 all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
 channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
 twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
-the size, as installed; a list: each). The first call of a compiled variant (its compile) is
+the size, as installed; a list: each). `variants=winograd`: the installed decode with its
+3x3x3 convolutions over several frames as F(2, 3) and F(4, 3) along time (`video_vae.WINOGRAD`
+flipped), also at twice the chunk, each row with where its GPU time goes (torch.profiler: the
+convolution kernels' share and the largest kernels of one call). The first call of a compiled variant (its compile) is
 reported apart; a variant out of GPU memory is a row saying so. Also the max abs difference and
 the PSNR (frames as uint8) of each variant's output against diffusers' (fp16 rounding only).
 """
@@ -54,14 +57,20 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     from compiler import video_vae
     sp = video_vae.SUBPIXEL
     rows = [dict(name="diffusers (1 latent frame per pass)")]
-    ours = lambda c, subpixel=sp, name="chunked": dict(name=name, compiled=True, channels_last=True,
-                                                      chunk=c, subpixel=subpixel)
+    wg = video_vae.WINOGRAD
+    ours = lambda c, subpixel=sp, name="chunked", winograd=wg: dict(
+        name=name, compiled=True, channels_last=True, chunk=c, subpixel=subpixel, winograd=winograd)
     if variants == "all":
         c = chunks[0]
         rows += [dict(name="chunked", compiled=compiled, channels_last=cl, chunk=c, subpixel=False)
                  for compiled in (False, True) for cl in (False, True)]
         rows += [dict(ours(c, False), cudnn_benchmark=True), ours(z.shape[2], False),
                  ours(c, name="chunked (installed)")]
+    elif variants == "winograd":
+        c = chunks[0]
+        rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
+        rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 2, 4) if m != wg]
+        rows += [ours(2 * c, winograd=m) for m in (0, 4)]
     else:
         for c in chunks:
             rows += [ours(c, name="chunked (installed)"), ours(c, not sp)]
@@ -90,7 +99,8 @@ def _video_row(base, z, iters: int, v: dict, ref):
     if "chunk" in v:
         aux = compiler.compile_kwargs(compiler.parse_options("O2"), denoiser=False)
         video_vae.chunked_decode(vae, v["chunk"], aux if v["compiled"] else None,
-                                 channels_last=v["channels_last"], subpixel=v.get("subpixel", False))
+                                 channels_last=v["channels_last"], subpixel=v.get("subpixel", False),
+                                 winograd=v.get("winograd", 0))
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -102,11 +112,35 @@ def _video_row(base, z, iters: int, v: dict, ref):
         v["ms"] = "out of memory"
         return ref
     ref = out if ref is None else ref
+    if v.get("profile"):
+        try:
+            v["profile"] = kernel_split(vae, z)
+        except Exception as e:                            # a profiler quirk must not lose the row
+            v["profile"] = f"profiler failed: {e!r}"[:200]
     v.update(ms=round(ms, 1), first_call_s=round(first, 1),
              peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1),
              max_abs_vs_eager=float((out.float() - ref.float()).abs().max()),
              psnr_db=psnr_uint8(out, ref))
     return ref
+
+
+def kernel_split(vae, z, top: int = 8) -> dict:
+    """Where one decode's GPU time goes (torch.profiler, after warm-up): total kernel ms, the
+    convolution kernels' ms (cuDNN/CUTLASS: names with conv, xmma, implicit or cutlass) and the
+    `top` largest kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        vae.decode(z, return_dict=False)
+        torch.cuda.synchronize()
+    by = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name] = by.get(e.name, 0.0) + e.device_time / 1e3
+    conv = sum(ms for k, ms in by.items()
+               if any(w in k.lower() for w in ("conv", "xmma", "implicit", "cutlass", "wgrad", "dgrad")))
+    big = sorted(by.items(), key=lambda kv: -kv[1])[:top]
+    return dict(kernels_ms=round(sum(by.values()), 1), conv_ms=round(conv, 1),
+                top=[[k[:90], round(ms, 1)] for k, ms in big])
 
 
 def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,16 +153,19 @@ def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
 def _video_table(a: dict, rows: list[dict]) -> None:
     print(f"\n{a['model']} VAE decode, {a['frames']} frames, batch {a['batch']}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| decode | compiled | layout | chunk | four-phase upsampling | cudnn.benchmark | ms per decode "
-          "| first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| decode | compiled | layout | chunk | four-phase upsampling | time Winograd | cudnn.benchmark "
+          "| ms per decode | first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) "
+          "| GPU kernels ms (convolutions) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         measured = (f"{r['first_call_s']} | {r['peak_gb']} | {r['max_abs_vs_eager']:.2g} | "
                     f"{r['psnr_db']}" if "psnr_db" in r else " | | ")          # out of memory
+        p = r.get("profile")
+        prof = f"{p['kernels_ms']} ({p['conv_ms']})" if isinstance(p, dict) else ""
         print(f"| {r['name']} | {r.get('compiled', False)} | "
               f"{'channels_last_3d' if r.get('channels_last') else 'contiguous'} | "
-              f"{r.get('chunk', 1)} | {r.get('subpixel', False)} | {r.get('cudnn_benchmark', False)} | "
-              f"{r['ms']} | {measured} |")
+              f"{r.get('chunk', 1)} | {r.get('subpixel', False)} | {r.get('winograd', 0) or '-'} | "
+              f"{r.get('cudnn_benchmark', False)} | {r['ms']} | {measured} | {prof} |")
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -186,8 +223,8 @@ def main(argv: list[str]) -> list[dict]:
 
 def _video(a: dict, fam, preset: dict) -> list[dict]:
     from compiler import video_vae
-    if a["variants"] not in ("all", "installed"):
-        raise SystemExit(f"variants={a['variants']}: choose all or installed")
+    if a["variants"] not in ("all", "installed", "winograd"):
+        raise SystemExit(f"variants={a['variants']}: choose all, installed or winograd")
     with torch.device("cuda"):
         base = fam.video_vae(False).to(torch.float16).eval()
     s, t = base.spatial_compression_ratio, base.config.scale_factor_temporal
