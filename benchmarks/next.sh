@@ -19,6 +19,7 @@
 #   ti2v_img one GPU: the TI2V image rows alone (~8 min: a one-GPU kind counts less device time)
 #   round17  i2v14b on GPUs 0-1, the TI2V-5B decode with and without time Winograd on GPU 3
 #            (runner.bench.decode variants=winograd), the Latte table on GPU 2 after 200 s
+#   decode   GPU 0: runner.bench.decode variants=winograd; GPU 1: tests/test_video_vae.py's gpu tests
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
 #            from that day's arms: job 183 s ready + 88 s a video, peer 127 s a video)
@@ -30,7 +31,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -59,6 +60,12 @@ case $phase in
     ( sleep 200; SKIP_SUITE=1 TABLES=latte GPUS=2 timeout 360 bash benchmarks/families_x4.sh "$Q" ) &
     SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q"
     wait; tail -12 "$Q/decode_winograd.log" ;;
+  decode)    # GPU 0: the TI2V decode with and without time Winograd; GPU 1: its gpu tests
+    ( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+        -p no:cacheprovider > "$Q/test_video_vae.log" 2>&1 ) &
+    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
+        variants=winograd iters=3 out="$Q/decode_winograd.json" > "$Q/decode_winograd.log" 2>&1
+    wait; tail -12 "$Q/decode_winograd.log"; grep -E "passed|failed|PSNR" "$Q/test_video_vae.log" ;;
   ti2v_img)
     SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   pixart12|wan12)

@@ -188,14 +188,16 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
 
 
 @pytest.mark.gpu
-def test_full_size_wan22_chunked_decode_matches_diffusers():
+@pytest.mark.parametrize("winograd", [0, 4])
+def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, monkeypatch):
     """TI2V-5B's VAE at the published size (random weights, fp16, 704x1280 x 121 frames: 31
     latent frames of 44x80): the decode `compile_pipe` installs (compiled blocks, `chunk_for`'s
     chunk, channels_last_3d, `SUBPIXEL`) against diffusers' eager decode: PSNR >= 40 dB on the
     uint8 frames, max abs <= 5e-2 on the [-1, 1] outputs (fp16 rounding of 2 PFLOP of
     convolutions grouped differently), no recompile on a second latent. Prints one call's time
     of each (the figure is the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b
-    frames=121 variants=installed`)."""
+    frames=121 variants=installed`); `winograd`: with the time-Winograd convolutions off, and
+    with F(4, 3) (`video_vae.WINOGRAD` as set for this test)."""
     import compiler
     from compiler.pipeline import _compile_vae
     from runner.bench.decode import psnr_uint8, time_decode
@@ -206,6 +208,8 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     ms_ref, ref = time_decode(vae, z, iters=1, warmup=1)
     fast = copy.deepcopy(vae)
     opts = compiler.parse_options("O2")
+    monkeypatch.setattr(video_vae, "WINOGRAD", winograd)
+    torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64            # compile_pipe raises it by its block count
     counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
     assert counts["resblock"] == 14 and counts["upsample"] == 3     # middle 2, up blocks 4 x 3
@@ -213,7 +217,8 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         fast.decode(torch.randn_like(z))
     err, psnr = (out.float() - ref.float()).abs().max().item(), psnr_uint8(out, ref)
-    print(f"Wan 2.2 VAE 704x1280x121, compiled chunked vs diffusers: max abs {err:.3g}, PSNR "
+    assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) == (30 if winograd else 0)
+    print(f"Wan 2.2 VAE 704x1280x121, compiled chunked (winograd {winograd}) vs diffusers: max abs {err:.3g}, PSNR "
           f"{psnr} dB; one call {ms:.0f} ms vs {ms_ref:.0f} ms, peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()

@@ -17,7 +17,7 @@ channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling
 twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
 the size, as installed; a list: each). `variants=winograd`: the installed decode with its
 3x3x3 convolutions over several frames as F(2, 3) and F(4, 3) along time (`video_vae.WINOGRAD`
-flipped), also at twice the chunk, each row with where its GPU time goes (torch.profiler: the
+flipped), F(4, 3) also with cuDNN's algorithm search and at twice the chunk, each row with where its GPU time goes (torch.profiler: the
 convolution kernels' share and the largest kernels of one call). The first call of a compiled variant (its compile) is
 reported apart; a variant out of GPU memory is a row saying so. Also the max abs difference and
 the PSNR (frames as uint8) of each variant's output against diffusers' (fp16 rounding only).
@@ -70,7 +70,8 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
         c = chunks[0]
         rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
         rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 2, 4) if m != wg]
-        rows += [ours(2 * c, winograd=m) for m in (0, 4)]
+        rows += [dict(ours(c, winograd=4), profile=True, cudnn_benchmark=True),
+                 dict(ours(2 * c, winograd=4), profile=True)]
     else:
         for c in chunks:
             rows += [ours(c, name="chunked (installed)"), ours(c, not sp)]
