@@ -66,7 +66,7 @@ SUBPIXEL = True
 # What compile_pipe installs for the 3x3x3 convolutions over 2 or more frames: F(m, 3) along time,
 # m up to this (`_winograd_conv`; 0 off). Not measured yet: `python -m runner.bench.decode
 # model=wan22_ti2v_5b frames=121 variants=winograd` prints the decode with 0, 2 and 4.
-WINOGRAD = 0
+WINOGRAD = 4
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
 
@@ -102,16 +102,15 @@ def _cconv(conv, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, to
     """A WanCausalConv3d over (B, Ci, T, H, W) after its (B, Ci, 2, H, W) cache: (B, Co, T, H, W)
     and the new cache (the last 2 frames of cache + input). Spatial zero padding is the
     convolution's own (no padded copy); the time padding is the cache. Where `winograd_weights`
-    gave the convolution a time-Winograd kernel for an m dividing T, it runs as `_winograd_conv`
-    (reading the cache and the input apart: no concatenated copy)."""
+    gave the convolution a time-Winograd kernel for m dividing T, it runs as `_winograd_conv`."""
+    x = torch.cat([cache, x], 2)
     pad = conv._padding                                   # (w, w, h, h, 2 * t, 0) as diffusers keeps it
-    t = x.shape[2]
+    t = x.shape[2] - CACHE_T
     m = next((m for m in (4, 2) if t % m == 0 and hasattr(conv, f"winograd{m}")), None)
     if m is not None:
-        y = _winograd_conv(cache, x, getattr(conv, f"winograd{m}"), conv.bias, m, (pad[2], pad[0]))
-        return y, x[:, :, -CACHE_T:].clone()
-    x = torch.cat([cache, x], 2)
-    y = F.conv3d(x, conv.weight, conv.bias, conv.stride, (0, pad[2], pad[0]))
+        y = _winograd_conv(x, getattr(conv, f"winograd{m}"), conv.bias, m, (pad[2], pad[0]))
+    else:
+        y = F.conv3d(x, conv.weight, conv.bias, conv.stride, (0, pad[2], pad[0]))
     return y, x[:, :, -CACHE_T:].clone()
 
 
@@ -155,35 +154,29 @@ def _poly(roots: list) -> list:
     return c
 
 
-def _winograd_conv(cache: torch.Tensor, x: torch.Tensor, u: torch.Tensor, bias, m: int,
-                   padding) -> torch.Tensor:
-    """A 3x3x3 convolution (stride 1) of the (B, Ci, T, H, W) frames after their (B, Ci, 2, H, W)
-    cache as F(m, 3) along time: (B, Co, T, H, W), m dividing T. Each tile of m output frames
-    reads n = m + 2 input frames, transformed (B^T: sums of frames, fused by Inductor into what
-    wrote them) into n frames, each convolved in 2-D with its own transformed kernel (`u`: (n,
-    Co, Ci, 3, 3), `winograd_weights`), the n results recombined (A^T) into m frames: n instead
-    of 3m 2-D convolutions (F(4, 3): 6 instead of 12, half the multiply-adds; F(2, 3): 4
-    instead of 6). Built channels-last ((B, H, W, C) frames) whatever the input's layout: the
-    layout cuDNN's tensor-core convolutions read and write, so no transposing copies."""
+def _winograd_conv(x: torch.Tensor, u: torch.Tensor, bias, m: int, padding) -> torch.Tensor:
+    """A 3x3x3 convolution (time unpadded, stride 1) of (B, Ci, T + 2, H, W) frames as F(m, 3)
+    along time: (B, Co, T, H, W), m dividing T. Each tile of m output frames reads n = m + 2
+    input frames, transformed (B^T, sums of frames: fused by Inductor into whatever wrote them)
+    into n frames, each convolved in 2-D with its own transformed kernel (`u`: (n, Co, Ci, 3, 3),
+    `winograd_weights`), the n results recombined (A^T) into m frames: n instead of 3m 2-D
+    convolutions (F(4, 3): 6 instead of 12, half the multiply-adds; F(2, 3): 4 instead of 6)."""
     at, _, bt = _WINOGRAD[m]
     n = m + 2
-    b, _, t, h, w = x.shape
-    tiles = t // m
-    frames = [f.permute(0, 2, 3, 1) for f in (*cache.unbind(2), *x.unbind(2))]   # (B, H, W, Ci)
+    b, _, t2, h, w = x.shape
+    tiles = (t2 - CACHE_T) // m
+    frames = [x[:, :, f] for f in range(t2)]                              # (B, Ci, H, W) each
     ys = [[None] * m for _ in range(tiles)]
     for i in range(n):                     # one 2-D convolution per point, every tile in its batch
-        v = [_combine(bt[i], frames[s * m:s * m + n]) for s in range(tiles)]
-        v = (v[0] if tiles == 1 else torch.cat(v, 0)).permute(0, 3, 1, 2)      # (tiles B, Ci, H, W)
-        mi = F.conv2d(v, u[i], None, 1, padding).permute(0, 2, 3, 1)            # (tiles B, H, W, Co)
+        v = torch.cat([_combine(bt[i], frames[s * m:s * m + n]) for s in range(tiles)], 0)
+        mi = F.conv2d(v, u[i], None, 1, padding).view(tiles, b, -1, h, w)  # (tiles, B, Co, H, W)
         for s in range(tiles):
             for j in range(m):
                 if at[j][i]:
-                    term = mi[s * b:(s + 1) * b] * at[j][i]
+                    term = at[j][i] * mi[s]
                     ys[s][j] = term if ys[s][j] is None else ys[s][j] + term
-    y = torch.stack([f for tile in ys for f in tile], 1)                       # (B, T, H, W, Co)
-    if bias is not None:
-        y = y + bias
-    return y.permute(0, 4, 1, 2, 3)
+    y = torch.stack([f for tile in ys for f in tile], 2)                  # (B, Co, T, H, W)
+    return y if bias is None else y + bias.view(1, -1, 1, 1, 1)
 
 
 def _combine(coeffs: list, frames: list) -> torch.Tensor:

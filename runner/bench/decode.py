@@ -69,9 +69,7 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     elif variants == "winograd":
         c = chunks[0]
         rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
-        rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 2, 4) if m != wg]
-        rows += [dict(ours(c, winograd=4), profile=True, cudnn_benchmark=True),
-                 dict(ours(2 * c, winograd=4), profile=True)]
+        rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 4) if m != wg]
     else:
         for c in chunks:
             rows += [ours(c, name="chunked (installed)"), ours(c, not sp)]
