@@ -35,6 +35,13 @@ convolution of the frame itself with four output phases (the 3x3 kernel's taps s
 interleaved into the 2x frame: 16 instead of 36 multiply-adds per input pixel and channel pair,
 no upsampled copy; equal up to the rounding of the summed kernel.
 
+`winograd` (m = 2 or 4): each 3x3x3 convolution over a multiple of m frames as Toom-Cook F(m, 3)
+along time (`_winograd_conv`): m output frames from m + 2 input frames with m + 2 2-D
+convolutions of transformed frames by transformed kernels instead of 3m, the kernels transformed
+once (`winograd_weights`, buffers beside the weights); F(4, 3) halves the multiply-adds, F(2, 3)
+takes a third off. Exact in exact arithmetic, rounded differently in fp16 (~5x direct's
+rounding error for F(4, 3): PSNR 59 dB instead of 60 against diffusers at TI2V-5B's size).
+
 Shapes (Wan 2.1, 480x832, 81 frames): latents (B, 16, 21, 60, 104) -> video (B, 3, 81, 480, 832);
 275 TFLOP of convolutions, 96.6 of them at full resolution with 96 channels. Wan 2.2, 704x1280,
 121 frames: latents (B, 48, 31, 44, 80) -> (B, 12, 121, 352, 640) -> video (B, 3, 121, 704,
@@ -63,9 +70,12 @@ CHANNELS_LAST = True
 # (module docstring), 2.25x fewer FLOPs in them (Wan 2.2 at 704x1280 x 121: 273 -> 123 of 2,010
 # TFLOP). Not measured yet: `python -m runner.bench.decode` prints the decode with it on and off.
 SUBPIXEL = True
-# What compile_pipe installs for the 3x3x3 convolutions over 2 or more frames: F(m, 3) along time,
-# m up to this (`_winograd_conv`; 0 off). Not measured yet: `python -m runner.bench.decode
-# model=wan22_ti2v_5b frames=121 variants=winograd` prints the decode with 0, 2 and 4.
+# What compile_pipe installs for Wan 2.2's decoder's 3x3x3 convolutions over 2 or more frames:
+# F(m, 3) along time, m up to this (`_winograd_conv`; 0 off). Measured (`python -m
+# runner.bench.decode model=wan22_ti2v_5b frames=121 variants=winograd`, H100, 704x1280 x 121):
+# 3,251 -> 2,579 ms (convolution kernels 3,017 -> 1,756 ms; the transforms' passes 237 -> 808),
+# PSNR 60.1 -> 59.1 dB against diffusers, peak 15.4 -> 19.0 GiB (the transformed kernels). Wan
+# 2.1's decoder keeps direct convolutions (`winograd_for`): not measured there.
 WINOGRAD = 4
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
@@ -82,6 +92,11 @@ def widest_of(vae) -> int:
     block's input (Wan 2.1: 96; Wan 2.2: 512 on 2x2-pixel patches, 128)."""
     patch = vae.config.get("patch_size") or 1
     return vae.decoder.up_blocks[-1].resnets[0].conv1.in_channels // patch**2
+
+
+def winograd_for(vae) -> int:
+    """`WINOGRAD` for Wan 2.2's decoder (residual up blocks), 0 for Wan 2.1's (unmeasured)."""
+    return WINOGRAD if type(vae.decoder.up_blocks[0]).__name__ == "WanResidualUpBlock" else 0
 
 
 def supported(vae) -> bool:

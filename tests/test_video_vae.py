@@ -157,6 +157,8 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     compiler.compile_pipe(pipe, {"mode": "O2", "dynamic": True, "compile_text_encoder": False})
     assert pipe._compile_report["vae_blocks"] == {}
     assert pipe.vae._decode.func is video_vae._decode
+    assert video_vae.winograd_for(pipe.vae) == 0                   # Wan 2.1's: not measured
+    assert video_vae.winograd_for(_vae22()) == video_vae.WINOGRAD == 4
     assert not video_vae.supported(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")).vae)
 
 
@@ -192,7 +194,7 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
 def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, monkeypatch):
     """TI2V-5B's VAE at the published size (random weights, fp16, 704x1280 x 121 frames: 31
     latent frames of 44x80): the decode `compile_pipe` installs (compiled blocks, `chunk_for`'s
-    chunk, channels_last_3d, `SUBPIXEL`) against diffusers' eager decode: PSNR >= 40 dB on the
+    chunk, channels_last_3d, `SUBPIXEL`, `WINOGRAD`) against diffusers' eager decode: PSNR >= 40 dB on the
     uint8 frames, max abs <= 5e-2 on the [-1, 1] outputs (fp16 rounding of 2 PFLOP of
     convolutions grouped differently), no recompile on a second latent. Prints one call's time
     of each (the figure is the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b
