@@ -20,6 +20,7 @@
 #   round17  i2v14b on GPUs 0-1, the TI2V-5B decode with and without time Winograd on GPU 3
 #            (runner.bench.decode variants=winograd), the Latte table on GPU 2 after 200 s
 #   decode   GPU 0: runner.bench.decode variants=winograd; GPU 1: tests/test_video_vae.py's gpu tests
+#   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
 #            from that day's arms: job 183 s ready + 88 s a video, peer 127 s a video)
@@ -31,7 +32,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -66,6 +67,12 @@ case $phase in
     CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
         variants=winograd iters=3 out="$Q/decode_winograd.json" > "$Q/decode_winograd.log" 2>&1
     wait; tail -12 "$Q/decode_winograd.log"; grep -E "passed|failed|PSNR" "$Q/test_video_vae.log" ;;
+  vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
+             # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
+    CUDA_VISIBLE_DEVICES=0 TORCH_LOGS=output_code timeout 560 python3 -m runner.bench.decode \
+        model=wan22_ti2v_5b frames=121 variants=winograd iters=1 out="$Q/decode_winograd.json" \
+        > "$Q/decode_code.log" 2>&1
+    grep -c "def triton_" "$Q/decode_code.log"; tail -6 "$Q/decode_code.log" ;;
   ti2v_img)
     SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   pixart12|wan12)
@@ -86,7 +93,7 @@ t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_cou
     timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
         --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
     tail -3 "$Q/suite.log" ;;
-  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, pixart12, pixart4, wan12, wan4 or suite)" >&2
+  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, round17, decode, vaecode, pixart12, pixart4, wan12, wan4 or suite)" >&2
      exit 2 ;;
 esac
 case $phase in ab|tables|both|ti2v_img|i2v14b|round17)
