@@ -178,13 +178,14 @@ def _winograd_conv(x: torch.Tensor, u: torch.Tensor, bias, m: int, padding) -> t
     convolutions (F(4, 3): 6 instead of 12, half the multiply-adds; F(2, 3): 4 instead of 6)."""
     at, _, bt = _WINOGRAD[m]
     n = m + 2
-    b, _, t2, h, w = x.shape
+    b, t2 = x.shape[0], x.shape[2]
     tiles = (t2 - CACHE_T) // m
     frames = [x[:, :, f] for f in range(t2)]                              # (B, Ci, H, W) each
     ys = [[None] * m for _ in range(tiles)]
     for i in range(n):                     # one 2-D convolution per point, every tile in its batch
         v = torch.cat([_combine(bt[i], frames[s * m:s * m + n]) for s in range(tiles)], 0)
-        mi = F.conv2d(v, u[i], None, 1, padding).view(tiles, b, -1, h, w)  # (tiles, B, Co, H, W)
+        mi = F.conv2d(v, u[i], None, 1, padding)                         # (tiles B, Co, H', W')
+        mi = mi.view(tiles, b, *mi.shape[1:])          # (tiles, B, Co, H', W'): the cat's order
         for s in range(tiles):
             for j in range(m):
                 if at[j][i]:
@@ -210,14 +211,18 @@ _WINOGRAD = {m: winograd_matrices(m) for m in (2, 4)}
 def winograd_weights(conv, largest: int) -> None:
     """Give a 3x3x3 causal convolution (stride 1) its time-Winograd kernels for F(m, 3), m = 2
     up to `largest` (2 or 4), as non-persistent buffers `winograd<m>`: (n, Co, Ci, 3, 3), G times
-    the weight along time (float64 sums, then the weight's dtype and memory format)."""
-    if tuple(conv.kernel_size) != (3, 3, 3) or tuple(conv.stride) != (1, 1, 1):
+    the weight along time (float64 sums, then the weight's dtype and memory format). Built
+    without autograd: from a weight that requires grad they would be non-leaf tensors, which
+    `copy.deepcopy` of the module refuses."""
+    if (tuple(conv.kernel_size) != (3, 3, 3) or tuple(conv.stride) != (1, 1, 1)
+            or tuple(conv.dilation) != (1, 1, 1) or conv.groups != 1):
         return
     for m in (2, 4):
         if m > largest:
             continue
         g = torch.tensor(_WINOGRAD[m][1], dtype=torch.float64, device=conv.weight.device)
-        u = torch.einsum("ik,ocktv->ioctv", g, conv.weight.double()).to(conv.weight.dtype)
+        with torch.no_grad():
+            u = torch.einsum("ik,ocktv->ioctv", g, conv.weight.double()).to(conv.weight.dtype)
         if conv.weight.is_contiguous(memory_format=torch.channels_last_3d):   # each u[i] channels_last
             u = u.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
         conv.register_buffer(f"winograd{m}", u, persistent=False)

@@ -70,21 +70,31 @@ def test_wan22_chunked_decode_is_diffusers_decode(frames):
 
 @pytest.mark.parametrize("m", [2, 4])
 @pytest.mark.parametrize("t", [1, 2, 4, 6, 8])
-def test_time_winograd_conv_is_the_causal_conv(m, t):
-    """F(m, 3) along time over t frames after the 2-frame cache = the 3x3x3 causal convolution
-    (float64: transform errors show; t not a multiple of m: the direct convolution), the new
-    cache the same; a 3x1x1 or strided convolution gets no Winograd kernels."""
+@pytest.mark.parametrize("pad_hw", [(1, 1), (1, 0)])
+def test_time_winograd_conv_is_the_causal_conv(m, t, pad_hw):
+    """F(m, 3) along time over t frames after the 2-frame cache = diffusers' WanCausalConv3d over
+    them (float64: transform errors show; t not a multiple of m: the direct convolution; batch 2
+    of two tiles where t = 2m; H != W and padded apart: `_padding`'s (w, w, h, h) order), the new
+    cache the same; the kernels follow deepcopy though the weight requires grad; a 3x1x1 or
+    grouped convolution gets no Winograd kernels."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
     torch.manual_seed(t)
-    conv = torch.nn.Conv3d(5, 4, 3, padding=(0, 1, 1)).double()
-    conv._padding = (1, 1, 1, 1, 2, 0)
+    conv = WanCausalConv3d(5, 4, 3, padding=(1, *pad_hw)).double()
     x, cache = torch.randn(2, 5, t, 6, 3, dtype=torch.float64), torch.randn(2, 5, 2, 6, 3, dtype=torch.float64)
-    ref, ref_cache = video_vae._cconv(conv, x, cache)
+    with torch.no_grad():
+        ref, ref_cache = conv(x, cache_x=cache), torch.cat([cache, x], 2)[:, :, -2:]
     video_vae.winograd_weights(conv, m)
     assert hasattr(conv, f"winograd{m}") and conv.winograd2.shape == (4, 4, 5, 3, 3)
     assert "winograd2" not in conv.state_dict()                   # not saved with the weights
-    out, new_cache = video_vae._cconv(conv, x, cache)
+    assert conv.weight.requires_grad and not conv.winograd2.requires_grad
+    conv = copy.deepcopy(conv)
+    with torch.no_grad():
+        out, new_cache = video_vae._cconv(conv, x, cache)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
     assert torch.equal(new_cache, ref_cache)
+    grouped = torch.nn.Conv3d(4, 4, 3, groups=2)
+    video_vae.winograd_weights(grouped, 4)
+    assert not hasattr(grouped, "winograd2")
     time_only = torch.nn.Conv3d(5, 10, (3, 1, 1))
     video_vae.winograd_weights(time_only, 4)
     assert not hasattr(time_only, "winograd2")
@@ -150,6 +160,7 @@ def test_chunk_shrinks_with_the_frame_size_and_the_decoders_width():
 
 def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     import compiler
+    from compiler.pipeline import _compile_vae
     from runner.models import ModelSpec, build_pipeline
     pipe = build_pipeline(ModelSpec("wan21_t2v_1_3b", source="tiny"))
     assert video_vae.supported(pipe.vae)
@@ -159,6 +170,10 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     assert pipe.vae._decode.func is video_vae._decode
     assert video_vae.winograd_for(pipe.vae) == 0                   # Wan 2.1's: not measured
     assert video_vae.winograd_for(_vae22()) == video_vae.WINOGRAD == 4
+    vae22 = _vae22()                                # on a CPU: Wan 2.2's decoder keeps direct convs
+    _compile_vae(vae22, compiler.parse_options({"mode": "O2", "dynamic": True}), {}, "cpu")
+    assert vae22._decode.func is video_vae._decode
+    assert not any(hasattr(m, "winograd2") for m in vae22.decoder.modules())
     assert not video_vae.supported(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")).vae)
 
 
