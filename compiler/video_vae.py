@@ -1,14 +1,14 @@
 """Wan's causal video VAE decoder (Wan 2.1's and Wan 2.2's), run over chunks of frames with its causal
 caches as plain tensors.
 
-Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False, subpixel=False)`
-replaces `vae._decode` of a diffusers `AutoencoderKLWan` whose decoder is Wan 2.1's (`WanUpBlock`s)
-or Wan 2.2's (`WanResidualUpBlock`s; `supported(vae)` says whether it is either) so that
-`vae.decode(z)` decodes latent frame 0 alone, then the other latent frames `chunk` at a time, and
-returns what diffusers' decode returns: the same causal convolutions over the same frames, grouped
-differently, so equal up to the rounding of the convolution kernels (fp16 tolerance;
-tests/test_video_vae.py). Tiled decoding (`vae.enable_tiling()`) keeps diffusers' own path.
-Returns the number of blocks per compiled function, by name (`compile_kwargs=None`: eager).
+Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False,
+subpixel=False, winograd=0)` replaces `vae._decode` of a diffusers `AutoencoderKLWan` whose decoder
+is Wan 2.1's (`WanUpBlock`s) or Wan 2.2's (`WanResidualUpBlock`s; `supported(vae)` says whether it
+is either) so that `vae.decode(z)` decodes latent frame 0 alone, then the other latent frames
+`chunk` at a time, and returns what diffusers' decode returns: the same causal convolutions over
+the same frames, grouped differently, so equal up to the rounding of the convolution kernels (fp16
+tolerance; tests/test_video_vae.py). Tiled decoding (`vae.enable_tiling()`) keeps diffusers' own
+path. Returns the number of blocks per compiled function, by name (`compile_kwargs=None`: eager).
 
 Why: diffusers decodes one latent frame per decoder pass (4 video frames; 21 passes for 81
 frames), every causal convolution taking its 2-frame cache from a Python list that also holds the

@@ -15,12 +15,14 @@ one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.ch
 all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
 channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
 twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
-the size, as installed; a list: each). `variants=winograd`: the installed decode with its
-3x3x3 convolutions over several frames as F(2, 3) and F(4, 3) along time (`video_vae.WINOGRAD`
-flipped), F(4, 3) also with cuDNN's algorithm search and at twice the chunk, each row with where its GPU time goes (torch.profiler: the
-convolution kernels' share and the largest kernels of one call). The first call of a compiled variant (its compile) is
-reported apart; a variant out of GPU memory is a row saying so. Also the max abs difference and
-the PSNR (frames as uint8) of each variant's output against diffusers' (fp16 rounding only).
+the size, as installed; a list: each). `variants=winograd`: the installed decode (its 3x3x3
+convolutions over several frames as F(m, 3) along time, m up to `video_vae.winograd_for` the VAE:
+Wan 2.2's `WINOGRAD`, Wan 2.1's 0), then the same with time Winograd off or with F(4, 3) (whichever
+of 0 and 4 is not installed), each row with where its GPU time goes (torch.profiler: the
+convolution kernels' share and the largest kernels of one call). The first call of a compiled
+variant (its compile) is reported apart; a variant out of GPU memory is a row saying so. Also the
+max abs difference and the PSNR (frames as uint8) of each variant's output against diffusers' (fp16
+rounding only).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     from compiler import video_vae
     sp = video_vae.SUBPIXEL
     rows = [dict(name="diffusers (1 latent frame per pass)")]
-    wg = video_vae.WINOGRAD
+    wg = video_vae.winograd_for(base)              # as compile_pipe installs it (Wan 2.1: 0)
     ours = lambda c, subpixel=sp, name="chunked", winograd=wg: dict(
         name=name, compiled=True, channels_last=True, chunk=c, subpixel=subpixel, winograd=winograd)
     if variants == "all":
