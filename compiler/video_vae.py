@@ -54,6 +54,7 @@ with `subpixel`.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,7 @@ def winograd_matrices(m: int, r: int = 3) -> tuple[list, list, list]:
     points = {2: [Q(0), Q(1), Q(-1)], 4: [Q(0), Q(1), Q(-1), Q(1, 2), Q(-1, 2)]}[m]
     n = m + r - 1
     at = [[p**j for p in points] + [Q(int(j == m - 1))] for j in range(m)]
-    f = [_prod(p - q for q in points if q != p) for p in points]
+    f = [math.prod(p - q for q in points if q != p) for p in points]
     g = [[p**k / fi for k in range(r)] for p, fi in zip(points, f)] + [[Q(int(k == r - 1)) for k in range(r)]]
     # B^T row i: the coefficients (ascending powers) of prod_{j != i} (x - p_j), the Lagrange
     # basis' numerator at point i (G divides by its value there); the last row, infinity's:
@@ -152,13 +153,6 @@ def winograd_matrices(m: int, r: int = 3) -> tuple[list, list, list]:
                 assert got == int(col == j + k), (m, j, k, col, got)
     return ([[float(v) for v in row] for row in at], [[float(v) for v in row] for row in g],
             [[float(v) for v in row] for row in bt])
-
-
-def _prod(xs):
-    out = 1
-    for x in xs:
-        out = out * x
-    return out
 
 
 def _poly(roots: list) -> list:
@@ -181,17 +175,13 @@ def _winograd_conv(x: torch.Tensor, u: torch.Tensor, bias, m: int, padding) -> t
     b, t2 = x.shape[0], x.shape[2]
     tiles = (t2 - CACHE_T) // m
     frames = [x[:, :, f] for f in range(t2)]                              # (B, Ci, H, W) each
-    ys = [[None] * m for _ in range(tiles)]
-    for i in range(n):                     # one 2-D convolution per point, every tile in its batch
+    products = []                          # one 2-D convolution per point, every tile in its batch
+    for i in range(n):
         v = torch.cat([_combine(bt[i], frames[s * m:s * m + n]) for s in range(tiles)], 0)
         mi = F.conv2d(v, u[i], None, 1, padding)                         # (tiles B, Co, H', W')
-        mi = mi.view(tiles, b, *mi.shape[1:])          # (tiles, B, Co, H', W'): the cat's order
-        for s in range(tiles):
-            for j in range(m):
-                if at[j][i]:
-                    term = at[j][i] * mi[s]
-                    ys[s][j] = term if ys[s][j] is None else ys[s][j] + term
-    y = torch.stack([f for tile in ys for f in tile], 2)                  # (B, Co, T, H, W)
+        products.append(mi.view(tiles, b, *mi.shape[1:]))   # (tiles, B, Co, H', W'): the cat's order
+    y = torch.stack([_combine(at[j], [mi[s] for mi in products])
+                     for s in range(tiles) for j in range(m)], 2)        # (B, Co, T, H', W')
     return y if bias is None else y + bias.view(1, -1, 1, 1, 1)
 
 
@@ -409,9 +399,10 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
             if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)):
                 fmt = torch.channels_last_3d if m.weight.dim() == 5 else torch.channels_last
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
-    for m in vae.decoder.modules():
-        if winograd and isinstance(m, torch.nn.Conv3d):
-            winograd_weights(m, winograd)
+    if winograd:
+        for m in vae.decoder.modules():
+            if isinstance(m, torch.nn.Conv3d):
+                winograd_weights(m, winograd)
     dec = vae.decoder
     samplers = [u for u, _ in map(_sampler, dec.up_blocks) if u is not None]
     subpixel = subpixel and all(map(_plain_up2x, samplers))
