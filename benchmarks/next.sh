@@ -48,6 +48,10 @@ tables() {   # GPUs $1 and $2; ftfy's wheels installed once here, so the two lan
   SKIP_SUITE=1 TABLES=ti2v_img GPUS=$1 timeout 560 bash benchmarks/families_x4.sh "$Q" &
   SKIP_SUITE=1 TABLES=latte GPUS=$2 timeout 560 bash benchmarks/families_x4.sh "$Q" &
 }
+decode_bench() {   # GPU $1, iters $2, log $3 (more environment before the call: TORCH_LOGS)
+  CUDA_VISIBLE_DEVICES=$1 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
+      variants=winograd iters="$2" out="$Q/decode_winograd.json" > "$3" 2>&1
+}
 case $phase in
   ab)     ab 0 1; wait ;;
   tables) tables 0 1; wait ;;
@@ -56,22 +60,18 @@ case $phase in
     SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
   round17)   # GPUs 0-1: i2v14b; GPU 3: the TI2V decode with time Winograd; GPU 2: Latte's
              # table once I2V's two lanes have compiled (~200 s) and are on their GPUs
-    ( CUDA_VISIBLE_DEVICES=3 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
-        variants=winograd iters=3 out="$Q/decode_winograd.json" > "$Q/decode_winograd.log" 2>&1 ) &
+    decode_bench 3 3 "$Q/decode_winograd.log" &
     ( sleep 200; SKIP_SUITE=1 TABLES=latte GPUS=2 timeout 360 bash benchmarks/families_x4.sh "$Q" ) &
     SKIP_SUITE=1 TABLES=i2v14b GPUS=0 LANES=2 timeout 570 bash benchmarks/families_x4.sh "$Q"
     wait; tail -12 "$Q/decode_winograd.log" ;;
   decode)    # GPU 0: the TI2V decode with and without time Winograd; GPU 1: its gpu tests
     ( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
         -p no:cacheprovider > "$Q/test_video_vae.log" 2>&1 ) &
-    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
-        variants=winograd iters=3 out="$Q/decode_winograd.json" > "$Q/decode_winograd.log" 2>&1
+    decode_bench 0 3 "$Q/decode_winograd.log"
     wait; tail -12 "$Q/decode_winograd.log"; grep -E "passed|failed|PSNR" "$Q/test_video_vae.log" ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
-    CUDA_VISIBLE_DEVICES=0 TORCH_LOGS=output_code timeout 560 python3 -m runner.bench.decode \
-        model=wan22_ti2v_5b frames=121 variants=winograd iters=1 out="$Q/decode_winograd.json" \
-        > "$Q/decode_code.log" 2>&1
+    TORCH_LOGS=output_code decode_bench 0 1 "$Q/decode_code.log"
     grep -c "def triton_" "$Q/decode_code.log"; tail -6 "$Q/decode_code.log" ;;
   ti2v_img)
     SKIP_SUITE=1 TABLES=ti2v_img GPUS=0 timeout 570 bash benchmarks/families_x4.sh "$Q" ;;
