@@ -20,6 +20,11 @@
 #   round17  i2v14b on GPUs 0-1, the TI2V-5B decode with and without time Winograd on GPU 3
 #            (runner.bench.decode variants=winograd), the Latte table on GPU 2 after 200 s
 #   decode   GPU 0: runner.bench.decode variants=winograd; GPU 1: tests/test_video_vae.py's gpu tests
+#   triton   GPU 0: the decode bench with the Winograd passes as Triton kernels, the kernels' gpu
+#            tests; GPU 1: TI2V's full-size decode gpu tests with Winograd (Triton on and off)
+#   triton4  x4: the decode bench at 1 and 2 latent frames a pass (GPU 0), test_video_vae.py's
+#            gpu tests on GPUs 1-3
+#   final18  x2: the decode bench as installed (GPU 0); the Triton gpu tests (GPU 1)
 #   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
@@ -32,7 +37,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -50,7 +55,7 @@ tables() {   # GPUs $1 and $2; ftfy's wheels installed once here, so the two lan
 }
 decode_bench() {   # GPU $1, iters $2, log $3 (more environment before the call: TORCH_LOGS)
   CUDA_VISIBLE_DEVICES=$1 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
-      variants=winograd iters="$2" out="$Q/decode_winograd.json" > "$3" 2>&1
+      variants=winograd iters="$2" chunks="${CHUNKS:-auto}" out="$Q/decode_winograd.json" > "$3" 2>&1
 }
 case $phase in
   ab)     ab 0 1; wait ;;
@@ -69,6 +74,29 @@ case $phase in
         -p no:cacheprovider > "$Q/test_video_vae.log" 2>&1 ) &
     decode_bench 0 3 "$Q/decode_winograd.log"
     wait; tail -12 "$Q/decode_winograd.log"; grep -E "passed|failed|PSNR" "$Q/test_video_vae.log" ;;
+  triton)    # GPU 0: the decode bench (Triton passes, Inductor's, no Winograd), then the kernels'
+             # gpu tests; GPU 1: TI2V's full-size decode tests with Winograd, Triton on and off
+    ( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+        -p no:cacheprovider -k "wan22_chunked_decode_matches_diffusers and 4" > "$Q/test_decode.log" 2>&1 ) &
+    decode_bench 0 3 "$Q/decode_winograd.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+        -p no:cacheprovider -k triton_winograd > "$Q/test_kernels.log" 2>&1
+    wait; tail -8 "$Q/decode_winograd.log"; grep -E "passed|failed|PSNR|max abs|Error" "$Q"/test_*.log | tail -40 ;;
+  triton4)   # x4. GPU 0: the decode bench, installed at 1 and 2 latent frames a pass, Inductor's
+             # passes, no Winograd; GPUs 1-3: test_video_vae.py's gpu tests
+    gt() { CUDA_VISIBLE_DEVICES=$1 timeout 560 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+             -p no:cacheprovider -k "$2" > "$Q/test_$1.log" 2>&1; }
+    gt 1 "matches_diffusers and (0-False-1 or 4-False-1)" &
+    gt 2 "matches_diffusers and 4-True" &
+    gt 3 "triton_winograd or matches_eager" &
+    CHUNKS=1,2 decode_bench 0 3 "$Q/decode_winograd.log"
+    wait; tail -8 "$Q/decode_winograd.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -40 ;;
+  final18)   # x2. GPU 0: the decode bench as installed (Triton passes, 2 latent frames a pass),
+             # Inductor's passes, no Winograd; GPU 1: the kernels' and TI2V's Triton decode gpu tests
+    ( CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+        -p no:cacheprovider -k "triton_winograd or (matches_diffusers and 4-True)" > "$Q/test_1.log" 2>&1 ) &
+    decode_bench 0 3 "$Q/decode_winograd.log"
+    wait; tail -8 "$Q/decode_winograd.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
     TORCH_LOGS=output_code decode_bench 0 1 "$Q/decode_code.log"
@@ -93,7 +121,7 @@ t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_cou
     timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
         --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
     tail -3 "$Q/suite.log" ;;
-  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, round17, decode, vaecode, pixart12, pixart4, wan12, wan4 or suite)" >&2
+  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, round17, decode, triton, triton4, final18, vaecode, pixart12, pixart4, wan12, wan4 or suite)" >&2
      exit 2 ;;
 esac
 case $phase in ab|tables|both|ti2v_img|i2v14b|round17)

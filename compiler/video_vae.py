@@ -78,6 +78,18 @@ SUBPIXEL = True
 # PSNR 60.1 -> 59.1 dB against diffusers, peak 15.4 -> 19.0 GiB (the transformed kernels). Wan
 # 2.1's decoder keeps direct convolutions (`winograd_for`): not measured there.
 WINOGRAD = 4
+# What compile_pipe installs with Winograd on CUDA where Triton imports: the residual blocks'
+# norm / SiLU / B^T and A^T / bias / residual passes as `compiler.winograd_triton`'s kernels
+# instead of Inductor's. Measured (same bench, `variants=winograd`, H100, 2 latent frames a
+# pass): 2,532 -> 2,042 ms (GPU kernels 2,500 -> 2,032 ms), peak 26.6 -> 17.7 GiB (no middle
+# activation or concatenated cache written), PSNR 58.8 -> 58.9 dB against diffusers.
+TRITON = True
+# Latent frames per pass at least where time Winograd is on (`chunk=None`): one latent frame
+# leaves the 44x80 blocks of a 704x1280 decode one frame a pass (direct convolutions) and the
+# 88x160 ones two (F(2, 3)); two latent frames give them F(2, 3) and F(4, 3). Measured with the
+# Triton passes (H100): 2,190 ms at 1 latent frame a pass, 2,089 at 2 (convolution kernels
+# 1,762 -> 1,626 ms), peak 14.5 -> 19.7 GiB, PSNR 59.0 -> 58.6 dB.
+WINOGRAD_CHUNK = 2
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
 
@@ -98,6 +110,19 @@ def widest_of(vae) -> int:
 def winograd_for(vae) -> int:
     """`WINOGRAD` for Wan 2.2's decoder (residual up blocks), 0 for Wan 2.1's (unmeasured)."""
     return WINOGRAD if type(vae.decoder.up_blocks[0]).__name__ == "WanResidualUpBlock" else 0
+
+
+def _has_winograd(vae) -> bool:
+    return any(hasattr(m, "winograd2") for m in vae.decoder.modules())
+
+
+def triton_available() -> bool:
+    """Triton imports and a CUDA device is there (what `chunked_decode(triton=True)` runs on)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def supported(vae) -> bool:
@@ -121,13 +146,18 @@ def _cconv(conv, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, to
     gave the convolution a time-Winograd kernel for m dividing T, it runs as `_winograd_conv`."""
     x = torch.cat([cache, x], 2)
     pad = conv._padding                                   # (w, w, h, h, 2 * t, 0) as diffusers keeps it
-    t = x.shape[2] - CACHE_T
-    m = next((m for m in (4, 2) if t % m == 0 and hasattr(conv, f"winograd{m}")), None)
-    if m is not None:
+    m = _tile(conv, x.shape[2] - CACHE_T)
+    if m:
         y = _winograd_conv(x, getattr(conv, f"winograd{m}"), conv.bias, m, (pad[2], pad[0]))
     else:
         y = F.conv3d(x, conv.weight, conv.bias, conv.stride, (0, pad[2], pad[0]))
     return y, x[:, :, -CACHE_T:].clone()
+
+
+def _tile(conv, t: int) -> int:
+    """The F(m, 3) tile for a convolution over t output frames: the largest m (4, 2) dividing t
+    that `winograd_weights` gave it a kernel for; 0 for none (direct)."""
+    return next((m for m in (4, 2) if t % m == 0 and hasattr(conv, f"winograd{m}")), 0)
 
 
 def winograd_matrices(m: int, r: int = 3) -> tuple[list, list, list]:
@@ -218,14 +248,47 @@ def winograd_weights(conv, largest: int) -> None:
         conv.register_buffer(f"winograd{m}", u, persistent=False)
 
 
-def resblock(block, x, c1, c2):
-    """WanResidualBlock: (B, Ci, T, H, W) -> (B, Co, T, H, W) and its two convolutions' caches."""
+def resblock(block, x, c1, c2, triton: bool = False):
+    """WanResidualBlock: (B, Ci, T, H, W) -> (B, Co, T, H, W) and its two convolutions' caches.
+    `triton` (CUDA): where both convolutions run as F(m, 3), the memory passes around them as the
+    kernels of `compiler.winograd_triton` (`_fused_resblock`)."""
     h = block.conv_shortcut(x)                            # identity, or a 1x1x1 conv (no cache)
+    m = _tile(block.conv1, x.shape[2])
+    if triton and m and _fusable(block, m):
+        return _fused_resblock(block, x, c1, c2, h, m)
     y = block.nonlinearity(block.norm1(x))
     y, c1 = _cconv(block.conv1, y, c1)
     y = block.nonlinearity(block.norm2(y))                # (dropout: eval, none)
     y, c2 = _cconv(block.conv2, y, c2)
     return y + h, c1, c2
+
+
+def _fusable(block, m: int) -> bool:
+    """The block is what `_fused_resblock`'s kernels compute: RMS norms without bias, SiLU, both
+    convolutions with biases and F(m, 3) kernels."""
+    return (isinstance(block.nonlinearity, torch.nn.SiLU)
+            and all(isinstance(n.bias, float) and n.bias == 0 for n in (block.norm1, block.norm2))
+            and all(c.bias is not None and hasattr(c, f"winograd{m}") for c in (block.conv1, block.conv2)))
+
+
+def _fused_resblock(block, x, c1, c2, h, m: int):
+    """`resblock` with F(m, 3) convolutions, its memory passes as three Triton kernels: norm1,
+    SiLU and B^T (`winograd_in`); A^T, bias, norm2, SiLU and B^T (`winograd_mid`: the middle
+    activation never written); A^T, bias and the residual (`winograd_out`). The 2-D products
+    stay cuDNN's."""
+    from compiler import winograd_triton as wt
+    n1, n2, b = block.norm1, block.norm2, x.shape[0]
+    v, c1 = wt.winograd_in(x, c1, n1.gamma, n1.scale, m)        # (m + 2, T/m B, Ci, H, W)
+    p = _products(block.conv1, v, m)                           # m + 2 of (T/m B, Co, H, W)
+    v, c2 = wt.winograd_mid(p, block.conv1.bias, c2, n2.gamma, n2.scale, m)
+    p = _products(block.conv2, v, m)
+    return wt.winograd_out(p, block.conv2.bias, h, m, b), c1, c2
+
+
+def _products(conv, v: torch.Tensor, m: int) -> list:
+    """The m + 2 2-D convolutions of transformed frames v[i] by transformed kernels u[i]."""
+    u, pad = getattr(conv, f"winograd{m}"), conv._padding
+    return [F.conv2d(v[i], u[i], None, 1, (pad[2], pad[0])) for i in range(m + 2)]
 
 
 # Which rows (columns) of a 3x3 kernel each of the two taps of a 2x2 kernel sums, per output phase,
@@ -234,16 +297,26 @@ def resblock(block, x, c1, c2):
 _PHASE_TAPS = (((1, 0, 0), (0, 1, 1)), ((1, 1, 0), (0, 0, 1)))
 
 
+def subpixel_weight(conv) -> torch.Tensor:
+    """The four phases' 2x2 kernels of a 3x3 convolution (`_PHASE_TAPS`): (4 Co, Ci, 2, 2),
+    channels-last, the weight's dtype; `chunked_decode(subpixel=True)` keeps them as the
+    non-persistent buffer `subpixel` (each call computed them anew: ~25 ms a TI2V-5B decode)."""
+    taps = torch.tensor(_PHASE_TAPS, dtype=torch.float32, device=conv.weight.device)  # (2, 2, 3)
+    with torch.no_grad():
+        k = torch.einsum("aui,bvj,ocij->abocuv", taps, taps, conv.weight.float())  # summed taps
+    k = k.reshape(4 * conv.out_channels, -1, 2, 2).to(conv.weight.dtype)
+    return k.contiguous(memory_format=torch.channels_last)
+
+
 def _up2x_conv(conv, x: torch.Tensor) -> torch.Tensor:
     """conv (3x3, padding 1) of the 2x nearest upsampling of x: (N, Ci, H, W) -> (N, Co, 2H, 2W),
     as one 2x2 convolution (padding 1) of x itself to the four phases' outputs, (N, 4 Co, H+1,
     W+1), phase (a, b) of input pixel (i, j) at (i + a, j + b), interleaved (built channels-last)."""
     n, _, h, w = x.shape
     co = conv.out_channels
-    taps = torch.tensor(_PHASE_TAPS, dtype=torch.float32, device=x.device)          # (2, 2, 3)
-    k = torch.einsum("aui,bvj,ocij->abocuv", taps, taps, conv.weight.float())      # summed taps
-    k = k.reshape(4 * co, -1, 2, 2).to(x.dtype).contiguous(memory_format=torch.channels_last)
-    y = F.conv2d(x, k, conv.bias.repeat(4), padding=1).permute(0, 2, 3, 1)         # (N, H+1, W+1, 4Co)
+    k = conv.subpixel if hasattr(conv, "subpixel") else subpixel_weight(conv)
+    y = F.conv2d(x, k.to(x.dtype), conv.bias.repeat(4), padding=1)
+    y = y.permute(0, 2, 3, 1)                                                      # (N, H+1, W+1, 4Co)
     y = y.reshape(n, h + 1, w + 1, 2, 2, co)
     rows = [torch.stack([y[:, a:a + h, b:b + w, a, b] for b in (0, 1)], 3) for a in (0, 1)]
     y = torch.stack(rows, 2).reshape(n, 2 * h, 2 * w, co)       # (N, H, 2, W, 2, Co) -> (N, 2H, 2W, Co)
@@ -315,28 +388,28 @@ class _Caches:
         self.slots[self.k - len(new):self.k] = list(new)
 
 
-def _res(fns: dict, block, x: torch.Tensor, caches: _Caches) -> torch.Tensor:
+def _res(fns: dict, block, x: torch.Tensor, caches: _Caches, triton: bool) -> torch.Tensor:
     # the second convolution's input has the block's output channels
     c1, c2 = caches.take(x), caches.take(x, block.conv2.in_channels)
-    x, c1, c2 = fns["resblock"](block, x, c1, c2)
+    x, c1, c2 = fns["resblock"](block, x, c1, c2, triton)
     caches.put(c1, c2)
     return x
 
 
 def _chunk(fns: dict, dec, x: torch.Tensor, caches: _Caches, first: bool,
-           subpixel: bool) -> torch.Tensor:
+           subpixel: bool, triton: bool) -> torch.Tensor:
     """One decoder pass over a chunk of latent frames, as WanDecoder3d.forward with its caches."""
     caches.k = 0
     x, c = fns["stem"](dec, x, caches.take(x))
     caches.put(c)
     mid = dec.mid_block
-    x = _res(fns, mid.resnets[0], x, caches)
+    x = _res(fns, mid.resnets[0], x, caches, triton)
     for attn, res in zip(mid.attentions, mid.resnets[1:]):
-        x = _res(fns, res, fns["attention"](attn, x), caches)
+        x = _res(fns, res, fns["attention"](attn, x), caches, triton)
     for up in dec.up_blocks:
         skip = x                                   # Wan 2.2's shortcut reads the up block's input
         for res in up.resnets:
-            x = _res(fns, res, x, caches)
+            x = _res(fns, res, x, caches, triton)
         sampler, dup = _sampler(up)
         if sampler is not None:
             cache = caches.take(x) if sampler.mode == "upsample3d" else None
@@ -349,11 +422,11 @@ def _chunk(fns: dict, dec, x: torch.Tensor, caches: _Caches, first: bool,
     return x
 
 
-def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bool, original,
-            z: torch.Tensor, return_dict: bool = True):
+def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bool,
+            triton: bool, original, z: torch.Tensor, return_dict: bool = True):
     """`vae._decode` (diffusers' signature): (B, Z, F, h, w) latents -> (B, 3, 4(F-1)+1, s h, s w)
     in [-1, 1], s the spatial compression (Wan 2.1: 8, 2.2: 16). `chunk` None: `chunk_for` the
-    frame size."""
+    frame size, at least `WINOGRAD_CHUNK` where the decoder has time-Winograd kernels."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     from diffusers.models.autoencoders.vae import DecoderOutput
     _, _, frames, height, width = z.shape
@@ -364,13 +437,15 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
     x = vae.post_quant_conv(z)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last_3d)
-    chunk = chunk or chunk_for(height * ratio, width * ratio, widest=widest_of(vae))
+    if not chunk:                     # time Winograd: at least WINOGRAD_CHUNK latent frames
+        least = WINOGRAD_CHUNK if _has_winograd(vae) else 1
+        chunk = max(least, chunk_for(height * ratio, width * ratio, widest=widest_of(vae)))
     caches = _Caches(torch.channels_last_3d if channels_last else torch.contiguous_format)
     out = []
     starts = [0, *range(1, frames, chunk)]
     for i, s in enumerate(starts):
         e = 1 if i == 0 else min(s + chunk, frames)
-        out.append(_chunk(fns, vae.decoder, x[:, :, s:e], caches, i == 0, subpixel))
+        out.append(_chunk(fns, vae.decoder, x[:, :, s:e], caches, i == 0, subpixel, triton))
     out = torch.cat(out, 2)
     if vae.config.get("patch_size"):               # Wan 2.2: (B, 3 x 2 x 2, ...) -> pixels
         out = unpatchify(out, vae.config.patch_size)
@@ -380,15 +455,19 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
 
 def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = None,
                    channels_last: bool = False, subpixel: bool = False,
-                   winograd: int = 0) -> dict[str, int]:
+                   winograd: int = 0, triton: bool = False) -> dict[str, int]:
     """Install the chunked decode on `vae` (module docstring). `chunk`: latent frames per pass
     after the first (None: `chunk_for` each call's frame size). `compile_kwargs`: torch.compile's
     arguments for each block function (None: eager). `subpixel`: the upsamplers as four-phase
     2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution). `winograd`:
     the 3x3x3 convolutions over 2 or more frames as F(m, 3) along time, m up to it (0: off, 2
-    or 4; `_winograd_conv`)."""
+    or 4; `_winograd_conv`). `triton`: the residual blocks' passes around those convolutions as
+    `compiler.winograd_triton`'s kernels (CUDA, Triton; `triton_available`)."""
     if winograd not in (0, 2, 4):
         raise ValueError(f"winograd={winograd}: the largest F(m, 3) tile must be 0 (off), 2 or 4")
+    if triton and not winograd:
+        raise ValueError("triton=True fuses the passes of time-Winograd convolutions: needs "
+                         "winograd=2 or 4")
     if not supported(vae):
         raise ValueError(f"{type(vae).__name__}: not a Wan causal video VAE (Wan 2.1's or 2.2's "
                          "decoder)")
@@ -406,11 +485,16 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
     dec = vae.decoder
     samplers = [u for u, _ in map(_sampler, dec.up_blocks) if u is not None]
     subpixel = subpixel and all(map(_plain_up2x, samplers))
+    if subpixel:
+        for up in samplers:
+            conv = up.resample[1]
+            conv.register_buffer("subpixel", subpixel_weight(conv), persistent=False)
     fns = dict(FUNCTIONS)
     if compile_kwargs is not None:
         fns = {k: torch.compile(f, **compile_kwargs) for k, f in fns.items()}
     original = vae._decode
-    vae._decode = functools.partial(_decode, vae, fns, chunk, channels_last, subpixel, original)
+    vae._decode = functools.partial(_decode, vae, fns, chunk, channels_last, subpixel, triton,
+                                    original)
     counts = {"resblock": len(dec.mid_block.resnets) + sum(len(u.resnets) for u in dec.up_blocks),
               "attention": len(dec.mid_block.attentions), "upsample": len(samplers),
               "stem": 1, "head": 1}

@@ -116,6 +116,32 @@ def test_wan22_decode_with_time_winograd():
         torch.testing.assert_close(fast.decode(z).sample, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_winograd_decodes_at_least_winograd_chunk_frames_a_pass(monkeypatch):
+    """`chunk=None` with time Winograd: `chunk_for`'s one latent frame a pass at a wide frame
+    becomes `WINOGRAD_CHUNK` (F(2, 3) / F(4, 3) in the low-resolution blocks); without it stays
+    `chunk_for`'s. The four-phase kernels are buffers made once, not saved with the weights."""
+    seen = []
+    real = video_vae._chunk
+    monkeypatch.setattr(video_vae, "_chunk", lambda fns, dec, x, *a: seen.append(x.shape[2])
+                        or real(fns, dec, x, *a))
+    monkeypatch.setattr(video_vae, "chunk_for", lambda *a, **k: 1)
+    monkeypatch.setattr(video_vae, "WINOGRAD_CHUNK", 2)
+    z = torch.randn(1, 48, 6, 4, 4)
+    for winograd, passes in ((4, [1, 2, 2, 1]), (0, [1, 1, 1, 1, 1, 1])):
+        vae = _vae22()
+        video_vae.chunked_decode(vae, None, subpixel=True, winograd=winograd)
+        seen.clear()
+        with torch.no_grad():
+            vae.decode(z)
+        assert seen == passes, (winograd, seen)
+    convs = [u.resample[1] for u, _ in map(video_vae._sampler, vae.decoder.up_blocks) if u]
+    assert all(hasattr(c, "subpixel") and c.subpixel.shape == (4 * c.out_channels, c.in_channels, 2, 2)
+               for c in convs)
+    assert not any(k.endswith("subpixel") for k in vae.state_dict())
+    with pytest.raises(ValueError, match="triton=True"):
+        video_vae.chunked_decode(_vae22(), 1, triton=True)
+
+
 @pytest.mark.parametrize("h, w, channels_last", [(5, 7, False), (4, 4, True), (1, 3, False)])
 def test_four_phase_upsampling_is_the_upsample_then_the_conv(h, w, channels_last):
     """A 3x3 convolution of the 2x nearest upsampling = the 2x2 four-phase convolution of the
@@ -177,6 +203,32 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     assert not video_vae.supported(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")).vae)
 
 
+def test_missing_triton_is_one_line_and_inductors_passes(monkeypatch, caplog):
+    """Where the Winograd passes' Triton kernels cannot run (Triton not importable, or no GPU)
+    compile_pipe's VAE step says so in one line and installs the decode without them; with
+    `TRITON` off it says nothing."""
+    import sys
+
+    import compiler
+    from compiler.pipeline import _compile_vae
+    monkeypatch.setitem(sys.modules, "triton", None)              # import triton -> ImportError
+    assert not video_vae.triton_available()
+    opts = compiler.parse_options({"mode": "O2", "dynamic": True})
+    for on, lines in ((True, 1), (False, 0)):
+        monkeypatch.setattr(video_vae, "TRITON", on)
+        caplog.clear()
+        vae = _vae22()
+        with caplog.at_level("WARNING"):
+            _compile_vae(vae, opts, {}, "cuda")                # the CUDA settings, on this CPU
+        said = [r.getMessage() for r in caplog.records if "Triton" in r.getMessage()]
+        assert len(said) == lines, said
+        assert sum(hasattr(m, "winograd4") for m in vae.decoder.modules()) >= 10
+        assert vae._decode.args[5] is False                     # chunked_decode's triton
+        z = torch.randn(1, 48, 3, 4, 4)
+        with torch.no_grad():
+            assert torch.isfinite(vae.decode(z).sample).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("frames", [33])
 def test_full_size_compiled_chunked_decode_matches_eager(frames):
@@ -205,8 +257,46 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("winograd", [0, 4])
-def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, monkeypatch):
+@pytest.mark.parametrize("ci, co, t, h, w, m", [
+    (1024, 512, 4, 176, 320, 4), (512, 256, 4, 352, 640, 4), (256, 256, 4, 352, 640, 4),
+    (1024, 1024, 2, 88, 160, 2), (256, 256, 8, 45, 81, 4), (512, 512, 4, 23, 37, 2)])
+def test_triton_winograd_resblock_matches_the_reference(ci, co, t, h, w, m):
+    """`resblock(triton=True)` (`compiler.winograd_triton`'s kernels around cuDNN's products) at
+    the TI2V-5B decoder's residual-block shapes (one tile: the fused middle kernel) and at odd
+    sizes with two tiles (T = 2m: A^T out, then B^T in), fp16, input with outlier channels
+    (offsets 20x the std on 4 channels): its error against the fp32 direct convolution within
+    1.5x that of the Inductor-free PyTorch Winograd path in fp16, same caches returned."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        exact = WanResidualBlock(ci, co).eval()
+        for n in (exact.norm1, exact.norm2):
+            n.gamma.data.uniform_(0.5, 1.5)
+        cl = dict(memory_format=torch.channels_last_3d)
+        x = torch.randn(1, ci, t, h, w)
+        x[:, :4] += 20                                         # outlier channels
+        c1, c2 = torch.randn(1, ci, 2, h, w).sigmoid(), torch.randn(1, co, 2, h, w).sigmoid()
+    half = copy.deepcopy(exact).half()
+    for conv in (half.conv1, half.conv2):
+        conv.weight.data = conv.weight.data.contiguous(**cl)
+        video_vae.winograd_weights(conv, m)
+    args = [a.half().contiguous(**cl) for a in (x, c1, c2)]
+    with torch.no_grad():
+        truth = video_vae.resblock(exact, x, c1, c2)
+        ref = video_vae.resblock(half, *args)
+        got = video_vae.resblock(half, *args, triton=True)
+    for name, tr, r, g in zip(("out", "cache1", "cache2"), truth, ref, got):
+        assert g.shape == r.shape and g.is_contiguous(**cl), name
+        e_ref, e_got = (r.float() - tr).abs().max().item(), (g.float() - tr).abs().max().item()
+        print(f"{ci}->{co} x {t} frames {h}x{w} F({m}, 3) {name}: max abs vs fp32 direct: "
+              f"triton {e_got:.3g}, pytorch {e_ref:.3g} (of {tr.abs().max().item():.3g})")
+        assert e_got <= 1.5 * e_ref + 1e-3, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("winograd, triton, least", [(0, False, 1), (4, False, 1), (4, True, 1),
+                                                     (4, True, 2)])
+def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, least, monkeypatch):
     """TI2V-5B's VAE at the published size (random weights, fp16, 704x1280 x 121 frames: 31
     latent frames of 44x80): the decode `compile_pipe` installs (compiled blocks, `chunk_for`'s
     chunk, channels_last_3d, `SUBPIXEL`, `WINOGRAD`) against diffusers' eager decode: PSNR >= 40 dB on the
@@ -214,7 +304,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, monkeypatch)
     convolutions grouped differently), no recompile on a second latent. Prints one call's time
     of each (the figure is the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b
     frames=121 variants=installed`); `winograd`: with the time-Winograd convolutions off, and
-    with F(4, 3) (`video_vae.WINOGRAD` as set for this test)."""
+    with F(4, 3) (`video_vae.WINOGRAD` as set for this test); `triton`: their passes as
+    `compiler.winograd_triton`'s kernels (`video_vae.TRITON`); `least`: latent frames a pass
+    at least (`video_vae.WINOGRAD_CHUNK`)."""
     import compiler
     from compiler.pipeline import _compile_vae
     from runner.bench.decode import psnr_uint8, time_decode
@@ -226,6 +318,8 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, monkeypatch)
     fast = copy.deepcopy(vae)
     opts = compiler.parse_options("O2")
     monkeypatch.setattr(video_vae, "WINOGRAD", winograd)
+    monkeypatch.setattr(video_vae, "TRITON", triton)
+    monkeypatch.setattr(video_vae, "WINOGRAD_CHUNK", least)
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64            # compile_pipe raises it by its block count
     counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
@@ -235,7 +329,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, monkeypatch)
         fast.decode(torch.randn_like(z))
     err, psnr = (out.float() - ref.float()).abs().max().item(), psnr_uint8(out, ref)
     assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) == (30 if winograd else 0)
-    print(f"Wan 2.2 VAE 704x1280x121, compiled chunked (winograd {winograd}) vs diffusers: max abs {err:.3g}, PSNR "
+    print(f"Wan 2.2 VAE 704x1280x121, compiled chunked (winograd {winograd}, triton {triton}, "
+          f"chunk >= {least}) "
+          f"vs diffusers: max abs {err:.3g}, PSNR "
           f"{psnr} dB; one call {ms:.0f} ms vs {ms_ref:.0f} ms, peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()

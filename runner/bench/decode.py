@@ -15,10 +15,11 @@ one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.ch
 all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
 channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
 twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
-the size, as installed; a list: each). `variants=winograd`: the installed decode (its 3x3x3
+the size, at least `WINOGRAD_CHUNK` with time Winograd, as installed; a list: each). `variants=winograd`: the installed decode (its 3x3x3
 convolutions over several frames as F(m, 3) along time, m up to `video_vae.winograd_for` the VAE:
-Wan 2.2's `WINOGRAD`, Wan 2.1's 0), then the same with time Winograd off or with F(4, 3) (whichever
-of 0 and 4 is not installed), each row with where its GPU time goes (torch.profiler: the
+Wan 2.2's `WINOGRAD`, Wan 2.1's 0; their passes as Triton kernels where `video_vae.TRITON` and
+Triton is there), the same with Inductor's passes instead of Triton's (where those were on), then
+with time Winograd off or with F(4, 3) (whichever of 0 and 4 is not installed), each row with where its GPU time goes (torch.profiler: the
 convolution kernels' share and the largest kernels of one call). The first call of a compiled
 variant (its compile) is reported apart; a variant out of GPU memory is a row saying so. Also the
 max abs difference and the PSNR (frames as uint8) of each variant's output against diffusers' (fp16
@@ -60,8 +61,10 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     sp = video_vae.SUBPIXEL
     rows = [dict(name="diffusers (1 latent frame per pass)")]
     wg = video_vae.winograd_for(base)              # as compile_pipe installs it (Wan 2.1: 0)
-    ours = lambda c, subpixel=sp, name="chunked", winograd=wg: dict(
-        name=name, compiled=True, channels_last=True, chunk=c, subpixel=subpixel, winograd=winograd)
+    tri = bool(wg) and video_vae.TRITON and video_vae.triton_available()
+    ours = lambda c, subpixel=sp, name="chunked", winograd=wg, triton=tri: dict(
+        name=name, compiled=True, channels_last=True, chunk=c, subpixel=subpixel, winograd=winograd,
+        triton=triton and bool(winograd))
     if variants == "all":
         c = chunks[0]
         rows += [dict(name="chunked", compiled=compiled, channels_last=cl, chunk=c, subpixel=False)
@@ -71,6 +74,9 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     elif variants == "winograd":
         c = chunks[0]
         rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
+        rows += [dict(ours(more), profile=True) for more in chunks[1:]]
+        if tri:
+            rows += [dict(ours(c, triton=False), profile=True)]
         rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 4) if m != wg]
     else:
         for c in chunks:
@@ -101,7 +107,7 @@ def _video_row(base, z, iters: int, v: dict, ref):
         aux = compiler.compile_kwargs(compiler.parse_options("O2"), denoiser=False)
         video_vae.chunked_decode(vae, v["chunk"], aux if v["compiled"] else None,
                                  channels_last=v["channels_last"], subpixel=v.get("subpixel", False),
-                                 winograd=v.get("winograd", 0))
+                                 winograd=v.get("winograd", 0), triton=v.get("triton", False))
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -125,23 +131,24 @@ def _video_row(base, z, iters: int, v: dict, ref):
     return ref
 
 
-def kernel_split(vae, z, top: int = 8) -> dict:
+def kernel_split(vae, z, top: int = 30) -> dict:
     """Where one decode's GPU time goes (torch.profiler, after warm-up): total kernel ms, the
     convolution kernels' ms (cuDNN/CUTLASS: names with conv, xmma, implicit or cutlass) and the
-    `top` largest kernels by name."""
+    `top` largest kernels by name ([name, ms, launches])."""
     from torch.profiler import ProfilerActivity, profile
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         vae.decode(z, return_dict=False)
         torch.cuda.synchronize()
-    by = {}
+    by, calls = {}, {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by[e.name] = by.get(e.name, 0.0) + e.device_time / 1e3
+            calls[e.name] = calls.get(e.name, 0) + 1
     conv = sum(ms for k, ms in by.items()
                if any(w in k.lower() for w in ("conv", "xmma", "implicit", "cutlass", "wgrad", "dgrad")))
     big = sorted(by.items(), key=lambda kv: -kv[1])[:top]
     return dict(kernels_ms=round(sum(by.values()), 1), conv_ms=round(conv, 1),
-                top=[[k[:90], round(ms, 1)] for k, ms in big])
+                top=[[k[:120], round(ms, 1), calls[k]] for k, ms in big])
 
 
 def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,10 +161,10 @@ def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
 def _video_table(a: dict, rows: list[dict]) -> None:
     print(f"\n{a['model']} VAE decode, {a['frames']} frames, batch {a['batch']}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| decode | compiled | layout | chunk | four-phase upsampling | time Winograd | cudnn.benchmark "
-          "| ms per decode | first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) "
+    print("| decode | compiled | layout | chunk | four-phase upsampling | time Winograd | Triton passes | "
+          "cudnn.benchmark | ms per decode | first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) "
           "| GPU kernels ms (convolutions) |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         measured = (f"{r['first_call_s']} | {r['peak_gb']} | {r['max_abs_vs_eager']:.2g} | "
                     f"{r['psnr_db']}" if "psnr_db" in r else " | | ")          # out of memory
@@ -166,7 +173,7 @@ def _video_table(a: dict, rows: list[dict]) -> None:
         print(f"| {r['name']} | {r.get('compiled', False)} | "
               f"{'channels_last_3d' if r.get('channels_last') else 'contiguous'} | "
               f"{r.get('chunk', 1)} | {r.get('subpixel', False)} | {r.get('winograd', 0) or '-'} | "
-              f"{r.get('cudnn_benchmark', False)} | {r['ms']} | {measured} | {prof} |")
+              f"{r.get('triton', False)} | {r.get('cudnn_benchmark', False)} | {r['ms']} | {measured} | {prof} |")
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -232,8 +239,9 @@ def _video(a: dict, fam, preset: dict) -> list[dict]:
     h, w = preset["height"], preset["width"]
     z = torch.randn(int(a["batch"]), base.config.z_dim, (int(a["frames"]) - 1) // t + 1, h // s,
                     w // s, device="cuda", dtype=torch.float16)
-    chunks = ([video_vae.chunk_for(h, w, widest=video_vae.widest_of(base))] if a["chunks"] == "auto"
-              else [int(c) for c in a["chunks"].split(",")])
+    least = video_vae.WINOGRAD_CHUNK if video_vae.winograd_for(base) else 1   # as installed
+    chunks = ([max(least, video_vae.chunk_for(h, w, widest=video_vae.widest_of(base)))]
+              if a["chunks"] == "auto" else [int(c) for c in a["chunks"].split(",")])
     rows = video_variants(base, z, int(a["iters"]), a["variants"], chunks)
     _video_table(a, rows)
     return rows
