@@ -25,6 +25,8 @@
 #   triton4  x4: the decode bench at 1 and 2 latent frames a pass (GPU 0), test_video_vae.py's
 #            gpu tests on GPUs 1-3
 #   final18  x2: the decode bench as installed (GPU 0); the Triton gpu tests (GPU 1)
+#   tune19   x2: the Winograd kernels' launch settings, then test_video_vae.py's gpu tests (GPU
+#            0); the decode bench with conv_out direct as a row (GPU 1)
 #   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
@@ -37,7 +39,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -97,6 +99,16 @@ case $phase in
         -p no:cacheprovider -k "triton_winograd or (matches_diffusers and 4-True)" > "$Q/test_1.log" 2>&1 ) &
     decode_bench 0 3 "$Q/decode_winograd.log"
     wait; tail -8 "$Q/decode_winograd.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
+  tune19)    # x2. GPU 0: the Winograd passes' kernels per launch setting (seconds), then all of
+             # test_video_vae.py's gpu tests; GPU 1: the decode bench as installed, with conv_out
+             # direct, with Inductor's passes, without Winograd
+    ( CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m runner.bench.winograd_kernels \
+          out="$Q/kernels.json" > "$Q/kernels.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 430 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider > "$Q/test_0.log" 2>&1 ) &
+    decode_bench 1 3 "$Q/decode_winograd.log"
+    wait; sed -n '/fastest/,$p' "$Q/kernels.log"; tail -8 "$Q/decode_winograd.log"
+    grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
     TORCH_LOGS=output_code decode_bench 0 1 "$Q/decode_code.log"
@@ -121,7 +133,7 @@ t = time.perf_counter(); c.torch_key(); print('torch_key_s', round(time.perf_cou
     timeout 560 python3 -m pytest -m gpu -n auto --dist loadgroup -v -p no:cacheprovider \
         --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
     tail -3 "$Q/suite.log" ;;
-  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, round17, decode, triton, triton4, final18, vaecode, pixart12, pixart4, wan12, wan4 or suite)" >&2
+  *) echo "next.sh: unknown phase '$phase' (ab, tables, both, ti2v_img, i2v14b, round17, decode, triton, triton4, final18, tune19, vaecode, pixart12, pixart4, wan12, wan4 or suite)" >&2
      exit 2 ;;
 esac
 case $phase in ab|tables|both|ti2v_img|i2v14b|round17)

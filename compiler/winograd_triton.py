@@ -290,11 +290,13 @@ def _blocks(c: int) -> tuple[int, int, int]:
     return 32, 64, 4
 
 
-def _in_launch(x, products, bias, cache, gamma, scale, m, tiles, b, c, h, w, mid):
+def _in_launch(x, products, bias, cache, gamma, scale, m, tiles, b, c, h, w, mid, blocks=None):
+    """`_in_kernel` over x (channels_last_3d) or the products (channels-last); `blocks`:
+    (pixels, channels, warps) a program instead of `_blocks`' (runner.bench.winograd_kernels)."""
     n = m + 2
     v = _v_like(cache, n, tiles * b, c, h, w)
     new = torch.empty_like(cache, memory_format=torch.channels_last_3d)
-    bp, bc, warps = _blocks(c)
+    bp, bc, warps = blocks or _blocks(c)
     p = list(products) + [products[0]] * (6 - len(products)) if products else [x] * 6
     grid = (triton.cdiv(b * h * w, bp), tiles)
     _in_kernel[grid](x, *p, bias if bias is not None else gamma, cache, gamma, v, new,
@@ -339,16 +341,25 @@ def _(products, bias, cache, gamma, scale, m):
 @torch.library.custom_op("compiler::winograd_out", mutates_args=())
 def winograd_out(products: list[torch.Tensor], bias: torch.Tensor,
                  residual: Optional[torch.Tensor], m: int, batch: int) -> torch.Tensor:
+    return _out_launch([_cl(p) for p in products], bias.contiguous(),
+                       _cl3(residual) if residual is not None else None, m, batch)
+
+
+OUT_BLOCKS = (32, 64, 4)   # (pixels, channels, warps) a program of `_out_kernel`
+
+
+def _out_launch(products, bias, residual, m, batch, blocks=None):
+    """`_out_kernel` over channels-last products; `blocks` instead of `OUT_BLOCKS`
+    (runner.bench.winograd_kernels)."""
     rows, c, h, w = products[0].shape
     tiles = rows // batch
-    products = [_cl(p) for p in products]
-    products += [products[0]] * (6 - len(products))
+    products = list(products) + [products[0]] * (6 - len(products))
     y = products[0].new_empty(batch, tiles * m, h, w, c).permute(0, 4, 1, 2, 3)
-    res = _cl3(residual) if residual is not None else y
-    bp, bc = 32, 64
+    bp, bc, warps = blocks or OUT_BLOCKS
     grid = (triton.cdiv(rows * h * w, bp), triton.cdiv(c, bc))
-    _out_kernel[grid](*products, bias.contiguous(), res, y, batch, h * w, c, tiles, M=m, N=m + 2,
-                      RES=residual is not None, BP=bp, BC=bc, num_warps=4)
+    _out_kernel[grid](*products, bias, residual if residual is not None else y, y, batch, h * w, c,
+                      tiles, M=m, N=m + 2, RES=residual is not None, BP=bp, BC=bc,
+                      num_warps=warps)
     return y
 
 

@@ -336,3 +336,17 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, leas
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()
     assert psnr >= 40 and err <= 5e-2
+
+
+def test_winograd_kernel_bench_settings_cover_one_and_two_pass_forms():
+    """`runner.bench.winograd_kernels` tries, for power-of-two channel counts up to 1,024, the
+    all-channels-at-once form at 1,024-8,192 elements a frame (pixels x channels) with 4 and 8
+    warps, and always the two-pass form over 64-channel chunks; 96 channels: two-pass only."""
+    from runner.bench.winograd_kernels import SHAPES, settings
+    for c in (256, 512, 1024):
+        one = [s for s in settings(c) if s[1] == c]
+        assert {s[0] * s[1] for s in one} == {1024, 2048, 4096, 8192}
+        assert {s[2] for s in one} == {4, 8} and all(s[0] >= 1 for s in one)
+        assert any(s[1] == 64 for s in settings(c))
+    assert all(s[1] == 64 for s in settings(96))
+    assert {ci for ci, *_ in SHAPES} == {256, 512, 1024}

@@ -15,14 +15,16 @@ one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.ch
 all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
 channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
 twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
-the size, at least `WINOGRAD_CHUNK` with time Winograd, as installed; a list: each). `variants=winograd`: the installed decode (its 3x3x3
-convolutions over several frames as F(m, 3) along time, m up to `video_vae.winograd_for` the VAE:
-Wan 2.2's `WINOGRAD`, Wan 2.1's 0; their passes as Triton kernels where `video_vae.TRITON` and
-Triton is there), the same with Inductor's passes instead of Triton's (where those were on), then
-with time Winograd off or with F(4, 3) (whichever of 0 and 4 is not installed), each row with where its GPU time goes (torch.profiler: the
-convolution kernels' share and the largest kernels of one call). The first call of a compiled
-variant (its compile) is reported apart; a variant out of GPU memory is a row saying so. Also the
-max abs difference and the PSNR (frames as uint8) of each variant's output against diffusers' (fp16
+the size, at least `WINOGRAD_CHUNK` with time Winograd, as installed; a list: each).
+`variants=winograd`: the installed decode (its 3x3x3 convolutions over several frames as F(m, 3)
+along time, m up to `video_vae.winograd_for` the VAE: Wan 2.2's `WINOGRAD`, Wan 2.1's 0; their
+passes as Triton kernels where `video_vae.TRITON` and Triton is there) at each of `chunks`, the
+same with the output convolution (12 channels) direct, with Inductor's passes instead of
+Triton's (where those were on), then with time Winograd off or with F(4, 3) (whichever of 0 and
+4 is not installed), each row with where its GPU time goes (torch.profiler: the convolution
+kernels' share and the largest kernels of one call). The first call of a compiled variant (its
+compile) is reported apart; a variant out of GPU memory is a row saying so. Also the max abs
+difference and the PSNR (frames as uint8) of each variant's output against diffusers' (fp16
 rounding only).
 """
 
@@ -75,6 +77,8 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
         c = chunks[0]
         rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
         rows += [dict(ours(more), profile=True) for more in chunks[1:]]
+        if wg:
+            rows += [dict(ours(c, name="chunked, conv_out direct"), head_direct=True, profile=True)]
         if tri:
             rows += [dict(ours(c, triton=False), profile=True)]
         rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 4) if m != wg]
@@ -108,6 +112,11 @@ def _video_row(base, z, iters: int, v: dict, ref):
         video_vae.chunked_decode(vae, v["chunk"], aux if v["compiled"] else None,
                                  channels_last=v["channels_last"], subpixel=v.get("subpixel", False),
                                  winograd=v.get("winograd", 0), triton=v.get("triton", False))
+        if v.get("head_direct"):      # narrow outputs (conv_out: 12 channels) back to direct
+            for m in vae.decoder.modules():
+                if isinstance(m, torch.nn.Conv3d) and m.out_channels < 64:
+                    for name in ("winograd2", "winograd4"):
+                        m._buffers.pop(name, None)
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
