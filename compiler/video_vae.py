@@ -2,7 +2,7 @@
 caches as plain tensors.
 
 Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False,
-subpixel=False, winograd=0)` replaces `vae._decode` of a diffusers `AutoencoderKLWan` whose decoder
+subpixel=False, winograd=0, triton=False)` replaces `vae._decode` of a diffusers `AutoencoderKLWan` whose decoder
 is Wan 2.1's (`WanUpBlock`s) or Wan 2.2's (`WanResidualUpBlock`s; `supported(vae)` says whether it
 is either) so that `vae.decode(z)` decodes latent frame 0 alone, then the other latent frames
 `chunk` at a time, and returns what diffusers' decode returns: the same causal convolutions over
@@ -41,6 +41,9 @@ convolutions of transformed frames by transformed kernels instead of 3m, the ker
 once (`winograd_weights`, buffers beside the weights); F(4, 3) halves the multiply-adds, F(2, 3)
 takes a third off. Exact in exact arithmetic, rounded differently in fp16 (~5x direct's
 rounding error for F(4, 3): PSNR 59 dB instead of 60 against diffusers at TI2V-5B's size).
+`triton` (CUDA): a residual block whose convolutions both run as F(m, 3) does its norms, SiLUs,
+transforms, biases and residual in three Triton kernels around the 2-D products
+(`_fused_resblock`, `compiler.winograd_triton`), in fp32 sums.
 
 Shapes (Wan 2.1, 480x832, 81 frames): latents (B, 16, 21, 60, 104) -> video (B, 3, 81, 480, 832);
 275 TFLOP of convolutions, 96.6 of them at full resolution with 96 channels. Wan 2.2, 704x1280,
@@ -268,7 +271,8 @@ def _fusable(block, m: int) -> bool:
     convolutions with biases and F(m, 3) kernels."""
     return (isinstance(block.nonlinearity, torch.nn.SiLU)
             and all(isinstance(n.bias, float) and n.bias == 0 for n in (block.norm1, block.norm2))
-            and all(c.bias is not None and hasattr(c, f"winograd{m}") for c in (block.conv1, block.conv2)))
+            and all(c.bias is not None and hasattr(c, f"winograd{m}")
+                    for c in (block.conv1, block.conv2)))
 
 
 def _fused_resblock(block, x, c1, c2, h, m: int):
