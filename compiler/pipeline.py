@@ -144,7 +144,8 @@ def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[s
         winograd = video_vae.winograd_for(vae) if cuda else 0
         triton = bool(winograd) and video_vae.TRITON and video_vae.triton_available()
         if winograd and video_vae.TRITON and not triton:
-            log.warning("Triton missing: the Wan VAE's Winograd passes stay Inductor's (slower)")
+            log.warning("Triton or CUDA missing: the Wan VAE's Winograd passes stay Inductor's "
+                        "(slower)")
         return video_vae.chunked_decode(vae, None, None if opts.dynamic else aux_kw,
                                         channels_last=cuda and video_vae.CHANNELS_LAST,
                                         subpixel=cuda and video_vae.SUBPIXEL,

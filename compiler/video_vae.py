@@ -90,8 +90,10 @@ TRITON = True
 # Latent frames per pass at least where time Winograd is on (`chunk=None`): one latent frame
 # leaves the 44x80 blocks of a 704x1280 decode one frame a pass (direct convolutions) and the
 # 88x160 ones two (F(2, 3)); two latent frames give them F(2, 3) and F(4, 3). Measured with the
-# Triton passes (H100): 2,190 ms at 1 latent frame a pass, 2,089 at 2 (convolution kernels
-# 1,762 -> 1,626 ms), peak 14.5 -> 19.7 GiB, PSNR 59.0 -> 58.6 dB.
+# Triton passes (H100, one call): 2,190 ms at 1 latent frame a pass, 2,089 at 2 (convolution
+# kernels 1,762 -> 1,626 ms), peak 14.5 -> 19.7 GiB, PSNR 59.0 -> 58.6 dB; that was before
+# `winograd_mid` recombined a tile's first frames from the tile before (then 2,042 ms, 17.7
+# GiB, 58.9 dB, not rerun at 1). Only with the Triton passes (`_decode`).
 WINOGRAD_CHUNK = 2
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
@@ -430,7 +432,8 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
             triton: bool, original, z: torch.Tensor, return_dict: bool = True):
     """`vae._decode` (diffusers' signature): (B, Z, F, h, w) latents -> (B, 3, 4(F-1)+1, s h, s w)
     in [-1, 1], s the spatial compression (Wan 2.1: 8, 2.2: 16). `chunk` None: `chunk_for` the
-    frame size, at least `WINOGRAD_CHUNK` where the decoder has time-Winograd kernels."""
+    frame size, at least `WINOGRAD_CHUNK` where the decoder has time-Winograd kernels and their
+    Triton passes (with Inductor's, 2 frames a pass only cost memory: 2,520 vs 2,532 ms)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     from diffusers.models.autoencoders.vae import DecoderOutput
     _, _, frames, height, width = z.shape
@@ -442,7 +445,7 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last_3d)
     if not chunk:                     # time Winograd: at least WINOGRAD_CHUNK latent frames
-        least = WINOGRAD_CHUNK if _has_winograd(vae) else 1
+        least = WINOGRAD_CHUNK if triton and _has_winograd(vae) else 1
         chunk = max(least, chunk_for(height * ratio, width * ratio, widest=widest_of(vae)))
     caches = _Caches(torch.channels_last_3d if channels_last else torch.contiguous_format)
     out = []
@@ -466,7 +469,11 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
     2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution). `winograd`:
     the 3x3x3 convolutions over 2 or more frames as F(m, 3) along time, m up to it (0: off, 2
     or 4; `_winograd_conv`). `triton`: the residual blocks' passes around those convolutions as
-    `compiler.winograd_triton`'s kernels (CUDA, Triton; `triton_available`)."""
+    `compiler.winograd_triton`'s kernels (CUDA, Triton; `triton_available`). The transformed
+    and four-phase kernels are buffers made here from the weights: load weights before this."""
+    if triton and not triton_available():
+        raise ValueError("triton=True: Triton does not import or there is no CUDA device; "
+                         "install triton (with a CUDA torch) or pass triton=False")
     if winograd not in (0, 2, 4):
         raise ValueError(f"winograd={winograd}: the largest F(m, 3) tile must be 0 (off), 2 or 4")
     if triton and not winograd:

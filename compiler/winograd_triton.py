@@ -6,9 +6,9 @@ memory passes around its 2-D products (`video_vae._fused_resblock`), equal to wh
 
 - `winograd_in(x, cache, gamma, scale, m) -> (v, new_cache)`: the RMS norm (over channels, times
   `scale` and `gamma`) and SiLU of x (B, C, T, H, W), the frames after its (B, C, 2, H, W) cache
-  (already normed), and B^T of F(m, 3) over each tile of m output frames:
+  (already normed and SiLU'd), and B^T of F(m, 3) over each tile of m output frames:
   v (m + 2, T/m B, C, H, W), v[i] channels-last, the tile-major batch `_winograd_conv` convolves;
-  new_cache the last 2 of those normed frames (B, C, 2, H, W), channels_last_3d.
+  new_cache the last 2 of those activated frames (B, C, 2, H, W), channels_last_3d.
 - `winograd_mid(products, bias, cache, gamma, scale, m)`: the same with x the A^T recombination of
   the m + 2 products (T/m B, C, H, W) of the previous convolution plus its bias (a tile's first
   two frames recombined from the tile before), so the block's middle activation is never
@@ -202,7 +202,7 @@ def _in_kernel(x_ptr, p0, p1, p2, p3, p4, p5, bias_ptr, cache_ptr, gamma_ptr, v_
     b = q // HW
     hw = q % HW
     T = tiles * M
-    HWC = HW * C
+    HWC = tl.cast(HW, tl.int64) * C          # int64: tiles x B x frame > 2^31 at batch 2
     if BC >= C:
         c = tl.arange(0, BC)
         mask = pm[:, None] & (c < C)[None, :]
@@ -249,7 +249,7 @@ def _out_kernel(p0, p1, p2, p3, p4, p5, bias_ptr, res_ptr, y_ptr, B, HW, C, tile
     s = q // (B * HW)
     b = (q // HW) % B
     hw = q % HW
-    HWC = HW * C
+    HWC = tl.cast(HW, tl.int64) * C
     T = tiles * M
     q0, q1, q2, q3, q4, q5 = _load6(p0, p1, p2, p3, p4, p5, (q * C)[:, None] + c[None, :], mask, N)
     y0, y1, y2, y3 = _at(q0, q1, q2, q3, q4, q5, M)
@@ -294,7 +294,7 @@ def _in_launch(x, products, bias, cache, gamma, scale, m, tiles, b, c, h, w, mid
     """`_in_kernel` over x (channels_last_3d) or the products (channels-last); `blocks`:
     (pixels, channels, warps) a program instead of `_blocks`' (runner.bench.winograd_kernels)."""
     n = m + 2
-    v = _v_like(cache, n, tiles * b, c, h, w)
+    v = _v_like(x, n, tiles * b, c, h, w)
     new = torch.empty_like(cache, memory_format=torch.channels_last_3d)
     bp, bc, warps = blocks or _blocks(c)
     p = list(products) + [products[0]] * (6 - len(products)) if products else [x] * 6
@@ -334,7 +334,7 @@ def winograd_mid(products: list[torch.Tensor], bias: torch.Tensor, cache: torch.
 @winograd_mid.register_fake
 def _(products, bias, cache, gamma, scale, m):
     rows, c, h, w = products[0].shape
-    return (_v_like(cache, m + 2, rows, c, h, w),
+    return (_v_like(products[0], m + 2, rows, c, h, w),
             torch.empty_like(cache, memory_format=torch.channels_last_3d))
 
 

@@ -117,29 +117,37 @@ def test_wan22_decode_with_time_winograd():
 
 
 def test_winograd_decodes_at_least_winograd_chunk_frames_a_pass(monkeypatch):
-    """`chunk=None` with time Winograd: `chunk_for`'s one latent frame a pass at a wide frame
-    becomes `WINOGRAD_CHUNK` (F(2, 3) / F(4, 3) in the low-resolution blocks); without it stays
-    `chunk_for`'s. The four-phase kernels are buffers made once, not saved with the weights."""
+    """`chunk=None` with time Winograd and its Triton passes: `chunk_for`'s one latent frame a
+    pass at a wide frame becomes `WINOGRAD_CHUNK` (F(2, 3) / F(4, 3) in the low-resolution
+    blocks); with Inductor's passes or without Winograd it stays `chunk_for`'s. (The Triton
+    kernels themselves: the gpu tests; here `_fusable` is off so the blocks run on the CPU.)
+    The four-phase kernels are buffers, not saved with the weights."""
     seen = []
     real = video_vae._chunk
     monkeypatch.setattr(video_vae, "_chunk", lambda fns, dec, x, *a: seen.append(x.shape[2])
                         or real(fns, dec, x, *a))
     monkeypatch.setattr(video_vae, "chunk_for", lambda *a, **k: 1)
     monkeypatch.setattr(video_vae, "WINOGRAD_CHUNK", 2)
+    monkeypatch.setattr(video_vae, "triton_available", lambda: True)
+    monkeypatch.setattr(video_vae, "_fusable", lambda block, m: False)
     z = torch.randn(1, 48, 6, 4, 4)
-    for winograd, passes in ((4, [1, 2, 2, 1]), (0, [1, 1, 1, 1, 1, 1])):
+    for winograd, triton, passes in ((4, True, [1, 2, 2, 1]), (4, False, [1] * 6),
+                                     (0, False, [1] * 6)):
         vae = _vae22()
-        video_vae.chunked_decode(vae, None, subpixel=True, winograd=winograd)
+        video_vae.chunked_decode(vae, None, subpixel=True, winograd=winograd, triton=triton)
         seen.clear()
         with torch.no_grad():
             vae.decode(z)
-        assert seen == passes, (winograd, seen)
+        assert seen == passes, (winograd, triton, seen)
     convs = [u.resample[1] for u, _ in map(video_vae._sampler, vae.decoder.up_blocks) if u]
     assert all(hasattr(c, "subpixel") and c.subpixel.shape == (4 * c.out_channels, c.in_channels, 2, 2)
                for c in convs)
     assert not any(k.endswith("subpixel") for k in vae.state_dict())
-    with pytest.raises(ValueError, match="triton=True"):
+    with pytest.raises(ValueError, match="needs winograd=2 or 4"):
         video_vae.chunked_decode(_vae22(), 1, triton=True)
+    monkeypatch.setattr(video_vae, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="triton=True: Triton does not import"):
+        video_vae.chunked_decode(_vae22(), 1, winograd=4, triton=True)
 
 
 @pytest.mark.parametrize("h, w, channels_last", [(5, 7, False), (4, 4, True), (1, 3, False)])
@@ -203,10 +211,11 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     assert not video_vae.supported(build_pipeline(ModelSpec("pixart_alpha_512", source="tiny")).vae)
 
 
-def test_missing_triton_is_one_line_and_inductors_passes(monkeypatch, caplog):
-    """Where the Winograd passes' Triton kernels cannot run (Triton not importable, or no GPU)
-    compile_pipe's VAE step says so in one line and installs the decode without them; with
-    `TRITON` off it says nothing."""
+def test_missing_triton_is_one_line_and_the_decode_without_it(monkeypatch, caplog):
+    """Where the Winograd passes' Triton kernels cannot run (Triton not importable: patched so
+    on a GPU machine too; or no GPU) compile_pipe's VAE step says so in one line and installs
+    the Winograd decode without them (eager here: `dynamic`), which decodes; with `TRITON` off
+    it says nothing."""
     import sys
 
     import compiler
@@ -257,15 +266,20 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ci, co, t, h, w, m", [
-    (1024, 512, 4, 176, 320, 4), (512, 256, 4, 352, 640, 4), (256, 256, 4, 352, 640, 4),
-    (1024, 1024, 2, 88, 160, 2), (256, 256, 8, 45, 81, 4), (512, 512, 4, 23, 37, 2)])
-def test_triton_winograd_resblock_matches_the_reference(ci, co, t, h, w, m):
+@pytest.mark.parametrize("bs, ci, co, t, h, w, m, layout", [
+    (1, 1024, 512, 4, 176, 320, 4, "cl"), (1, 512, 256, 4, 352, 640, 4, "cl"),
+    (1, 256, 256, 4, 352, 640, 4, "cl"), (1, 1024, 1024, 2, 88, 160, 2, "cl"),
+    (2, 512, 256, 8, 352, 640, 4, "cl"),        # offsets past 2^31 (int64 indexing)
+    (1, 256, 256, 8, 45, 81, 4, "cl"), (1, 512, 512, 4, 23, 37, 2, "cl"),
+    (2, 96, 100, 4, 9, 13, 2, "contiguous"), (3, 100, 96, 8, 7, 5, 4, "contiguous")])
+def test_triton_winograd_resblock_matches_the_reference(bs, ci, co, t, h, w, m, layout):
     """`resblock(triton=True)` (`compiler.winograd_triton`'s kernels around cuDNN's products) at
-    the TI2V-5B decoder's residual-block shapes (one tile: the fused middle kernel) and at odd
-    sizes with two tiles (T = 2m: A^T out, then B^T in), fp16, input with outlier channels
-    (offsets 20x the std on 4 channels): its error against the fp32 direct convolution within
-    1.5x that of the Inductor-free PyTorch Winograd path in fp16, same caches returned."""
+    the TI2V-5B decoder's residual-block shapes (one and two tiles: the middle kernel takes a
+    tile's first frames from the tile before), two videos at the widest (offsets past 2^31),
+    and odd sizes with channels that are not powers of two (the two-pass form), batches of 2-3
+    and inputs in the contiguous layout; fp16, input with outlier channels (offsets 20x the std
+    on 4 channels): its error against the fp32 direct convolution within 1.5x that of the
+    PyTorch Winograd path in fp16, the caches as well."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -273,14 +287,15 @@ def test_triton_winograd_resblock_matches_the_reference(ci, co, t, h, w, m):
         for n in (exact.norm1, exact.norm2):
             n.gamma.data.uniform_(0.5, 1.5)
         cl = dict(memory_format=torch.channels_last_3d)
-        x = torch.randn(1, ci, t, h, w)
+        x = torch.randn(bs, ci, t, h, w)
         x[:, :4] += 20                                         # outlier channels
-        c1, c2 = torch.randn(1, ci, 2, h, w).sigmoid(), torch.randn(1, co, 2, h, w).sigmoid()
+        c1, c2 = torch.randn(bs, ci, 2, h, w).sigmoid(), torch.randn(bs, co, 2, h, w).sigmoid()
     half = copy.deepcopy(exact).half()
     for conv in (half.conv1, half.conv2):
         conv.weight.data = conv.weight.data.contiguous(**cl)
         video_vae.winograd_weights(conv, m)
-    args = [a.half().contiguous(**cl) for a in (x, c1, c2)]
+    fmt = cl if layout == "cl" else dict(memory_format=torch.contiguous_format)
+    args = [a.half().contiguous(**fmt) for a in (x, c1, c2)]
     with torch.no_grad():
         truth = video_vae.resblock(exact, x, c1, c2)
         ref = video_vae.resblock(half, *args)
@@ -288,8 +303,8 @@ def test_triton_winograd_resblock_matches_the_reference(ci, co, t, h, w, m):
     for name, tr, r, g in zip(("out", "cache1", "cache2"), truth, ref, got):
         assert g.shape == r.shape and g.is_contiguous(**cl), name
         e_ref, e_got = (r.float() - tr).abs().max().item(), (g.float() - tr).abs().max().item()
-        print(f"{ci}->{co} x {t} frames {h}x{w} F({m}, 3) {name}: max abs vs fp32 direct: "
-              f"triton {e_got:.3g}, pytorch {e_ref:.3g} (of {tr.abs().max().item():.3g})")
+        print(f"{bs} x {ci}->{co} x {t} frames {h}x{w} ({layout}) F({m}, 3) {name}: max abs "
+              f"vs fp32 direct: triton {e_got:.3g}, pytorch {e_ref:.3g} (of {tr.abs().max().item():.3g})")
         assert e_got <= 1.5 * e_ref + 1e-3, name
 
 
@@ -337,16 +352,3 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, leas
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()
     assert psnr >= 40 and err <= 5e-2
 
-
-def test_winograd_kernel_bench_settings_cover_one_and_two_pass_forms():
-    """`runner.bench.winograd_kernels` tries, for power-of-two channel counts up to 1,024, the
-    all-channels-at-once form at 1,024-8,192 elements a frame (pixels x channels) with 4 and 8
-    warps, and always the two-pass form over 64-channel chunks; 96 channels: two-pass only."""
-    from runner.bench.winograd_kernels import SHAPES, settings
-    for c in (256, 512, 1024):
-        one = [s for s in settings(c) if s[1] == c]
-        assert {s[0] * s[1] for s in one} == {1024, 2048, 4096, 8192}
-        assert {s[2] for s in one} == {4, 8} and all(s[0] >= 1 for s in one)
-        assert any(s[1] == 64 for s in settings(c))
-    assert all(s[1] == 64 for s in settings(96))
-    assert {ci for ci, *_ in SHAPES} == {256, 512, 1024}

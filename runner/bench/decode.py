@@ -248,7 +248,8 @@ def _video(a: dict, fam, preset: dict) -> list[dict]:
     h, w = preset["height"], preset["width"]
     z = torch.randn(int(a["batch"]), base.config.z_dim, (int(a["frames"]) - 1) // t + 1, h // s,
                     w // s, device="cuda", dtype=torch.float16)
-    least = video_vae.WINOGRAD_CHUNK if video_vae.winograd_for(base) else 1   # as installed
+    tri = video_vae.TRITON and video_vae.triton_available()
+    least = video_vae.WINOGRAD_CHUNK if video_vae.winograd_for(base) and tri else 1  # as installed
     chunks = ([max(least, video_vae.chunk_for(h, w, widest=video_vae.widest_of(base)))]
               if a["chunks"] == "auto" else [int(c) for c in a["chunks"].split(",")])
     rows = video_variants(base, z, int(a["iters"]), a["variants"], chunks)
