@@ -99,14 +99,16 @@ case $phase in
         -p no:cacheprovider -k "triton_winograd or (matches_diffusers and 4-True)" > "$Q/test_1.log" 2>&1 ) &
     decode_bench 0 3 "$Q/decode_winograd.log"
     wait; tail -8 "$Q/decode_winograd.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
-  tune19)    # x2. GPU 0: the Winograd passes' kernels per launch setting (seconds), then all of
-             # test_video_vae.py's gpu tests; GPU 1: the decode bench as installed, with conv_out
-             # direct, with Inductor's passes, without Winograd
-    ( CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m runner.bench.winograd_kernels \
+  tune19)    # x2. GPU 0: the Winograd passes' kernels per launch setting, then the kernels' and
+             # Wan 2.1's gpu tests; GPU 1: the decode bench as installed, with conv_out direct,
+             # with Inductor's passes, without Winograd, then TI2V's Triton decode gpu tests
+    ( CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m runner.bench.winograd_kernels \
           out="$Q/kernels.json" > "$Q/kernels.log" 2>&1
-      CUDA_VISIBLE_DEVICES=0 timeout 430 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
-          -p no:cacheprovider > "$Q/test_0.log" 2>&1 ) &
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "triton_winograd or matches_eager" > "$Q/test_0.log" 2>&1 ) &
     decode_bench 1 3 "$Q/decode_winograd.log"
+    CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+        -p no:cacheprovider -k "matches_diffusers and 4-True" > "$Q/test_1.log" 2>&1
     wait; sed -n '/fastest/,$p' "$Q/kernels.log"; tail -8 "$Q/decode_winograd.log"
     grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels

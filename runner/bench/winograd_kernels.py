@@ -31,9 +31,10 @@ SHAPES = [(1024, 1024, 44, 80, 1), (1024, 1024, 88, 160, 2), (1024, 512, 176, 32
 def settings(c: int) -> list[tuple[int, int, int]]:
     """(pixels, channels, warps) candidates of `_in_kernel` for c channels: all channels at once
     (1,024 to 8,192 elements a frame, 4 or 8 warps) where c is a power of two up to 1,024, and
-    the two-pass form (64-channel chunks)."""
+    the two-pass form (64- and, above 128 channels, 128-channel chunks)."""
     one = [(e // c, c, w) for e in (1024, 2048, 4096, 8192) for w in (4, 8) if e >= c]
-    return (one if c & (c - 1) == 0 and c <= 1024 else []) + [(16, 64, 4), (32, 64, 4), (64, 64, 8)]
+    two = [(16, 64, 4), (32, 64, 4), (64, 64, 8)] + [(16, 128, 4), (16, 128, 8)] * (c > 128)
+    return (one if c & (c - 1) == 0 and c <= 1024 else []) + two
 
 
 def _time(fn, iters: int) -> float:
