@@ -25,8 +25,9 @@
 #   triton4  x4: the decode bench at 1 and 2 latent frames a pass (GPU 0), test_video_vae.py's
 #            gpu tests on GPUs 1-3
 #   final18  x2: the decode bench as installed (GPU 0); the Triton gpu tests (GPU 1)
-#   tune19   x2: the Winograd kernels' launch settings, then test_video_vae.py's gpu tests (GPU
-#            0); the decode bench with conv_out direct as a row (GPU 1)
+#   tune19   x4: the Winograd kernels' launch settings and their gpu tests (GPU 0); the TI2V
+#            decode bench with conv_out direct as a row (GPU 1); TI2V's Triton decode and Wan
+#            2.1's decode gpu tests (GPU 2); Wan 2.1's decode bench with time Winograd (GPU 3)
 #   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
@@ -99,18 +100,21 @@ case $phase in
         -p no:cacheprovider -k "triton_winograd or (matches_diffusers and 4-True)" > "$Q/test_1.log" 2>&1 ) &
     decode_bench 0 3 "$Q/decode_winograd.log"
     wait; tail -8 "$Q/decode_winograd.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
-  tune19)    # x2. GPU 0: the Winograd passes' kernels per launch setting, then the kernels' and
-             # Wan 2.1's gpu tests; GPU 1: the decode bench as installed, with conv_out direct,
-             # with Inductor's passes, without Winograd, then TI2V's Triton decode gpu tests
+  tune19)    # x4. GPU 0: the Winograd passes' kernels per launch setting, then their gpu tests;
+             # GPU 1: the TI2V decode bench (installed, conv_out direct, Inductor's passes, no
+             # Winograd); GPU 2: TI2V's Triton decode gpu tests and Wan 2.1's; GPU 3: Wan 2.1's
+             # decode bench with and without time Winograd (its passes as Triton kernels)
     ( CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m runner.bench.winograd_kernels \
           out="$Q/kernels.json" > "$Q/kernels.log" 2>&1
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
-          -p no:cacheprovider -k "triton_winograd or matches_eager" > "$Q/test_0.log" 2>&1 ) &
+          -p no:cacheprovider -k triton_winograd > "$Q/test_0.log" 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=2 timeout 540 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "(matches_diffusers and 4-True) or matches_eager" > "$Q/test_2.log" 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=3 timeout 540 python3 -m runner.bench.decode model=wan21_t2v_1_3b \
+          frames=81 variants=winograd iters=3 out="$Q/decode_wan21.json" > "$Q/decode_wan21.log" 2>&1 ) &
     decode_bench 1 3 "$Q/decode_winograd.log"
-    CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
-        -p no:cacheprovider -k "matches_diffusers and 4-True" > "$Q/test_1.log" 2>&1
     wait; sed -n '/fastest/,$p' "$Q/kernels.log"; tail -8 "$Q/decode_winograd.log"
-    grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
+    tail -6 "$Q/decode_wan21.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
     TORCH_LOGS=output_code decode_bench 0 1 "$Q/decode_code.log"

@@ -63,7 +63,7 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     sp = video_vae.SUBPIXEL
     rows = [dict(name="diffusers (1 latent frame per pass)")]
     wg = video_vae.winograd_for(base)              # as compile_pipe installs it (Wan 2.1: 0)
-    tri = bool(wg) and video_vae.TRITON and video_vae.triton_available()
+    tri = video_vae.TRITON and video_vae.triton_available()    # the Winograd rows' passes
     ours = lambda c, subpixel=sp, name="chunked", winograd=wg, triton=tri: dict(
         name=name, compiled=True, channels_last=True, chunk=c, subpixel=subpixel, winograd=winograd,
         triton=triton and bool(winograd))
@@ -79,7 +79,7 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
         rows += [dict(ours(more), profile=True) for more in chunks[1:]]
         if wg:
             rows += [dict(ours(c, name="chunked, conv_out direct"), head_direct=True, profile=True)]
-        if tri:
+        if tri and wg:
             rows += [dict(ours(c, triton=False), profile=True)]
         rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 4) if m != wg]
     else:
