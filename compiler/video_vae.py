@@ -93,7 +93,7 @@ TRITON = True
 # Triton passes (H100, one call): 2,190 ms at 1 latent frame a pass, 2,089 at 2 (convolution
 # kernels 1,762 -> 1,626 ms), peak 14.5 -> 19.7 GiB, PSNR 59.0 -> 58.6 dB; that was before
 # `winograd_mid` recombined a tile's first frames from the tile before (then 2,042 ms, 17.7
-# GiB, 58.9 dB, not rerun at 1). Only with the Triton passes (`_decode`).
+# GiB, 58.9 dB, not rerun at 1). Only with the Triton passes (`decode_chunk`).
 WINOGRAD_CHUNK = 2
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
@@ -112,13 +112,17 @@ def widest_of(vae) -> int:
     return vae.decoder.up_blocks[-1].resnets[0].conv1.in_channels // patch**2
 
 
+def decode_chunk(vae, height: int, width: int, triton: bool) -> int:
+    """Latent frames per pass after the first where `chunked_decode(chunk=None)`: `chunk_for` the
+    (height, width) video frames and the decoder's width, at least `WINOGRAD_CHUNK` with the
+    Triton passes (`triton` needs time Winograd; with Inductor's passes 2 frames a pass only
+    cost memory: 2,520 vs 2,532 ms)."""
+    return max(WINOGRAD_CHUNK if triton else 1, chunk_for(height, width, widest=widest_of(vae)))
+
+
 def winograd_for(vae) -> int:
     """`WINOGRAD` for Wan 2.2's decoder (residual up blocks), 0 for Wan 2.1's (unmeasured)."""
     return WINOGRAD if type(vae.decoder.up_blocks[0]).__name__ == "WanResidualUpBlock" else 0
-
-
-def _has_winograd(vae) -> bool:
-    return any(hasattr(m, "winograd2") for m in vae.decoder.modules())
 
 
 def triton_available() -> bool:
@@ -431,9 +435,7 @@ def _chunk(fns: dict, dec, x: torch.Tensor, caches: _Caches, first: bool,
 def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bool,
             triton: bool, original, z: torch.Tensor, return_dict: bool = True):
     """`vae._decode` (diffusers' signature): (B, Z, F, h, w) latents -> (B, 3, 4(F-1)+1, s h, s w)
-    in [-1, 1], s the spatial compression (Wan 2.1: 8, 2.2: 16). `chunk` None: `chunk_for` the
-    frame size, at least `WINOGRAD_CHUNK` where the decoder has time-Winograd kernels and their
-    Triton passes (with Inductor's, 2 frames a pass only cost memory: 2,520 vs 2,532 ms)."""
+    in [-1, 1], s the spatial compression (Wan 2.1: 8, 2.2: 16). `chunk` None: `decode_chunk`."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
     from diffusers.models.autoencoders.vae import DecoderOutput
     _, _, frames, height, width = z.shape
@@ -444,9 +446,7 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
     x = vae.post_quant_conv(z)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last_3d)
-    if not chunk:                     # time Winograd: at least WINOGRAD_CHUNK latent frames
-        least = WINOGRAD_CHUNK if triton and _has_winograd(vae) else 1
-        chunk = max(least, chunk_for(height * ratio, width * ratio, widest=widest_of(vae)))
+    chunk = chunk or decode_chunk(vae, height * ratio, width * ratio, triton)
     caches = _Caches(torch.channels_last_3d if channels_last else torch.contiguous_format)
     out = []
     starts = [0, *range(1, frames, chunk)]
@@ -464,7 +464,7 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
                    channels_last: bool = False, subpixel: bool = False,
                    winograd: int = 0, triton: bool = False) -> dict[str, int]:
     """Install the chunked decode on `vae` (module docstring). `chunk`: latent frames per pass
-    after the first (None: `chunk_for` each call's frame size). `compile_kwargs`: torch.compile's
+    after the first (None: `decode_chunk` each call's frame size). `compile_kwargs`: torch.compile's
     arguments for each block function (None: eager). `subpixel`: the upsamplers as four-phase
     2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution). `winograd`:
     the 3x3x3 convolutions over 2 or more frames as F(m, 3) along time, m up to it (0: off, 2

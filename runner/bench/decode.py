@@ -14,8 +14,8 @@ one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.ch
 `variants=all`, eager and compiled, contiguous and channels_last_3d, cuDNN's search off and on,
 all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
 channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
-twice the chunk. `chunks`: the latent frames per pass of those rows (auto: `video_vae.chunk_for`
-the size, at least `WINOGRAD_CHUNK` with time Winograd, as installed; a list: each).
+twice the chunk. `chunks`: the latent frames per pass of those rows (auto:
+`video_vae.decode_chunk`, as installed; a list: each).
 `variants=winograd`: the installed decode (its 3x3x3 convolutions over several frames as F(m, 3)
 along time, m up to `video_vae.winograd_for` the VAE: Wan 2.2's `WINOGRAD`, Wan 2.1's 0; their
 passes as Triton kernels where `video_vae.TRITON` and Triton is there) at each of `chunks`, the
@@ -248,9 +248,8 @@ def _video(a: dict, fam, preset: dict) -> list[dict]:
     h, w = preset["height"], preset["width"]
     z = torch.randn(int(a["batch"]), base.config.z_dim, (int(a["frames"]) - 1) // t + 1, h // s,
                     w // s, device="cuda", dtype=torch.float16)
-    tri = video_vae.TRITON and video_vae.triton_available()
-    least = video_vae.WINOGRAD_CHUNK if video_vae.winograd_for(base) and tri else 1  # as installed
-    chunks = ([max(least, video_vae.chunk_for(h, w, widest=video_vae.widest_of(base)))]
+    tri = bool(video_vae.winograd_for(base)) and video_vae.TRITON and video_vae.triton_available()
+    chunks = ([video_vae.decode_chunk(base, h, w, tri)]                     # as installed
               if a["chunks"] == "auto" else [int(c) for c in a["chunks"].split(",")])
     rows = video_variants(base, z, int(a["iters"]), a["variants"], chunks)
     _video_table(a, rows)
