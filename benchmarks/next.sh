@@ -28,6 +28,8 @@
 #   tune19   x4: the Winograd kernels' launch settings and their gpu tests (GPU 0); the TI2V
 #            decode bench with conv_out direct as a row (GPU 1); TI2V's Triton decode and Wan
 #            2.1's decode gpu tests (GPU 2); Wan 2.1's decode bench with time Winograd (GPU 3)
+#   tune20   x4: the kernels' settings at the large shapes (GPUs 0-1), the decode benches with the
+#            output convolution as one GEMM to its taps (Wan 2.1 GPU 2, TI2V GPU 3), gpu tests
 #   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
@@ -40,7 +42,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|tune20|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -115,6 +117,25 @@ case $phase in
     decode_bench 1 3 "$Q/decode_winograd.log"
     wait; sed -n '/fastest/,$p' "$Q/kernels.log"; tail -8 "$Q/decode_winograd.log"
     tail -6 "$Q/decode_wan21.log"; grep -hE "passed |failed |PSNR|Error" "$Q"/test_*.log | tail -30 ;;
+  tune20)    # x4. GPUs 0-1: the Winograd kernels' launch settings at the 176x320 and 352x640
+             # shapes (tune19 timed out after the first three), then the taps and kernel gpu tests
+             # (GPU 0) and Wan 2.1's decode test (GPU 1); GPU 2: Wan 2.1's decode bench, then
+             # TI2V's Triton decode test; GPU 3: TI2V's decode bench (conv_out as taps and not)
+    ( CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m runner.bench.winograd_kernels shapes=2,3 \
+          iters=20 out="$Q/kernels_23.json" > "$Q/kernels_23.log" 2>&1
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "taps_conv or triton_winograd" > "$Q/test_0.log" 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -m runner.bench.winograd_kernels shapes=4,5 \
+          iters=20 out="$Q/kernels_45.json" > "$Q/kernels_45.log" 2>&1
+      CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "matches_eager" > "$Q/test_1.log" 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=2 timeout 330 python3 -m runner.bench.decode model=wan21_t2v_1_3b \
+          frames=81 variants=winograd iters=3 out="$Q/decode_wan21.json" > "$Q/decode_wan21.log" 2>&1
+      CUDA_VISIBLE_DEVICES=2 timeout 200 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "matches_diffusers and 4-True-2" > "$Q/test_2.log" 2>&1 ) &
+    decode_bench 3 3 "$Q/decode_winograd.log"
+    wait; sed -n '/fastest/,$p' "$Q"/kernels_*.log; tail -7 "$Q/decode_winograd.log"
+    tail -6 "$Q/decode_wan21.log"; grep -hE "passed |failed |PSNR|Error|max abs" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
     TORCH_LOGS=output_code decode_bench 0 1 "$Q/decode_code.log"

@@ -134,14 +134,14 @@ def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:
 def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[str, int]:
     """The VAE decoder, with the lossless settings. A causal video VAE (Wan 2.1's and 2.2's)
     decodes in chunks of frames, its blocks compiled (`compiler.video_vae`; on CUDA in
-    channels_last_3d, its upsamplers as four-phase convolutions, Wan 2.2's 3x3x3 convolutions as
-    time-Winograd ones); a 2-D one has its
+    channels_last_3d, its upsamplers as four-phase convolutions, its 3x3x3 convolutions as
+    time-Winograd ones, the output convolution as one GEMM to its taps); a 2-D one has its
     ResnetBlock2Ds compiled. `dynamic`: the blocks specialise on sizes and strides and would
     recompile per resolution, which `dynamic` promises not to do: the 2-D VAE stays eager, the
     video VAE runs its chunks eager."""
     if video_vae.supported(vae):
         cuda = device == "cuda"
-        winograd = video_vae.winograd_for(vae) if cuda else 0
+        winograd = video_vae.WINOGRAD if cuda else 0
         triton = bool(winograd) and video_vae.TRITON and video_vae.triton_available()
         if winograd and video_vae.TRITON and not triton:
             log.warning("Triton or CUDA missing: the Wan VAE's Winograd passes stay Inductor's "
@@ -149,7 +149,8 @@ def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[s
         return video_vae.chunked_decode(vae, None, None if opts.dynamic else aux_kw,
                                         channels_last=cuda and video_vae.CHANNELS_LAST,
                                         subpixel=cuda and video_vae.SUBPIXEL,
-                                        winograd=winograd, triton=triton)
+                                        winograd=winograd, triton=triton,
+                                        taps=cuda and video_vae.TAPS)
     return {} if opts.dynamic else transforms.compile_blocks(vae.decoder, aux_kw)
 
 

@@ -79,7 +79,8 @@ SUBPIXEL = True
 # runner.bench.decode model=wan22_ti2v_5b frames=121 variants=winograd`, H100, 704x1280 x 121):
 # 3,251 -> 2,579 ms (convolution kernels 3,017 -> 1,756 ms; the transforms' passes 237 -> 808),
 # PSNR 60.1 -> 59.1 dB against diffusers, peak 15.4 -> 19.0 GiB (the transformed kernels). Wan
-# 2.1's decoder keeps direct convolutions (`winograd_for`): not measured there.
+# 2.1's decoder too since 2026-11-27 (same bench, model=wan21_t2v_1_3b frames=81, H100, with the
+# Triton passes: 849 -> 481 ms, peak 19.5 -> 10.5 GiB, PSNR 57.7 -> 55.6 dB).
 WINOGRAD = 4
 # What compile_pipe installs with Winograd on CUDA where Triton imports: the residual blocks'
 # norm / SiLU / B^T and A^T / bias / residual passes as `compiler.winograd_triton`'s kernels
@@ -95,6 +96,13 @@ TRITON = True
 # `winograd_mid` recombined a tile's first frames from the tile before (then 2,042 ms, 17.7
 # GiB, 58.9 dB, not rerun at 1). Only with the Triton passes (`decode_chunk`).
 WINOGRAD_CHUNK = 2
+# What compile_pipe installs for a 3x3x3 convolution to fewer than `NARROW` output channels (both
+# decoders' conv_out: Wan 2.1 96 -> 3, Wan 2.2 256 -> 12 channels): one GEMM of every input pixel
+# to all 27 taps' contributions, then their shifted sum (`_taps_conv`). cuDNN's kernels for a dozen
+# output channels run at a few % of the FLOP rate: TI2V-5B's conv_out took 85 ms a decode direct,
+# ~60 ms as F(4, 3) (2026-11-27, H100), for 4.5 TFLOP (~8 ms at 600 TFLOP/s).
+TAPS = True
+NARROW = 64
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
 
 
@@ -118,11 +126,6 @@ def decode_chunk(vae, height: int, width: int, triton: bool) -> int:
     Triton passes (`triton` needs time Winograd; with Inductor's passes 2 frames a pass only
     cost memory: 2,520 vs 2,532 ms)."""
     return max(WINOGRAD_CHUNK if triton else 1, chunk_for(height, width, widest=widest_of(vae)))
-
-
-def winograd_for(vae) -> int:
-    """`WINOGRAD` for Wan 2.2's decoder (residual up blocks), 0 for Wan 2.1's (unmeasured)."""
-    return WINOGRAD if type(vae.decoder.up_blocks[0]).__name__ == "WanResidualUpBlock" else 0
 
 
 def triton_available() -> bool:
@@ -156,11 +159,49 @@ def _cconv(conv, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, to
     x = torch.cat([cache, x], 2)
     pad = conv._padding                                   # (w, w, h, h, 2 * t, 0) as diffusers keeps it
     m = _tile(conv, x.shape[2] - CACHE_T)
-    if m:
+    if hasattr(conv, "taps"):
+        y = _taps_conv(x, conv.taps, conv.bias, (pad[2], pad[0]))
+    elif m:
         y = _winograd_conv(x, getattr(conv, f"winograd{m}"), conv.bias, m, (pad[2], pad[0]))
     else:
         y = F.conv3d(x, conv.weight, conv.bias, conv.stride, (0, pad[2], pad[0]))
     return y, x[:, :, -CACHE_T:].clone()
+
+
+def taps_weight(conv) -> torch.Tensor | None:
+    """A 3x3x3 convolution's (stride 1) kernel as `_taps_conv` reads it, (Ci, 27 Co): column
+    (i, j, l, o) is output channel o's weights at tap (time i, row j, column l); None for another
+    convolution or one to `NARROW` output channels or more."""
+    if (tuple(conv.kernel_size) != (3, 3, 3) or tuple(conv.stride) != (1, 1, 1)
+            or tuple(conv.dilation) != (1, 1, 1) or conv.groups != 1
+            or conv.out_channels >= NARROW):
+        return None
+    with torch.no_grad():
+        return conv.weight.permute(1, 2, 3, 4, 0).reshape(conv.in_channels, -1).contiguous()
+
+
+def _taps_conv(x: torch.Tensor, k: torch.Tensor, bias, padding) -> torch.Tensor:
+    """A 3x3x3 convolution (time unpadded, stride 1) of (B, Ci, T + 2, H, W) frames to a few
+    output channels: (B, Co, T, H', W'), as one GEMM of every (spatially zero-padded) input pixel
+    by `k` ((Ci, 27 Co), `taps_weight`) to each tap's contribution, y: (B, T + 2, H + 2 ph,
+    W + 2 pw, 3, 3, 3, Co), then out[t, h, w] = sum over taps (i, j, l) of y[t + i, h + j, w + l,
+    i, j, l] in fp32 (or x's wider dtype). Each input pixel is read once, by a GEMM 27 Co wide,
+    instead of 27 times by a convolution Co wide; the contributions round to x's dtype before
+    their sum."""
+    b, ci, t2, h, w = x.shape
+    ph, pw = padding
+    co = k.shape[1] // 27
+    xp = F.pad(x, (pw, pw, ph, ph))                                     # (B, Ci, T + 2, Hp, Wp)
+    hp, wp = h + 2 * ph, w + 2 * pw
+    y = (xp.permute(0, 2, 3, 4, 1).reshape(-1, ci) @ k.to(x.dtype)).view(b, t2, hp, wp, 3, 3, 3, co)
+    t, ho, wo = t2 - 2, hp - 2, wp - 2
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = bias.to(acc) if bias is not None else 0.0
+    for i in range(3):
+        for j in range(3):
+            for l in range(3):
+                out = out + y[:, i:i + t, j:j + ho, l:l + wo, i, j, l].to(acc)
+    return out.to(x.dtype).permute(0, 4, 1, 2, 3)                     # (B, Co, T, H', W')
 
 
 def _tile(conv, t: int) -> int:
@@ -462,15 +503,17 @@ def _decode(vae, fns: dict, chunk: int | None, channels_last: bool, subpixel: bo
 
 def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = None,
                    channels_last: bool = False, subpixel: bool = False,
-                   winograd: int = 0, triton: bool = False) -> dict[str, int]:
+                   winograd: int = 0, triton: bool = False, taps: bool = False) -> dict[str, int]:
     """Install the chunked decode on `vae` (module docstring). `chunk`: latent frames per pass
     after the first (None: `decode_chunk` each call's frame size). `compile_kwargs`: torch.compile's
     arguments for each block function (None: eager). `subpixel`: the upsamplers as four-phase
     2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution). `winograd`:
     the 3x3x3 convolutions over 2 or more frames as F(m, 3) along time, m up to it (0: off, 2
     or 4; `_winograd_conv`). `triton`: the residual blocks' passes around those convolutions as
-    `compiler.winograd_triton`'s kernels (CUDA, Triton; `triton_available`). The transformed
-    and four-phase kernels are buffers made here from the weights: load weights before this."""
+    `compiler.winograd_triton`'s kernels (CUDA, Triton; `triton_available`). `taps`: 3x3x3
+    convolutions to fewer than `NARROW` channels (conv_out) as `_taps_conv` (before Winograd).
+    The transformed, four-phase and taps kernels are buffers made here from the weights: load
+    weights before this."""
     if triton and not triton_available():
         raise ValueError("triton=True: Triton does not import or there is no CUDA device; "
                          "install triton (with a CUDA torch) or pass triton=False")
@@ -489,9 +532,12 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
             if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)):
                 fmt = torch.channels_last_3d if m.weight.dim() == 5 else torch.channels_last
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
-    if winograd:
-        for m in vae.decoder.modules():
-            if isinstance(m, torch.nn.Conv3d):
+    for m in vae.decoder.modules():
+        if isinstance(m, torch.nn.Conv3d):
+            k = taps_weight(m) if taps else None
+            if k is not None:
+                m.register_buffer("taps", k, persistent=False)
+            elif winograd:
                 winograd_weights(m, winograd)
     dec = vae.decoder
     samplers = [u for u, _ in map(_sampler, dec.up_blocks) if u is not None]

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from compiler import video_vae
 
@@ -34,6 +35,7 @@ def _vae22():
 @pytest.mark.parametrize("chunk, channels_last, subpixel", [(1, False, False), (4, False, False),
                                                             (3, True, True)])
 def test_chunked_decode_is_diffusers_decode(frames, chunk, channels_last, subpixel):
+    """(The channels-last case also with the output convolution as `_taps_conv`.)"""
     vae = _vae()
     z = torch.randn(2, 16, frames, 8, 6)
     with torch.no_grad():
@@ -41,7 +43,8 @@ def test_chunked_decode_is_diffusers_decode(frames, chunk, channels_last, subpix
         chunked = copy.deepcopy(vae)
         assert video_vae.supported(chunked)
         assert video_vae.chunked_decode(chunked, chunk, channels_last=channels_last,
-                                        subpixel=subpixel) == {}                     # eager
+                                        subpixel=subpixel, taps=channels_last) == {}  # eager
+        assert hasattr(chunked.decoder.conv_out, "taps") == channels_last
         out = chunked.decode(z).sample
     assert out.shape == ref.shape == (2, 3, 4 * (frames - 1) + 1, 64, 48)
     tol = 0 if chunk == 1 and not channels_last else 1e-5    # same kernels per frame: bit-equal
@@ -102,18 +105,52 @@ def test_time_winograd_conv_is_the_causal_conv(m, t, pad_hw):
         video_vae.chunked_decode(_vae(), 1, winograd=3)
 
 
-def test_wan22_decode_with_time_winograd():
+@pytest.mark.parametrize("t", [1, 4, 5])
+@pytest.mark.parametrize("pad_hw", [(1, 1), (1, 0)])
+def test_taps_conv_is_the_causal_conv(t, pad_hw):
+    """A 3x3x3 convolution to few channels as one GEMM to its 27 taps and their shifted sum
+    (`_taps_conv`) = diffusers' WanCausalConv3d over t frames after the cache (float64; batch 2,
+    H != W, padded apart), the new cache the same; only 3x3x3 convolutions (stride 1, one group)
+    to fewer than `NARROW` channels get the kernel, not saved with the weights."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    torch.manual_seed(t)
+    conv = WanCausalConv3d(7, 12, 3, padding=(1, *pad_hw)).double()
+    x, cache = torch.randn(2, 7, t, 6, 5, dtype=torch.float64), torch.randn(2, 7, 2, 6, 5, dtype=torch.float64)
+    with torch.no_grad():
+        ref, ref_cache = conv(x, cache_x=cache), torch.cat([cache, x], 2)[:, :, -2:]
+    k = video_vae.taps_weight(conv)
+    assert k.shape == (7, 27 * 12)
+    conv.register_buffer("taps", k, persistent=False)
+    assert "taps" not in conv.state_dict()
+    with torch.no_grad():
+        out, new_cache = video_vae._cconv(conv, x, cache)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    assert torch.equal(new_cache, ref_cache)
+    wide = torch.nn.Conv3d(7, video_vae.NARROW, 3)
+    assert video_vae.taps_weight(wide) is None
+    assert video_vae.taps_weight(torch.nn.Conv3d(7, 12, (3, 1, 1))) is None
+    assert video_vae.taps_weight(torch.nn.Conv3d(8, 12, 3, groups=2)) is None
+
+
+def test_wan22_decode_with_time_winograd(monkeypatch):
     """Wan 2.2's decoder, fp32, in chunks of 2 in channels_last_3d (convolutions over 1, 2, 4
-    and 8 frames: direct, F(2, 3), F(4, 3) and two F(4, 3) tiles) with F(4, 3): diffusers'
-    video within 1e-4 (the compiled path: the gpu test at the published size)."""
+    and 8 frames: direct, F(2, 3), F(4, 3) and two F(4, 3) tiles) with F(4, 3), the output
+    convolution as the others or as `_taps_conv` (`NARROW` above its 12 channels only: this
+    narrow decoder's others have 8 and more): diffusers' video within 1e-4 (the compiled path:
+    the gpu test at the published size)."""
+    monkeypatch.setattr(video_vae, "NARROW", 13)
     vae = _vae22()
     z = torch.randn(1, 48, 5, 6, 5)
     with torch.no_grad():
         ref = vae.decode(z).sample
-        fast = copy.deepcopy(vae)
-        video_vae.chunked_decode(fast, 2, channels_last=True, subpixel=True, winograd=4)
-        assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) >= 10
-        torch.testing.assert_close(fast.decode(z).sample, ref, atol=1e-4, rtol=1e-4)
+        for taps in (False, True):
+            fast = copy.deepcopy(vae)
+            video_vae.chunked_decode(fast, 2, channels_last=True, subpixel=True, winograd=4,
+                                     taps=taps)
+            assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) >= 10
+            conv_out = fast.decoder.conv_out                    # 12 channels: taps, no Winograd
+            assert hasattr(conv_out, "taps") == taps != hasattr(conv_out, "winograd4")
+            torch.testing.assert_close(fast.decode(z).sample, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_winograd_decodes_at_least_winograd_chunk_frames_a_pass(monkeypatch):
@@ -202,8 +239,6 @@ def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     compiler.compile_pipe(pipe, {"mode": "O2", "dynamic": True, "compile_text_encoder": False})
     assert pipe._compile_report["vae_blocks"] == {}
     assert pipe.vae._decode.func is video_vae._decode
-    assert video_vae.winograd_for(pipe.vae) == 0                   # Wan 2.1's: not measured
-    assert video_vae.winograd_for(_vae22()) == video_vae.WINOGRAD == 4
     vae22 = _vae22()                                # on a CPU: Wan 2.2's decoder keeps direct convs
     _compile_vae(vae22, compiler.parse_options({"mode": "O2", "dynamic": True}), {}, "cpu")
     assert vae22._decode.func is video_vae._decode
@@ -221,6 +256,7 @@ def test_missing_triton_is_one_line_and_the_decode_without_it(monkeypatch, caplo
     import compiler
     from compiler.pipeline import _compile_vae
     monkeypatch.setitem(sys.modules, "triton", None)              # import triton -> ImportError
+    monkeypatch.setattr(video_vae, "NARROW", 13)          # taps for conv_out (12) only, as at full size
     assert not video_vae.triton_available()
     opts = compiler.parse_options({"mode": "O2", "dynamic": True})
     for on, lines in ((True, 1), (False, 0)):
@@ -312,6 +348,41 @@ def test_triton_winograd_resblock_matches_the_reference(bs, ci, co, t, h, w, m, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ci, co, t, h, w", [(256, 12, 8, 352, 640), (256, 12, 1, 352, 640),
+                                             (96, 3, 16, 480, 832), (100, 5, 3, 7, 9)])
+def test_taps_conv_matches_the_reference(ci, co, t, h, w, monkeypatch):
+    """`_taps_conv` at both decoders' output convolutions (TI2V-5B: 256 -> 12 at 352x640 over
+    8 frames and the first chunk's 1; Wan 2.1: 96 -> 3 at 480x832 over 16) and an odd one, fp16
+    channels_last_3d, its input the head's SiLU of frames with outlier channels (offsets 20x the
+    std on 4 channels): its error against the fp32 convolution (TF32 off) within 4x that of
+    cuDNN's fp16 convolution (the contributions round to fp16 before their sum) + 1e-3."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    torch.manual_seed(0)
+    cl = dict(memory_format=torch.channels_last_3d)
+    with torch.device("cuda"):
+        conv = WanCausalConv3d(ci, co, 3, padding=1).eval()
+        x = torch.randn(1, ci, t, h, w)
+        x[:, :4] += 20
+        x, cache = F.silu(x), F.silu(torch.randn(1, ci, 2, h, w))
+    half = copy.deepcopy(conv).half()
+    half.weight.data = half.weight.data.contiguous(**cl)
+    xh, ch = x.half().contiguous(**cl), cache.half().contiguous(**cl)
+    with torch.no_grad():
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        truth = video_vae._cconv(conv, x, cache)[0]
+        monkeypatch.undo()
+        ref = video_vae._cconv(half, xh, ch)[0]
+        half.register_buffer("taps", video_vae.taps_weight(half), persistent=False)
+        got, new = video_vae._cconv(half, xh, ch)
+    assert got.shape == ref.shape == truth.shape and got.is_contiguous(**cl)
+    assert torch.equal(new, torch.cat([ch, xh], 2)[:, :, -2:])
+    e_ref, e_got = (ref.float() - truth).abs().max().item(), (got.float() - truth).abs().max().item()
+    print(f"taps conv {ci}->{co} x {t} frames {h}x{w}: max abs vs fp32: taps {e_got:.3g}, cuDNN "
+          f"fp16 {e_ref:.3g} (of {truth.abs().max().item():.3g})")
+    assert e_got <= 4 * e_ref + 1e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("winograd, triton, least", [(0, False, 1), (4, False, 1), (4, True, 1),
                                                      (4, True, 2)])
 def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, least, monkeypatch):
@@ -346,7 +417,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, leas
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         fast.decode(torch.randn_like(z))
     err, psnr = (out.float() - ref.float()).abs().max().item(), psnr_uint8(out, ref)
-    assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) == (30 if winograd else 0)
+    # the 3x3x3 convolutions but conv_out (12 channels: `_taps_conv`)
+    assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) == (29 if winograd else 0)
+    assert hasattr(fast.decoder.conv_out, "taps") == video_vae.TAPS
     print(f"Wan 2.2 VAE 704x1280x121, compiled chunked (winograd {winograd}, triton {triton}, "
           f"chunk >= {least}) "
           f"vs diffusers: max abs {err:.3g}, PSNR "

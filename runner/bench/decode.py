@@ -17,9 +17,10 @@ channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling
 twice the chunk. `chunks`: the latent frames per pass of those rows (auto:
 `video_vae.decode_chunk`, as installed; a list: each).
 `variants=winograd`: the installed decode (its 3x3x3 convolutions over several frames as F(m, 3)
-along time, m up to `video_vae.winograd_for` the VAE: Wan 2.2's `WINOGRAD`, Wan 2.1's 0; their
-passes as Triton kernels where `video_vae.TRITON` and Triton is there) at each of `chunks`, the
-same with the output convolution (12 channels) direct, with Inductor's passes instead of
+along time, m up to `video_vae.WINOGRAD`; their passes as Triton kernels where
+`video_vae.TRITON` and Triton is there; the output convolution as one GEMM to its taps where
+`video_vae.TAPS`) at each of `chunks`, the same with the output convolution (3 or 12 channels)
+as the other 3x3x3 ones (`TAPS` flipped), with Inductor's passes instead of
 Triton's (where those were on), then with time Winograd off or with F(4, 3) (whichever of 0 and
 4 is not installed), each row with where its GPU time goes (torch.profiler: the convolution
 kernels' share and the largest kernels of one call). The first call of a compiled variant (its
@@ -62,11 +63,11 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
     from compiler import video_vae
     sp = video_vae.SUBPIXEL
     rows = [dict(name="diffusers (1 latent frame per pass)")]
-    wg = video_vae.winograd_for(base)              # as compile_pipe installs it (Wan 2.1: 0)
+    wg = video_vae.WINOGRAD                        # as compile_pipe installs it
     tri = video_vae.TRITON and video_vae.triton_available()    # the Winograd rows' passes
-    ours = lambda c, subpixel=sp, name="chunked", winograd=wg, triton=tri: dict(
+    ours = lambda c, subpixel=sp, name="chunked", winograd=wg, triton=tri, taps=video_vae.TAPS: dict(
         name=name, compiled=True, channels_last=True, chunk=c, subpixel=subpixel, winograd=winograd,
-        triton=triton and bool(winograd))
+        triton=triton and bool(winograd), taps=taps)
     if variants == "all":
         c = chunks[0]
         rows += [dict(name="chunked", compiled=compiled, channels_last=cl, chunk=c, subpixel=False)
@@ -77,8 +78,8 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
         c = chunks[0]
         rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
         rows += [dict(ours(more), profile=True) for more in chunks[1:]]
-        if wg:
-            rows += [dict(ours(c, name="chunked, conv_out direct"), head_direct=True, profile=True)]
+        rows += [dict(ours(c, name=f"chunked, conv_out {'as the others' if video_vae.TAPS else 'taps'}",
+                          taps=not video_vae.TAPS), profile=True)]
         if tri and wg:
             rows += [dict(ours(c, triton=False), profile=True)]
         rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 4) if m != wg]
@@ -111,12 +112,8 @@ def _video_row(base, z, iters: int, v: dict, ref):
         aux = compiler.compile_kwargs(compiler.parse_options("O2"), denoiser=False)
         video_vae.chunked_decode(vae, v["chunk"], aux if v["compiled"] else None,
                                  channels_last=v["channels_last"], subpixel=v.get("subpixel", False),
-                                 winograd=v.get("winograd", 0), triton=v.get("triton", False))
-        if v.get("head_direct"):      # narrow outputs (conv_out: 12 channels) back to direct
-            for m in vae.decoder.modules():
-                if isinstance(m, torch.nn.Conv3d) and m.out_channels < 64:
-                    for name in ("winograd2", "winograd4"):
-                        m._buffers.pop(name, None)
+                                 winograd=v.get("winograd", 0), triton=v.get("triton", False),
+                                 taps=v.get("taps", False))
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -171,9 +168,9 @@ def _video_table(a: dict, rows: list[dict]) -> None:
     print(f"\n{a['model']} VAE decode, {a['frames']} frames, batch {a['batch']}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| decode | compiled | layout | chunk | four-phase upsampling | time Winograd | Triton passes | "
-          "cudnn.benchmark | ms per decode | first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) "
+          "conv_out taps | cudnn.benchmark | ms per decode | first call s | peak GiB | max abs vs diffusers | PSNR dB vs diffusers (uint8) "
           "| GPU kernels ms (convolutions) |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         measured = (f"{r['first_call_s']} | {r['peak_gb']} | {r['max_abs_vs_eager']:.2g} | "
                     f"{r['psnr_db']}" if "psnr_db" in r else " | | ")          # out of memory
@@ -182,7 +179,7 @@ def _video_table(a: dict, rows: list[dict]) -> None:
         print(f"| {r['name']} | {r.get('compiled', False)} | "
               f"{'channels_last_3d' if r.get('channels_last') else 'contiguous'} | "
               f"{r.get('chunk', 1)} | {r.get('subpixel', False)} | {r.get('winograd', 0) or '-'} | "
-              f"{r.get('triton', False)} | {r.get('cudnn_benchmark', False)} | {r['ms']} | {measured} | {prof} |")
+              f"{r.get('triton', False)} | {r.get('taps', False)} | {r.get('cudnn_benchmark', False)} | {r['ms']} | {measured} | {prof} |")
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -248,7 +245,7 @@ def _video(a: dict, fam, preset: dict) -> list[dict]:
     h, w = preset["height"], preset["width"]
     z = torch.randn(int(a["batch"]), base.config.z_dim, (int(a["frames"]) - 1) // t + 1, h // s,
                     w // s, device="cuda", dtype=torch.float16)
-    tri = bool(video_vae.winograd_for(base)) and video_vae.TRITON and video_vae.triton_available()
+    tri = bool(video_vae.WINOGRAD) and video_vae.TRITON and video_vae.triton_available()
     chunks = ([video_vae.decode_chunk(base, h, w, tri)]                     # as installed
               if a["chunks"] == "auto" else [int(c) for c in a["chunks"].split(",")])
     rows = video_variants(base, z, int(a["iters"]), a["variants"], chunks)

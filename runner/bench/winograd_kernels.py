@@ -1,7 +1,7 @@
 """The Winograd passes' Triton kernels alone (`compiler.winograd_triton`) at the Wan 2.2 TI2V-5B
 decoder's residual-block shapes: achieved memory bandwidth per launch setting (CUDA).
 
-    python -m runner.bench.winograd_kernels [chunk=2] [iters=50] [out=kernels.json]
+    python -m runner.bench.winograd_kernels [chunk=2] [iters=50] [shapes=all|i,j] [out=kernels.json]
 
 For each residual-block shape of a 704x1280 decode at `chunk` latent frames a pass (channels,
 pixels, frames: 1,024 at 44x80 and 88x160, 1,024 -> 512 and 512 at 176x320, 512 -> 256 and 256
@@ -9,7 +9,9 @@ at 352x640) times `_in_kernel` (norm, SiLU, B^T from x), its middle form (A^T of
 first) and `_out_kernel` (A^T, bias, residual) under each (pixels, channels, warps) setting,
 median of `iters` launches by CUDA events, and divides the bytes each must move (count below) by
 it: GB/s. The decode spends ~320 ms in these kernels (2026-11-27, H100); the settings installed
-are `_blocks` and `OUT_BLOCKS`. Prints a table and, per kernel and channel count, the fastest.
+are `_blocks` and `OUT_BLOCKS`. `shapes`: which of `SHAPES` (indices; a sweep of all six takes
+~8 minutes, mostly Triton compiles, so split it over GPUs). Prints a table and, per kernel and
+channel count, the fastest.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ SHAPES = [(1024, 1024, 44, 80, 1), (1024, 1024, 88, 160, 2), (1024, 512, 176, 32
 
 def settings(c: int) -> list[tuple[int, int, int]]:
     """(pixels, channels, warps) candidates of `_in_kernel` for c channels: all channels at once
-    (1,024 to 8,192 elements a frame, 4 or 8 warps) where c is a power of two up to 1,024, and
-    the two-pass form (64- and, above 128 channels, 128-channel chunks)."""
-    one = [(e // c, c, w) for e in (1024, 2048, 4096, 8192) for w in (4, 8) if e >= c]
+    (1,024 to 8,192 elements a frame, 4 or 8 warps; 8 at 8,192) where c is a power of two up to
+    1,024, and the two-pass form (64- and, above 128 channels, 128-channel chunks)."""
+    one = [(e // c, c, w) for e in (1024, 2048, 4096, 8192) for w in (4, 8)
+           if e >= c and (e, w) != (8192, 4)]       # spills: 8-18 ms instead of ~1.3 (2026-11-27)
     two = [(16, 64, 4), (32, 64, 4), (64, 64, 8)] + [(16, 128, 4), (16, 128, 8)] * (c > 128)
     return (one if c & (c - 1) == 0 and c <= 1024 else []) + two
 
@@ -93,10 +96,11 @@ def rows_for(ci: int, co: int, h: int, w: int, t: int, iters: int,
 
 
 def main(argv: list[str]) -> list[dict]:
-    a, _ = parse_args(argv, dict(chunk="2", iters="50", out=None), USAGE)
+    a, _ = parse_args(argv, dict(chunk="2", iters="50", shapes="all", out=None), USAGE)
     assert torch.cuda.is_available(), "the Winograd kernel benchmark needs a CUDA GPU"
     chunk = int(a["chunk"])
-    rows = [r for ci, co, h, w, lat in SHAPES
+    pick = range(len(SHAPES)) if a["shapes"] == "all" else [int(i) for i in a["shapes"].split(",")]
+    rows = [r for ci, co, h, w, lat in (SHAPES[i] for i in pick)
             for r in rows_for(ci, co, h, w, lat * chunk, int(a["iters"]))]
     print(f"\nWinograd passes' kernels, TI2V-5B decoder shapes at {chunk} latent frames a pass, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
