@@ -30,6 +30,8 @@
 #            2.1's decode gpu tests (GPU 2); Wan 2.1's decode bench with time Winograd (GPU 3)
 #   tune20   x4: the kernels' settings at the large shapes (GPUs 0-1), the decode benches with the
 #            output convolution as one GEMM to its taps (Wan 2.1 GPU 2, TI2V GPU 3), gpu tests
+#   tune21   x4: the same decode benches and gpu tests with the tuned settings, TI2V also at 4
+#            latent frames a pass
 #   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
@@ -42,7 +44,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|tune20|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|tune20|tune21|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -135,6 +137,22 @@ case $phase in
           -p no:cacheprovider -k "matches_diffusers and 4-True-2" > "$Q/test_2.log" 2>&1 ) &
     decode_bench 3 3 "$Q/decode_winograd.log"
     wait; sed -n '/fastest/,$p' "$Q"/kernels_*.log; tail -7 "$Q/decode_winograd.log"
+    tail -6 "$Q/decode_wan21.log"; grep -hE "passed |failed |PSNR|Error|max abs" "$Q"/test_*.log | tail -30 ;;
+  tune21)    # x4, with the tuned launch settings, taps without a padded copy and the shortcut's
+             # bias in winograd_out. GPU 0: TI2V's decode at 2 and 4 latent frames a pass
+             # (variants=quick); GPU 1: TI2V's full decode table; GPU 2: the kernels', taps' and
+             # TI2V's Triton decode gpu tests, then Wan 2.1's; GPU 3: Wan 2.1's decode table
+    ( CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
+          variants=quick chunks=2,4 iters=3 out="$Q/decode_quick.json" > "$Q/decode_quick.log" 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=2 timeout 330 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "taps_conv or triton_winograd or (matches_diffusers and 4-True-2)" \
+          > "$Q/test_2.log" 2>&1
+      CUDA_VISIBLE_DEVICES=2 timeout 200 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "matches_eager" > "$Q/test_2b.log" 2>&1 ) &
+    ( CUDA_VISIBLE_DEVICES=3 timeout 400 python3 -m runner.bench.decode model=wan21_t2v_1_3b \
+          frames=81 variants=winograd iters=3 out="$Q/decode_wan21.json" > "$Q/decode_wan21.log" 2>&1 ) &
+    decode_bench 1 3 "$Q/decode_winograd.log"
+    wait; tail -5 "$Q/decode_quick.log"; tail -7 "$Q/decode_winograd.log"
     tail -6 "$Q/decode_wan21.log"; grep -hE "passed |failed |PSNR|Error|max abs" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)

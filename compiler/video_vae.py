@@ -182,25 +182,24 @@ def taps_weight(conv) -> torch.Tensor | None:
 
 def _taps_conv(x: torch.Tensor, k: torch.Tensor, bias, padding) -> torch.Tensor:
     """A 3x3x3 convolution (time unpadded, stride 1) of (B, Ci, T + 2, H, W) frames to a few
-    output channels: (B, Co, T, H', W'), as one GEMM of every (spatially zero-padded) input pixel
-    by `k` ((Ci, 27 Co), `taps_weight`) to each tap's contribution, y: (B, T + 2, H + 2 ph,
-    W + 2 pw, 3, 3, 3, Co), then out[t, h, w] = sum over taps (i, j, l) of y[t + i, h + j, w + l,
-    i, j, l] in fp32 (or x's wider dtype). Each input pixel is read once, by a GEMM 27 Co wide,
+    output channels: (B, Co, T, H', W'), as one GEMM of every input pixel by `k` ((Ci, 27 Co),
+    `taps_weight`) to each tap's contribution, y: (B, T + 2, H, W, 3, 3, 3, Co), then out[t, h,
+    w] = sum over taps (i, j, l) of y[t + i, h + j - ph, w + l - pw, i, j, l] (zero outside) in
+    fp32 (or x's wider dtype). Each input pixel is read once, by a GEMM 27 Co wide,
     instead of 27 times by a convolution Co wide; the contributions round to x's dtype before
     their sum."""
     b, ci, t2, h, w = x.shape
     ph, pw = padding
     co = k.shape[1] // 27
-    xp = F.pad(x, (pw, pw, ph, ph))                                     # (B, Ci, T + 2, Hp, Wp)
-    hp, wp = h + 2 * ph, w + 2 * pw
-    y = (xp.permute(0, 2, 3, 4, 1).reshape(-1, ci) @ k.to(x.dtype)).view(b, t2, hp, wp, 3, 3, 3, co)
-    t, ho, wo = t2 - 2, hp - 2, wp - 2
+    y = (x.permute(0, 2, 3, 4, 1).reshape(-1, ci) @ k.to(x.dtype)).view(b, t2, h, w, 3, 3, 3, co)
+    t, ho, wo = t2 - 2, h + 2 * ph - 2, w + 2 * pw - 2
     acc = torch.promote_types(x.dtype, torch.float32)
     out = bias.to(acc) if bias is not None else 0.0
     for i in range(3):
         for j in range(3):
-            for l in range(3):
-                out = out + y[:, i:i + t, j:j + ho, l:l + wo, i, j, l].to(acc)
+            for l in range(3):   # the tap's contributions, zero-padded (no padded copy of x or y)
+                tap = F.pad(y[:, i:i + t, :, :, i, j, l], (0, 0, pw, pw, ph, ph))
+                out = out + tap[:, :, j:j + ho, l:l + wo].to(acc)
     return out.to(x.dtype).permute(0, 4, 1, 2, 3)                     # (B, Co, T, H', W')
 
 
@@ -302,10 +301,10 @@ def resblock(block, x, c1, c2, triton: bool = False):
     """WanResidualBlock: (B, Ci, T, H, W) -> (B, Co, T, H, W) and its two convolutions' caches.
     `triton` (CUDA): where both convolutions run as F(m, 3), the memory passes around them as the
     kernels of `compiler.winograd_triton` (`_fused_resblock`)."""
-    h = block.conv_shortcut(x)                            # identity, or a 1x1x1 conv (no cache)
     m = _tile(block.conv1, x.shape[2])
     if triton and m and _fusable(block, m):
-        return _fused_resblock(block, x, c1, c2, h, m)
+        return _fused_resblock(block, x, c1, c2, m)
+    h = block.conv_shortcut(x)                            # identity, or a 1x1x1 conv (no cache)
     y = block.nonlinearity(block.norm1(x))
     y, c1 = _cconv(block.conv1, y, c1)
     y = block.nonlinearity(block.norm2(y))                # (dropout: eval, none)
@@ -316,24 +315,34 @@ def resblock(block, x, c1, c2, triton: bool = False):
 def _fusable(block, m: int) -> bool:
     """The block is what `_fused_resblock`'s kernels compute: RMS norms without bias, SiLU, both
     convolutions with biases and F(m, 3) kernels."""
+    sc = block.conv_shortcut
     return (isinstance(block.nonlinearity, torch.nn.SiLU)
+            and (isinstance(sc, torch.nn.Identity) or (isinstance(sc, torch.nn.Conv3d)
+                 and tuple(sc.kernel_size) == (1, 1, 1) and tuple(sc.stride) == (1, 1, 1)
+                 and not any(sc.padding) and sc.groups == 1))
             and all(isinstance(n.bias, float) and n.bias == 0 for n in (block.norm1, block.norm2))
             and all(c.bias is not None and hasattr(c, f"winograd{m}")
                     for c in (block.conv1, block.conv2)))
 
 
-def _fused_resblock(block, x, c1, c2, h, m: int):
+def _fused_resblock(block, x, c1, c2, m: int):
     """`resblock` with F(m, 3) convolutions, its memory passes as three Triton kernels: norm1,
     SiLU and B^T (`winograd_in`); A^T, bias, norm2, SiLU and B^T (`winograd_mid`: the middle
     activation never written); A^T, bias and the residual (`winograd_out`). The 2-D products
-    stay cuDNN's."""
+    stay cuDNN's; a 1x1x1 shortcut is a GEMM without its bias, which `winograd_out` adds with
+    conv2's (no pass over the shortcut's output to add it)."""
     from compiler import winograd_triton as wt
+    sc, bias = block.conv_shortcut, block.conv2.bias.float()
+    h = x
+    if isinstance(sc, torch.nn.Conv3d):
+        h = F.conv3d(x, sc.weight)
+        bias = bias if sc.bias is None else bias + sc.bias.float()
     n1, n2, b = block.norm1, block.norm2, x.shape[0]
     v, c1 = wt.winograd_in(x, c1, n1.gamma, n1.scale, m)        # (m + 2, T/m B, Ci, H, W)
     p = _products(block.conv1, v, m)                           # m + 2 of (T/m B, Co, H, W)
     v, c2 = wt.winograd_mid(p, block.conv1.bias, c2, n2.gamma, n2.scale, m)
     p = _products(block.conv2, v, m)
-    return wt.winograd_out(p, block.conv2.bias, h, m, b), c1, c2
+    return wt.winograd_out(p, bias, h, m, b), c1, c2
 
 
 def _products(conv, v: torch.Tensor, m: int) -> list:

@@ -283,10 +283,14 @@ def _v_like(x: torch.Tensor, n: int, rows: int, c: int, h: int, w: int) -> torch
 
 def _blocks(c: int) -> tuple[int, int, int]:
     """(pixels, channels, warps) a program of `_in_kernel`: all channels at once where they are
-    a power of two up to 1,024 (2,048 elements a frame: 256 channels x 8 pixels ... 1,024 x 2),
-    else 32 pixels x 64-channel chunks in two passes."""
+    a power of two up to 1,024 (1,024 elements a frame: 256 channels x 4 pixels ... 1,024 x 1;
+    4 warps), else 32 pixels x 64-channel chunks in two passes. Measured (`python -m
+    runner.bench.winograd_kernels`, H100, 2026-11-27) at every TI2V-5B decoder shape: fastest
+    or within 5 % of it but for the middle kernel at 1,024 channels and 88x160 (0.28 ms, 0.24 at
+    2,048 elements and 8 warps); 2,048 elements and 8 warps, installed before, took 2-16 % longer
+    at the 176x320 and 352x640 shapes (~16 ms a decode)."""
     if c & (c - 1) == 0 and c <= 1024:
-        return max(1, 2048 // c), c, 8
+        return max(1, 1024 // c), c, 4
     return 32, 64, 4
 
 
@@ -345,7 +349,9 @@ def winograd_out(products: list[torch.Tensor], bias: torch.Tensor,
                        _cl3(residual) if residual is not None else None, m, batch)
 
 
-OUT_BLOCKS = (32, 64, 4)   # (pixels, channels, warps) a program of `_out_kernel`
+# (pixels, channels, warps) a program of `_out_kernel`: fastest or within 3 % of it at every
+# TI2V-5B decoder shape (same bench); (32, 64, 4) before took 4-15 % longer (~8 ms a decode).
+OUT_BLOCKS = (32, 128, 8)
 
 
 def _out_launch(products, bias, residual, m, batch, blocks=None):

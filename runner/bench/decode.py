@@ -23,7 +23,9 @@ along time, m up to `video_vae.WINOGRAD`; their passes as Triton kernels where
 as the other 3x3x3 ones (`TAPS` flipped), with Inductor's passes instead of
 Triton's (where those were on), then with time Winograd off or with F(4, 3) (whichever of 0 and
 4 is not installed), each row with where its GPU time goes (torch.profiler: the convolution
-kernels' share and the largest kernels of one call). The first call of a compiled variant (its
+kernels' share and the largest kernels of one call). `variants=quick`: that table's first rows
+only (installed at each of `chunks`, the output convolution flipped). The first call of a
+compiled variant (its
 compile) is reported apart; a variant out of GPU memory is a row saying so. Also the max abs
 difference and the PSNR (frames as uint8) of each variant's output against diffusers' (fp16
 rounding only).
@@ -74,16 +76,17 @@ def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> lis
                  for compiled in (False, True) for cl in (False, True)]
         rows += [dict(ours(c, False), cudnn_benchmark=True), ours(z.shape[2], False),
                  ours(c, name="chunked (installed)")]
-    elif variants == "winograd":
+    elif variants in ("winograd", "quick"):
         c = chunks[0]
         rows += [dict(ours(c, name="chunked (installed)"), profile=True)]
         rows += [dict(ours(more), profile=True) for more in chunks[1:]]
         rows += [dict(ours(c, name=f"chunked, conv_out {'as the others' if video_vae.TAPS else 'taps'}",
                           taps=not video_vae.TAPS), profile=True)]
+    if variants == "winograd":
         if tri and wg:
             rows += [dict(ours(c, triton=False), profile=True)]
         rows += [dict(ours(c, winograd=m), profile=True) for m in (0, 4) if m != wg]
-    else:
+    elif variants == "installed":
         for c in chunks:
             rows += [ours(c, name="chunked (installed)"), ours(c, not sp)]
         rows.append(ours(2 * chunks[-1]))
@@ -140,11 +143,17 @@ def _video_row(base, z, iters: int, v: dict, ref):
 def kernel_split(vae, z, top: int = 30) -> dict:
     """Where one decode's GPU time goes (torch.profiler, after warm-up): total kernel ms, the
     convolution kernels' ms (cuDNN/CUTLASS: names with conv, xmma, implicit or cutlass) and the
-    `top` largest kernels by name ([name, ms, launches])."""
+    `top` largest kernels by name ([name, ms, launches]); `aten`: the aten ops that launched
+    kernels themselves, by input shapes ([op, shapes, ms, calls]: copies, extern GEMMs)."""
     from torch.profiler import ProfilerActivity, profile
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                  record_shapes=True) as prof:
         vae.decode(z, return_dict=False)
         torch.cuda.synchronize()
+    # which aten ops (by input shapes) launch kernels of their own: copies, extern GEMMs
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    ops = sorted(ops, key=lambda e: -e.self_device_time_total)[:12]
     by, calls = {}, {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -154,7 +163,9 @@ def kernel_split(vae, z, top: int = 30) -> dict:
                if any(w in k.lower() for w in ("conv", "xmma", "implicit", "cutlass", "wgrad", "dgrad")))
     big = sorted(by.items(), key=lambda kv: -kv[1])[:top]
     return dict(kernels_ms=round(sum(by.values()), 1), conv_ms=round(conv, 1),
-                top=[[k[:120], round(ms, 1), calls[k]] for k, ms in big])
+                top=[[k[:120], round(ms, 1), calls[k]] for k, ms in big],
+                aten=[[e.key, str(e.input_shapes)[:160], round(e.self_device_time_total / 1e3, 1),
+                       e.count] for e in ops])
 
 
 def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -237,8 +248,8 @@ def main(argv: list[str]) -> list[dict]:
 
 def _video(a: dict, fam, preset: dict) -> list[dict]:
     from compiler import video_vae
-    if a["variants"] not in ("all", "installed", "winograd"):
-        raise SystemExit(f"variants={a['variants']}: choose all, installed or winograd")
+    if a["variants"] not in ("all", "installed", "winograd", "quick"):
+        raise SystemExit(f"variants={a['variants']}: choose all, installed, winograd or quick")
     with torch.device("cuda"):
         base = fam.video_vae(False).to(torch.float16).eval()
     s, t = base.spatial_compression_ratio, base.config.scale_factor_temporal
