@@ -32,6 +32,7 @@
 #            output convolution as one GEMM to its taps (Wan 2.1 GPU 2, TI2V GPU 3), gpu tests
 #   tune21   x4: the same decode benches and gpu tests with the tuned settings, TI2V also at 4
 #            latent frames a pass
+#   final21  x2: TI2V's decode as installed (4 latent frames a pass) and at 2; its gpu tests
 #   vaecode  GPU 0: that decode bench with TORCH_LOGS=output_code (the Winograd transforms' kernels)
 #   i2v14b   GPUs 0 and 1: Wan 2.1 I2V 14B 480P's table in one command (its peer ran in a second one
 #            on 2026-11-26), the job's arm and the peer's at once (`lanes=2`; ~6-7 min estimated
@@ -44,7 +45,7 @@
 set -u
 # Bytecode for every package first (pyc.sh: the lent machines keep none; a user's pip install does)
 source "$(dirname "$0")/pyc.sh"
-phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|tune20|tune21|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
+phase=${1:?usage: next.sh ab|tables|both|ti2v_img|i2v14b|round17|decode|triton|triton4|final18|tune19|tune20|tune21|final21|vaecode|pixart12|pixart4|wan12|wan4|suite OUT}; OUT=${2:?usage: next.sh PHASE OUT}
 Q=/tmp/next-$phase; mkdir -p "$Q" "$OUT"
 pack() { tar -czf "$OUT/r.tgz" -C /tmp --exclude='media-*' --exclude='*.mp4' --exclude='*.png' \
              "next-$phase"; }
@@ -154,6 +155,13 @@ case $phase in
     decode_bench 1 3 "$Q/decode_winograd.log"
     wait; tail -5 "$Q/decode_quick.log"; tail -7 "$Q/decode_winograd.log"
     tail -6 "$Q/decode_wan21.log"; grep -hE "passed |failed |PSNR|Error|max abs" "$Q"/test_*.log | tail -30 ;;
+  final21)   # x2. GPU 0: TI2V's decode as installed (4 latent frames a pass) and at 2 (quick);
+             # GPU 1: TI2V's Triton decode gpu tests at 2 and 4 latent frames a pass
+    ( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -m pytest -m gpu tests/test_video_vae.py -v -s \
+          -p no:cacheprovider -k "matches_diffusers and (4-True-4 or 4-True-2)" > "$Q/test_1.log" 2>&1 ) &
+    CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m runner.bench.decode model=wan22_ti2v_5b frames=121 \
+        variants=quick chunks=4,2 iters=3 out="$Q/decode_quick.json" > "$Q/decode_quick.log" 2>&1
+    wait; tail -5 "$Q/decode_quick.log"; grep -hE "passed |failed |PSNR|Error|max abs" "$Q"/test_*.log | tail -30 ;;
   vaecode)   # GPU 0: the same decode rows with Inductor's generated code logged (which kernels
              # take the 808 ms outside the convolutions with Winograd on: 2026-11-27's record)
     TORCH_LOGS=output_code decode_bench 0 1 "$Q/decode_code.log"

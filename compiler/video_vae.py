@@ -94,8 +94,12 @@ TRITON = True
 # Triton passes (H100, one call): 2,190 ms at 1 latent frame a pass, 2,089 at 2 (convolution
 # kernels 1,762 -> 1,626 ms), peak 14.5 -> 19.7 GiB, PSNR 59.0 -> 58.6 dB; that was before
 # `winograd_mid` recombined a tile's first frames from the tile before (then 2,042 ms, 17.7
-# GiB, 58.9 dB, not rerun at 1). Only with the Triton passes (`decode_chunk`).
-WINOGRAD_CHUNK = 2
+# GiB, 58.9 dB, not rerun at 1). Four latent frames give the 44x80 blocks F(4, 3) too and halve
+# the passes (`python -m runner.bench.decode model=wan22_ti2v_5b frames=121 variants=quick
+# chunks=2,4`, H100, 2026-11-27, tuned kernels and conv_out as taps): 1,999 ms at 2 (2,010 on
+# another GPU of the call), 1,906 at 4; peak 17.7 -> 24.6 GiB, PSNR 58.9 -> 57.9 dB. Only with
+# the Triton passes (`decode_chunk`).
+WINOGRAD_CHUNK = 4
 # What compile_pipe installs for a 3x3x3 convolution to fewer than `NARROW` output channels (both
 # decoders' conv_out: Wan 2.1 96 -> 3, Wan 2.2 256 -> 12 channels): one GEMM of every input pixel
 # to all 27 taps' contributions, then their shifted sum (`_taps_conv`). cuDNN's kernels for a dozen

@@ -384,7 +384,7 @@ def test_taps_conv_matches_the_reference(ci, co, t, h, w, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("winograd, triton, least", [(0, False, 1), (4, False, 1), (4, True, 1),
-                                                     (4, True, 2)])
+                                                     (4, True, 2), (4, True, 4)])
 def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, least, monkeypatch):
     """TI2V-5B's VAE at the published size (random weights, fp16, 704x1280 x 121 frames: 31
     latent frames of 44x80): the decode `compile_pipe` installs (compiled blocks, `chunk_for`'s

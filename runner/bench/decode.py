@@ -155,8 +155,8 @@ def kernel_split(vae, z, top: int = 30) -> dict:
            if e.key.startswith("aten::") and e.self_device_time_total > 0]
     ops = sorted(ops, key=lambda e: -e.self_device_time_total)[:12]
     by, calls = {}, {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+    for e in prof.events():          # kernels, not the GPU-side ranges of compiled graphs ("## ...")
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("## "):
             by[e.name] = by.get(e.name, 0.0) + e.device_time / 1e3
             calls[e.name] = calls.get(e.name, 0) + 1
     conv = sum(ms for k, ms in by.items()
