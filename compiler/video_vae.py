@@ -2,12 +2,13 @@
 caches as plain tensors.
 
 Contract: `chunked_decode(vae, chunk=None, compile_kwargs=None, channels_last=False,
-subpixel=False, winograd=0, triton=False)` replaces `vae._decode` of a diffusers `AutoencoderKLWan` whose decoder
-is Wan 2.1's (`WanUpBlock`s) or Wan 2.2's (`WanResidualUpBlock`s; `supported(vae)` says whether it
-is either) so that `vae.decode(z)` decodes latent frame 0 alone, then the other latent frames
-`chunk` at a time, and returns what diffusers' decode returns: the same causal convolutions over
-the same frames, grouped differently, so equal up to the rounding of the convolution kernels (fp16
-tolerance; tests/test_video_vae.py). Tiled decoding (`vae.enable_tiling()`) keeps diffusers' own
+subpixel=False, winograd=0, triton=False, taps=False)` replaces `vae._decode` of a diffusers
+`AutoencoderKLWan` whose decoder is Wan 2.1's (`WanUpBlock`s) or Wan 2.2's
+(`WanResidualUpBlock`s; `supported(vae)` says whether it is either) so that `vae.decode(z)`
+decodes latent frame 0 alone, then the other latent frames `chunk` at a time, and returns what
+diffusers' decode returns: the same causal convolutions over the same frames, grouped
+differently, so equal up to the rounding of the convolution kernels (fp16 tolerance;
+tests/test_video_vae.py). Tiled decoding (`vae.enable_tiling()`) keeps diffusers' own
 path. Returns the number of blocks per compiled function, by name (`compile_kwargs=None`: eager).
 
 Why: diffusers decodes one latent frame per decoder pass (4 video frames; 21 passes for 81
@@ -44,6 +45,9 @@ rounding error for F(4, 3): PSNR 59 dB instead of 60 against diffusers at TI2V-5
 `triton` (CUDA): a residual block whose convolutions both run as F(m, 3) does its norms, SiLUs,
 transforms, biases and residual in three Triton kernels around the 2-D products
 (`_fused_resblock`, `compiler.winograd_triton`), in fp32 sums.
+`taps`: a 3x3x3 convolution to fewer than `NARROW` channels (the output convolution: 3 or 12)
+as one GEMM of every input pixel to its 27 taps' contributions, then their shifted sum in fp32
+(`_taps_conv`): cuDNN's kernels for so few output channels run at a few % of the FLOP rate.
 
 Shapes (Wan 2.1, 480x832, 81 frames): latents (B, 16, 21, 60, 104) -> video (B, 3, 81, 480, 832);
 275 TFLOP of convolutions, 96.6 of them at full resolution with 96 channels. Wan 2.2, 704x1280,
@@ -104,7 +108,9 @@ WINOGRAD_CHUNK = 4
 # decoders' conv_out: Wan 2.1 96 -> 3, Wan 2.2 256 -> 12 channels): one GEMM of every input pixel
 # to all 27 taps' contributions, then their shifted sum (`_taps_conv`). cuDNN's kernels for a dozen
 # output channels run at a few % of the FLOP rate: TI2V-5B's conv_out took 85 ms a decode direct,
-# ~60 ms as F(4, 3) (2026-11-27, H100), for 4.5 TFLOP (~8 ms at 600 TFLOP/s).
+# ~60 ms as F(4, 3) (2026-11-27, H100), for 4.5 TFLOP (~8 ms at 600 TFLOP/s). Measured (`python
+# -m runner.bench.decode ... variants=winograd`, H100, same call): TI2V 2,025 -> 1,999 ms (1,921
+# -> 1,903 at 4 latent frames a pass), Wan 2.1 483 -> 472 ms; error as cuDNN fp16's (gpu test).
 TAPS = True
 NARROW = 64
 WIDEST = 96   # Wan 2.1's decoder: channels a pixel of its widest full-resolution activation
