@@ -324,7 +324,8 @@ def resblock(block, x, c1, c2, triton: bool = False):
 
 def _fusable(block, m: int) -> bool:
     """The block is what `_fused_resblock`'s kernels compute: RMS norms without bias, SiLU, both
-    convolutions with biases and F(m, 3) kernels."""
+    convolutions with biases and F(m, 3) kernels, a shortcut that is the identity or a 1x1x1
+    convolution."""
     sc = block.conv_shortcut
     return (isinstance(block.nonlinearity, torch.nn.SiLU)
             and (isinstance(sc, torch.nn.Identity) or (isinstance(sc, torch.nn.Conv3d)

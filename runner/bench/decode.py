@@ -20,15 +20,14 @@ twice the chunk. `chunks`: the latent frames per pass of those rows (auto:
 along time, m up to `video_vae.WINOGRAD`; their passes as Triton kernels where
 `video_vae.TRITON` and Triton is there; the output convolution as one GEMM to its taps where
 `video_vae.TAPS`) at each of `chunks`, the same with the output convolution (3 or 12 channels)
-as the other 3x3x3 ones (`TAPS` flipped), with Inductor's passes instead of
-Triton's (where those were on), then with time Winograd off or with F(4, 3) (whichever of 0 and
-4 is not installed), each row with where its GPU time goes (torch.profiler: the convolution
-kernels' share and the largest kernels of one call). `variants=quick`: that table's first rows
-only (installed at each of `chunks`, the output convolution flipped). The first call of a
-compiled variant (its
-compile) is reported apart; a variant out of GPU memory is a row saying so. Also the max abs
-difference and the PSNR (frames as uint8) of each variant's output against diffusers' (fp16
-rounding only).
+as the other 3x3x3 ones (`TAPS` flipped), with Inductor's passes instead of Triton's (where
+those were on), then with time Winograd off or with F(4, 3) (whichever of 0 and 4 is not
+installed), each row with where its GPU time goes (torch.profiler: the convolution kernels'
+share, the largest kernels of one call, the aten ops launching kernels by input shapes).
+`variants=quick`: that table's first rows only (installed at each of `chunks`, the output
+convolution flipped). The first call of a compiled variant (its compile) is reported apart; a
+variant out of GPU memory is a row saying so. Also the max abs difference and the PSNR (frames
+as uint8) of each variant's output against diffusers' (fp16 rounding only).
 """
 
 from __future__ import annotations
