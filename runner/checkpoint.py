@@ -111,22 +111,29 @@ def _shard_problems(index_file: Path, name: str) -> list[str]:
 
 
 def _safetensors_problems(path: Path, shown: str) -> list[str]:
-    """A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
-    range, then the data: truncated or corrupt unless the size is what the header describes."""
     if path.suffix != ".safetensors":
         return []                       # a pickle (.bin): read only by torch.load, on the worker
+    why = safetensors_problem(path, shown)
+    return [why] if why else []
+
+
+def safetensors_problem(path: Path, shown: str) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header giving each tensor's byte
+    range, then the data: truncated or corrupt unless the size is what the header describes."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n > min(size - 8, MAX_HEADER):
+            if size >= 8 and n <= MAX_HEADER and n > size - 8:
+                return f"{shown} is truncated: {size} bytes, its header alone takes {8 + n}"
+            if size < 8 or n > MAX_HEADER:
                 raise ValueError(f"a header of {n} bytes")
             header = json.loads(f.read(n))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
                   default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        return [f"{shown} is not a readable safetensors file ({type(e).__name__}: {e})"[:300]]
+        return f"{shown} is not a readable safetensors file ({type(e).__name__}: {e})"[:300]
     if size != 8 + n + end:
         what = "truncated" if size < 8 + n + end else "longer than its header says"
-        return [f"{shown} is {what}: {size} bytes, its header describes {8 + n + end}"]
-    return []
+        return f"{shown} is {what}: {size} bytes, its header describes {8 + n + end}"
+    return None

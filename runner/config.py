@@ -93,6 +93,11 @@ class ModelSpec:
     device: str = key("auto", "auto (cuda when the worker has a GPU) | cuda | cpu")
     mask_feature: bool = key(True, "Latte: trim text embeddings to the real token count "
                                    "(false = always 120)")
+    adapters: list = key([], "LoRA adapters fused into the weights before compiling: a list of "
+                             "{path (a .safetensors file, a directory, s3://, gs:// or a hub id), "
+                             "weight_name (the file in a directory or hub repo), scale (1.0), "
+                             "expert (transformer; Wan 2.2 A14B: or transformer_2), name}; "
+                             "docs/models.md, Adapters")
 
     def __post_init__(self):
         from .families import PRESETS
@@ -104,6 +109,8 @@ class ModelSpec:
             raise ValueError(f"unknown model.dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"unknown model.device {self.device!r}; valid: auto, cpu, cuda, cuda:N")
+        from .adapters import parse
+        object.__setattr__(self, "adapters", parse(self.adapters, PRESETS[self.preset].experts))
 
     def resolved(self) -> "ModelSpec":
         """`auto` device/dtype made concrete for the process this runs in."""

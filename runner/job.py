@@ -953,10 +953,12 @@ def without_kernel_line(n: int) -> str:
 
 
 def constraints(model) -> Constraints:
+    from . import adapters
     from .models import ModelLoadError, check_pretrained, video_length
     try:
         check_pretrained(model)
-    except ModelLoadError as e:
+        adapters.check(model)      # each adapter's file and keys against the model's denoiser
+    except (ModelLoadError, adapters.AdapterError) as e:
         raise JobError(str(e)) from e
     fam = model.family
     return Constraints(size_factor=model.info["size_factor"], video_length=video_length(model),

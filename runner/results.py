@@ -79,6 +79,14 @@ def int8_attention(mode, preset: str) -> bool:
 def _output_settings(cfg: DictConfig) -> dict:
     out = {k: OmegaConf.select(cfg, k) for k in OUTPUT_KEYS}
     out["lossy"] = lossy(cfg.compile.mode)
+    # LoRA adapters fused into the weights: each one's file and scale; absent when none, so
+    # directories made before adapters existed keep their settings id
+    adapters = OmegaConf.select(cfg, "model.adapters")
+    if adapters:
+        from .config import ModelSpec
+        spec = ModelSpec(preset=cfg.model.preset,
+                         adapters=OmegaConf.to_container(adapters, resolve=True))
+        out["adapters"] = [a.settings() for a in spec.adapters]
     # `lossy` alone would give int8-attention by itself (eager-exact Linears; on a model it does
     # not apply to, eager-exact outputs) the id of modes with FP8 Linears (`low-precision`, O3):
     # a rerun would skip outputs made without them. Said only where it is off in a lossy mode, so

@@ -49,7 +49,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import canary, images, oom, step_cache
+from . import adapters, canary, images, oom, step_cache
 from .config import WorkerConfig
 from .families import Family
 from .models import ModelSpec, build_pipeline, check_gpu_memory
@@ -234,6 +234,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         check_gpu_memory(self.spec)   # a model that cannot fit: named now, not an OOM minutes in
         t1 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
+        if self.spec.adapters:   # fused before anything is compiled: the graphs never see them
+            adapters.fuse(self.pipe, self.spec.adapters, self.spec.local_files_only)
         self._sync()
         t2 = time.perf_counter()
         self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)

@@ -99,6 +99,9 @@ class Family:
     # (pipe) -> the pipeline a row with an image is run by, sharing `pipe`'s modules (TI2V-5B:
     # WanImageToVideoPipeline beside the text-to-video WanPipeline); None: `pipe` itself
     image_pipeline: Callable[[Any], Any] | None = None
+    # the pipeline attributes of its denoisers, the first the one every step runs (Wan 2.2 A14B:
+    # the low-noise expert `transformer_2` too): where `model.adapters` may go (`runner.adapters`)
+    experts: tuple[str, ...] = ("transformer",)
     # video with a causal video VAE (Wan's `AutoencoderKLWan`): (tiny) -> that VAE alone, random
     # weights, at full size (tiny=False; under the caller's device) or small; `runner.bench.decode`
     video_vae: Callable[[bool], Any] | None = None

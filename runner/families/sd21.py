@@ -48,6 +48,6 @@ SD21 = Family(
     name="sd21", kind="image", pipeline="StableDiffusionPipeline",
     presets={"sd21": dict(hub_id="stabilityai/stable-diffusion-2-1", size_factor=8, max_tokens=77,
                           height=768, width=768, unet="sd21_unet", vae="sd21_vae")},
-    build=build, encode=encode,
+    build=build, encode=encode, experts=("unet",),
     max_steps=ddim_leading(PUBLISHED["sd21_scheduler"]),   # 999: steps_offset 1
     load_kwargs=dict(safety_checker=None, requires_safety_checker=False))

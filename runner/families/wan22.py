@@ -133,6 +133,7 @@ WAN22_A14B = Family(
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
     max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae,
+    experts=("transformer", "transformer_2"),
     checkpoint={"transformer_2": True, "boundary_ratio": True})
 
 WAN22_TI2V = Family(

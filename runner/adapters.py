@@ -1,0 +1,364 @@
+"""LoRA adapters (`model.adapters`): named by the job, checked on the driver, fused into the weights
+on the worker before anything is compiled.
+
+Contract:
+- `parse(value, experts)` -> tuple[Adapter, ...]: the config list, each entry checked (keys, scale,
+  expert, unique names); a `ValueError` names the entry and what is valid.
+- `check(spec)` (driver, before any worker or GPU time): each adapter's file is found (a local file
+  or directory, `s3://` / `gs://`, or a hub id with `weight_name`), is a whole safetensors file, its
+  keys convert with diffusers' own `lora_state_dict` (diffusers/PEFT, original Wan
+  `diffusion_model.*`, kohya/musubi `lora_unet_*` layouts), and every converted pair fits a Linear
+  of the denoiser (built on the meta device: no weights read) with matching shapes. A key that
+  does not fit, or that diffusers' converter would drop, is an `AdapterError` naming the adapter:
+  never a silently ignored key.
+- `fuse(pipe, adapters, dtype)` (worker, before `compile_pipe`): each adapter loaded by diffusers'
+  `load_lora_weights` (its key conversion and PEFT's scaling), its low-rank factors read from the
+  PEFT layers, the layers removed again (`unload_lora_weights`), then W += scale * s * B @ A in
+  fp32, cast once, in place: the compiled graphs, CUDA graphs and FP8 weights are what they are
+  without adapters (no runtime cost, no recompile).
+
+The adapters' paths, weight names, scales and experts are output settings (`runner.results`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KEYS = ("path", "weight_name", "scale", "expert", "name")
+DEFAULT_WEIGHT = "pytorch_lora_weights.safetensors"   # diffusers' save_lora_weights file name
+SMALL = 1 << 16        # tensors up to this many values are read on the driver (alphas, norm diffs)
+
+
+class AdapterError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Adapter:
+    path: str                      # local file or directory, s3:// or gs:// URI, or hub id
+    weight_name: str | None = None  # the file inside a directory or hub repo
+    scale: float = 1.0             # multiplies the adapter's own scaling (alpha / rank)
+    expert: str = "transformer"    # the denoiser it goes into (Wan 2.2 A14B: or transformer_2)
+    name: str = ""                 # shown in errors and logs; default: the file's stem
+
+    def settings(self) -> dict:
+        """What decides the outputs (the name does not)."""
+        return dict(path=self.path, weight_name=self.weight_name, scale=self.scale,
+                    expert=self.expert)
+
+    @property
+    def shown(self) -> str:
+        return f"model.adapters[{self.name!r}] ({self.path}" + (
+            f", {self.weight_name})" if self.weight_name else ")")
+
+
+def parse(value, experts: tuple[str, ...]) -> tuple[Adapter, ...]:
+    """`model.adapters` as Adapters: a list of mappings with keys `KEYS` (`path` required)."""
+    if value is None:
+        return ()
+    if isinstance(value, Adapter) or not isinstance(value, (list, tuple)):
+        raise AdapterError(f"model.adapters must be a list of mappings with keys {list(KEYS)} "
+                           f"(path required), got {value!r}")
+    out = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, Adapter):
+            out.append(entry)
+            continue
+        where = f"model.adapters[{i}]"
+        if not isinstance(entry, dict) or not entry.get("path"):
+            raise AdapterError(f"{where}={entry!r} must be a mapping with a `path` (a .safetensors "
+                               f"file, a directory, s3:// / gs:// or a hub id); keys: {list(KEYS)}")
+        unknown = sorted(set(entry) - set(KEYS))
+        if unknown:
+            raise AdapterError(f"{where}: unknown keys {unknown}; valid: {list(KEYS)}")
+        scale = entry.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
+                or abs(scale) == float("inf"):
+            raise AdapterError(f"{where}.scale={scale!r} must be a finite number (1.0 = as trained)")
+        expert = entry.get("expert") or experts[0]
+        if expert not in experts:
+            raise AdapterError(f"{where}.expert={expert!r}: this model's denoisers are "
+                               f"{list(experts)}")
+        path, weight = str(entry["path"]), entry.get("weight_name")
+        name = entry.get("name") or Path(weight or path.rstrip("/")).stem
+        out.append(Adapter(path=path, weight_name=None if weight is None else str(weight),
+                           scale=float(scale), expert=expert, name=str(name)))
+    names = [a.name for a in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise AdapterError(f"model.adapters: names {dup} given twice; set `name:` on each")
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the file (driver and worker alike)
+
+def local_file(a: Adapter, local_files_only: bool = False) -> str:
+    """The adapter's safetensors file on this machine: a local file; a directory's `weight_name`
+    (default: its one .safetensors file); a copy of an s3:// / gs:// object in the local cache;
+    the hub's file through its cache (`weight_name` required)."""
+    path = os.path.expanduser(a.path)
+    if "://" in path:
+        return _fetch_uri(a, path)
+    if os.path.isfile(path):
+        if a.weight_name:
+            raise AdapterError(f"{a.shown}: path is a file; weight_name names a file inside a "
+                               f"directory or hub repo: drop one")
+        return path
+    if os.path.isdir(path):
+        if a.weight_name:
+            f = os.path.join(path, a.weight_name)
+            if not os.path.isfile(f):
+                raise AdapterError(f"{a.shown}: {a.weight_name!r} is not a file in {path!r}")
+            return f
+        found = sorted(p.name for p in Path(path).glob("*.safetensors"))
+        if len(found) != 1:
+            raise AdapterError(f"{a.shown}: the directory holds {len(found)} .safetensors files "
+                               f"({found[:5]}); name one with weight_name")
+        return os.path.join(path, found[0])
+    if os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.endswith(".safetensors"):
+        raise AdapterError(f"{a.shown}: no such file or directory")
+    return _hub_file(a, local_files_only)
+
+
+def _hub_file(a: Adapter, local_files_only: bool) -> str:
+    if not a.weight_name:
+        raise AdapterError(f"{a.shown}: a hub id needs weight_name (the .safetensors file in the "
+                           f"repo, e.g. loras/x.safetensors), or give a local file")
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    if local_files_only or constants.HF_HUB_OFFLINE:
+        found = try_to_load_from_cache(a.path, a.weight_name)
+        if isinstance(found, str):
+            return found
+        raise AdapterError(f"{a.shown}: not a local file or directory, and not in the local hub "
+                           f"cache (offline). Fix: hf download {a.path} {a.weight_name} "
+                           f"--local-dir DIR, then path: DIR")
+    from .models import hub_unreachable
+    why = hub_unreachable()
+    if why is not None:
+        found = try_to_load_from_cache(a.path, a.weight_name)
+        if isinstance(found, str):
+            return found
+        raise AdapterError(f"{a.shown}: not a local file or directory, and the hub cannot be "
+                           f"reached ({why}). Fix: download it where there is network and give "
+                           f"its local path")
+    try:
+        return hf_hub_download(a.path, a.weight_name)
+    except Exception as e:
+        raise AdapterError(f"{a.shown}: cannot download from the hub ({type(e).__name__}: "
+                           f"{(str(e).splitlines() or [''])[0][:150]})") from e
+
+
+def _fetch_uri(a: Adapter, uri: str) -> str:
+    """An object-store adapter copied once into ~/.cache/runner/adapters (keyed by URI and size)."""
+    from .storage import resolve
+    full = uri.rstrip("/") + ("/" + a.weight_name if a.weight_name else "")
+    parent, name = full.rsplit("/", 1)
+    import pyarrow.fs as pafs
+    try:
+        store = resolve(parent)
+        info = store.info(name)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{a.shown}: cannot read {full!r} ({e})") from e
+    if info.type != pafs.FileType.File:
+        raise AdapterError(f"{a.shown}: {full!r} is not an object (a missing key, or a prefix); "
+                           f"give the .safetensors object, or weight_name inside the prefix")
+    size = info.size
+    key = hashlib.sha256(f"{full}:{size}".encode()).hexdigest()[:16]
+    dest = Path(os.path.expanduser("~/.cache/runner/adapters")) / key / name
+    if not dest.is_file() or dest.stat().st_size != size:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(store.read_bytes(name))
+        except (OSError, ValueError) as e:
+            raise AdapterError(f"{a.shown}: cannot read {full!r} ({e})") from e
+        os.replace(tmp, dest)
+    return str(dest)
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver's check: the file, its layout, and every key against the denoiser on the meta device
+
+def check(spec) -> None:
+    """Every adapter of `spec` (a `ModelSpec`) is a whole safetensors file whose every key fits
+    its denoiser; an `AdapterError` names the first that does not. No weights are read: the
+    adapter's tensors are meta tensors but for scalars (alphas) and small vectors (norm diffs)."""
+    if not spec.adapters:
+        return
+    from .checkpoint import safetensors_problem
+    denoisers: dict = {}
+    for a in spec.adapters:
+        file = local_file(a, spec.local_files_only)
+        why = safetensors_problem(Path(file), a.shown)
+        if why:
+            raise AdapterError(f"{why}: not an adapter file (a LoRA in safetensors format); "
+                               f"download it again or give another file")
+        raw = _meta_state_dict(file)
+        _check_dropped(a, raw)
+        converted = _convert(spec, a, raw)
+        if a.expert not in denoisers:
+            denoisers[a.expert] = _meta_denoiser(spec, a.expert)
+        _check_fit(spec, a, converted, denoisers[a.expert])
+
+
+_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _meta_state_dict(file: str) -> dict:
+    """The file's tensors: small ones read, the rest meta tensors of their shape and dtype."""
+    import math
+    import torch
+    from safetensors import safe_open
+    out = {}
+    with safe_open(file, "pt") as f:
+        for k in f.keys():
+            sl = f.get_slice(k)
+            shape, dt = sl.get_shape(), sl.get_dtype()
+            if math.prod(shape) <= SMALL:
+                out[k] = f.get_tensor(k)
+            else:
+                out[k] = torch.empty(shape, dtype=getattr(torch, _DTYPES.get(dt, "float32")),
+                                     device="meta")
+    return out
+
+
+def _check_dropped(a: Adapter, raw: dict) -> None:
+    """Keys diffusers' Wan converter drops without an error: full-weight differences (`.diff` of a
+    Linear: it logs them at info level) and norm differences it assumes are zero."""
+    dropped = [k for k in raw if k.endswith(".diff") and "norm" not in k
+               and not k.endswith("head.head.diff")]
+    nonzero = [k for k in raw if k.endswith((".diff", ".diff_b")) and "norm" in k
+               and (raw[k].is_meta or bool(raw[k].any()))]
+    if dropped or nonzero:
+        keys = (dropped + nonzero)[:3]
+        raise AdapterError(f"{a.shown}: {len(dropped) + len(nonzero)} keys would be ignored by "
+                           f"diffusers' loader (full-weight or non-zero norm differences), e.g. "
+                           f"{keys}; this adapter cannot be applied as made")
+
+
+def _convert(spec, a: Adapter, raw: dict) -> dict:
+    """diffusers' own conversion of the file's layout to its own (`transformer.<module>.lora_A/B`)."""
+    import diffusers
+    cls = getattr(diffusers, spec.family.pipeline)
+    if not hasattr(cls, "lora_state_dict"):
+        raise AdapterError(f"{a.shown}: {cls.__name__} ({spec.preset}) has no LoRA loader in "
+                           f"diffusers; adapters apply to the Wan and FLUX families")
+    try:
+        return cls.lora_state_dict(dict(raw))
+    except Exception as e:
+        raise AdapterError(f"{a.shown}: its keys are not a LoRA layout diffusers' {cls.__name__} "
+                           f"loads (diffusers/PEFT, original Wan `diffusion_model.*`, kohya "
+                           f"`lora_unet_*`): {type(e).__name__}: {str(e)[:200]}") from e
+
+
+def _meta_denoiser(spec, expert: str):
+    """The denoiser `expert` with no storage: from the checkpoint's config, or the preset's build."""
+    import torch
+    if spec.source == "pretrained":
+        import diffusers
+        from .models import _pretrained_file
+        cfg_file = _pretrained_file(spec, f"{expert}/config.json")
+        if cfg_file is None:
+            raise AdapterError(f"model: {expert}/config.json not found in the checkpoint")
+        cfg = json.loads(Path(cfg_file).read_text())
+        with torch.device("meta"):
+            return getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+    with torch.device("meta"):
+        return getattr(spec.family.build(spec.info, spec.source == "tiny"), expert)
+
+
+def _pairs(converted: dict, prefix: str) -> tuple[dict, list[str]]:
+    """{module path: {"lora_A.weight": t, ...}} of the keys under `prefix.` (the denoiser's, as
+    diffusers' loader names them: `transformer.` for either Wan 2.2 expert, `unet.`), and the
+    other keys (the text encoder's, another layout's: never applied)."""
+    pairs: dict = {}
+    other = []
+    for k, t in converted.items():
+        head, _, rest = k.partition(".")
+        for part in ("lora_A.weight", "lora_B.weight", "lora_B.bias"):
+            if head == prefix and rest.endswith("." + part):
+                pairs.setdefault(rest[:-len(part) - 1], {})[part] = t
+                break
+        else:
+            other.append(k)
+    return pairs, other
+
+
+def _check_fit(spec, a: Adapter, converted: dict, denoiser) -> None:
+    import torch
+    pairs, other = _pairs(converted, "unet" if a.expert == "unet" else "transformer")
+    misfits = [f"{k}: not a LoRA factor of the denoiser" for k in other]
+    modules = dict(denoiser.named_modules())
+    for path, p in pairs.items():
+        m, A, B = modules.get(path), p.get("lora_A.weight"), p.get("lora_B.weight")
+        if A is None or B is None:
+            misfits.append(f"{path}: lora_A or lora_B missing")
+        elif not isinstance(m, torch.nn.Linear):
+            misfits.append(f"{path}: no Linear of that name in the model")
+        elif A.shape[1] != m.in_features or B.shape[0] != m.out_features or A.shape[0] != B.shape[1]:
+            misfits.append(f"{path}: LoRA {B.shape[0]}x{A.shape[1]} (rank {A.shape[0]}) against "
+                           f"a Linear {m.out_features}x{m.in_features}")
+        elif "lora_B.bias" in p and (m.bias is None or p["lora_B.bias"].shape != m.bias.shape):
+            misfits.append(f"{path}: a bias difference where the Linear has none of that size")
+    if misfits:
+        raise AdapterError(
+            f"{a.shown}: {len(misfits)} of its {len(pairs) + len(other)} LoRA layers do not fit {spec.preset}'s {a.expert} ({type(denoiser).__name__}; made "
+            f"for another base model?), e.g. {misfits[0]}" + (f"; {misfits[1]}" if len(misfits) > 1
+                                                               else ""))
+    if not pairs:
+        raise AdapterError(f"{a.shown}: holds no LoRA layer for the denoiser")
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: fused before compiling
+
+def fuse(pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False) -> int:
+    """Fuse each adapter into its denoiser's weights, in place; returns the Linears changed."""
+    n = 0
+    for i, a in enumerate(adapters):
+        factors = load_factors(pipe, a, local_file(a, local_files_only), f"runner_{i}")
+        apply(getattr(pipe, a.expert), factors, a.scale)
+        n += len(factors)
+    return n
+
+
+def load_factors(pipe, a: Adapter, file: str, name: str) -> dict:
+    """{module path: (A (r, in), B (out, r), bias (out,) or None, scaling)} as diffusers'
+    `load_lora_weights` sets the adapter up (its key conversion, PEFT's alpha / rank), read off
+    the PEFT layers, which are then removed: the pipeline is as it was."""
+    from peft.tuners.lora import LoraLayer
+    extra = {"load_into_transformer_2": True} if a.expert == "transformer_2" else {}
+    pipe.load_lora_weights(file, adapter_name=name, **extra)
+    out = {}
+    try:
+        for path, m in getattr(pipe, a.expert).named_modules():
+            if isinstance(m, LoraLayer) and name in m.lora_A:
+                if m.use_dora.get(name):
+                    raise AdapterError(f"{a.shown}: a DoRA adapter; only plain LoRA is fused")
+                B = m.lora_B[name]
+                out[path] = (m.lora_A[name].weight.detach(), B.weight.detach(),
+                             None if B.bias is None else B.bias.detach(), float(m.scaling[name]))
+    finally:
+        pipe.unload_lora_weights()
+    return out
+
+
+def apply(denoiser, factors: dict, scale: float) -> None:
+    """W += scale * s * B @ A (and the bias difference): the sum in fp32, one rounding."""
+    import torch
+    with torch.no_grad():
+        for path, (A, B, bias, s) in factors.items():
+            lin = denoiser.get_submodule(path)
+            w = lin.weight
+            delta = (B.to(w.device, torch.float32) @ A.to(w.device, torch.float32)) * (s * scale)
+            w.copy_((w.float() + delta).to(w.dtype))
+            if bias is not None:
+                b = lin.bias
+                b.copy_((b.float() + bias.to(b.device, torch.float32) * (s * scale)).to(b.dtype))
+
