@@ -328,9 +328,18 @@ def to_fp8(module: nn.Module, block_names: tuple[str, ...]) -> int:
                 # projections superseded by a fused QKV/KV linear are unused: leave them
                 unused = getattr(parent, "fused_projections", False) and (
                     name in ("to_k", "to_v") or (name == "to_q" and hasattr(parent, "to_qkv")))
-                if type(child) is nn.Linear and not unused and child.in_features % 16 == 0 \
+                if type(child) is nn.Linear and unused and child.weight.numel():
+                    _drop_weight(child)
+                elif type(child) is nn.Linear and not unused and child.in_features % 16 == 0 \
                         and child.out_features % 16 == 0:
                     attn_input = isinstance(parent, Attention) and name in ATTENTION_INPUTS
                     setattr(parent, name, FP8Linear(child, bias_in_gemm=attn_input))
                     n += 1
     return n
+
+
+def _drop_weight(lin: nn.Linear) -> None:
+    """A projection superseded by a fused QKV/KV linear holds a view into the fused 16-bit weight:
+    once that fused linear is FP8, the view alone keeps the 16-bit copy on the GPU (Wan 14B: 5.2 G
+    values, 10.5 GB an expert). Nothing reads it (its processor calls the fused linear): emptied."""
+    lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)

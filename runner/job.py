@@ -961,9 +961,10 @@ def constraints(model) -> Constraints:
     except (ModelLoadError, adapters.AdapterError) as e:
         raise JobError(str(e)) from e
     fam = model.family
-    return Constraints(size_factor=model.info["size_factor"], video_length=video_length(model),
-                       frame_step=fam.frame_step, min_steps=fam.min_steps,
-                       max_steps=fam.max_steps, image=fam.image)
+    info = model.info     # a distilled preset's sampler may bound the steps itself (FastWan: 3)
+    return Constraints(size_factor=info["size_factor"], video_length=video_length(model),
+                       frame_step=fam.frame_step, min_steps=info.get("min_steps", fam.min_steps),
+                       max_steps=info.get("max_steps", fam.max_steps), image=fam.image)
 
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:

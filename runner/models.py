@@ -186,10 +186,12 @@ def _pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> st
         return None
 
 
-def check_gpu_memory(spec: ModelSpec, free_bytes: int | None = None, gpu: str = "this GPU") -> None:
-    """Refuse a preset whose stated need (`gpu_gib`, for 16-bit weights; fp32 doubles it) exceeds
-    the GPU's free memory (`free_bytes`, default: what CUDA reports now)."""
-    need = spec.info.get("gpu_gib")
+def check_gpu_memory(spec: ModelSpec, free_bytes: int | None = None, gpu: str = "this GPU",
+                     fp8: bool = False) -> None:
+    """Refuse a preset whose stated need (`gpu_gib`, for 16-bit weights; fp32 doubles it; with
+    `fp8`, the compile mode's FP8 linears, `gpu_gib_fp8` where stated) exceeds the GPU's free
+    memory (`free_bytes`, default: what CUDA reports now)."""
+    need = spec.info.get("gpu_gib_fp8" if fp8 and "gpu_gib_fp8" in spec.info else "gpu_gib")
     spec = spec.resolved()
     if need is None or not spec.device.startswith("cuda"):
         return
@@ -237,6 +239,9 @@ def build_pipeline(spec: ModelSpec):
                 # T5-XXL in fp32 on a CPU would take 19 GB and minutes.
                 with torch.device(spec.device), _default_dtype(spec.torch_dtype):
                     pipe = spec.family.build(spec.info, False)
+    if "sampler" in spec.info:          # a step-distilled preset: the sampler it was trained with
+        from .families.distill import scheduler
+        pipe.scheduler = scheduler(**spec.info["sampler"])
     pipe = pipe.to(spec.device)
     if pipe.dtype != spec.torch_dtype:  # tiny models are built in fp32
         pipe = pipe.to(dtype=spec.torch_dtype)

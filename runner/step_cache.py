@@ -109,10 +109,30 @@ def check_steps(sc: StepCacheSection, items) -> None:
     """Driver, after the prompts are read: `compute_steps` and `uncond_steps` against every row's
     step count. `plan` and `uncond_plan` ignore an index past a row's last step, so such a
     schedule would silently not be the one asked for: `ConfigError` naming the rows (file:row)."""
+    _check_applies(sc, items)
     if sc.method == "residual" and sc.compute_steps is not None:
         _check_list("compute_steps", sc.compute_steps, "compute_ratio", items)
     if sc.cfg_reuse != "none" and sc.uncond_steps is not None:
         _check_list("uncond_steps", sc.uncond_steps, "cfg_window", items)
+
+
+def _check_applies(sc: StepCacheSection, items) -> None:
+    """cfg reuse on rows that run no unconditional branch (guidance <= 1): nothing to reuse."""
+    plain = [it for it in items if it.guidance_scale <= 1]
+    if sc.cfg_reuse != "none" and plain:
+        rows = ", ".join(it.source for it in plain[:3]) + (", ..." if len(plain) > 3 else "")
+        raise ConfigError(f"step_cache.cfg_reuse={sc.cfg_reuse!r} on {len(plain)} rows with "
+                          f"guidance_scale <= 1 ({rows}): they run no unconditional branch to "
+                          f"reuse; set step_cache.cfg_reuse=none")
+
+
+def check_distilled(sc: StepCacheSection, model) -> None:
+    """A step-distilled preset (its own few-step sampler) takes no step reuse: each of its 3-4
+    steps moves the latents far, so a reused step is no small error, and none is to spare."""
+    if sc.on and "sampler" in model.info:
+        raise ConfigError(f"step_cache: {model.preset} is step-distilled (a few-step sampler); "
+                          f"step reuse has no step to spare there: set step_cache.method=none "
+                          f"and step_cache.cfg_reuse=none")
 
 
 def _check_list(name: str, steps: list, instead: str, items) -> None:
@@ -134,6 +154,7 @@ def prepare(job: dict) -> None:
     the step graph from `job["compile"]` when a step cache is on (one log line, on the driver)."""
     sc = job["step_cache"]
     check(sc, job["model"].family)
+    check_distilled(sc, job["model"])
     check_first_blocks(sc, job["model"])
     options = compile_options(job["compile"].options, sc)
     if options is not job["compile"].options:

@@ -145,8 +145,8 @@ class TextCache:
         _quiet_truncation()
         self._warn_long(items)
         emb, mask, lengths, pooled = self._chunks([it.prompt for it in items])
-        for it in items:
-            if self.family.negative_prompt:
+        for it in items:   # guidance <= 1 runs no unconditional branch: its prompt is not encoded
+            if self.family.negative_prompt and it.guidance_scale > 1:
                 self.negative(it.negative_prompt)
         out = {}
         for k, it in enumerate(items):
@@ -167,7 +167,7 @@ class TextCache:
         kw = dict(prompt=None, prompt_embeds=torch.stack([e.prompt for e in es]))
         if es[0].pooled is not None:   # FLUX: CLIP's pooled embedding beside T5's
             kw["pooled_prompt_embeds"] = torch.stack([e.pooled for e in es])
-        if not self.family.negative_prompt:
+        if not self.family.negative_prompt or items[0].guidance_scale <= 1:
             return kw
         negs = [self.negative(e.negative) for e in es]
         kw.update(negative_prompt=None, negative_prompt_embeds=torch.cat([n[0] for n in negs]))

@@ -88,6 +88,8 @@ def generate(pipe, family: Family, items: list[Item], device: str, clock=None,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
     if image is None and family.image == "required":
         raise ValueError(f"{family.name} animates an image per row (the `image` column): none given")
+    if hasattr(pipe.scheduler, "generators"):   # a distilled sampler's re-noising: each row's own
+        pipe.scheduler.generators = kw["generator"]
     call = pipe
     if image is not None:
         call = family.image_pipeline(pipe) if family.image_pipeline else pipe
@@ -231,7 +233,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             compiler.prewarm(build_int8_attention=cfg.compile.options.has("int8_attention")
                              and self.family.long_attention and self.cuda)
         t0 = time.perf_counter()
-        check_gpu_memory(self.spec)   # a model that cannot fit: named now, not an OOM minutes in
+        # a model that cannot fit: named now, not an OOM minutes in
+        check_gpu_memory(self.spec, fp8=cfg.compile.enabled and cfg.compile.options.has("low_precision"))
         t1 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
         if self.spec.adapters:   # fused before anything is compiled: the graphs never see them

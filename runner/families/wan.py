@@ -69,9 +69,15 @@ def _preset(size: str, hub: str) -> dict:
                 height=480, width=832, size=size)
 
 
+# LightX2V's step and CFG distillation of the 14B (lightx2v/Wan2.1-T2V-14B-StepDistill-CfgDistill;
+# the LoRA on the base checkpoint: conf/models/wan21_t2v_14b_lightx2v.yaml): 4 steps, guidance 1.0,
+# its WanStepDistillScheduler (sample_shift 5, LCM-style re-noising: runner/families/distill.py)
+LIGHTX2V = dict(shift=5.0, stochastic=True)
+
 WAN21 = Family(
     name="wan21", kind="video", pipeline="WanPipeline",
-    presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B")},
+    presets={"wan21_t2v_1_3b": _preset("1.3b", "1.3B"), "wan21_t2v_14b": _preset("14b", "14B"),
+             "wan21_t2v_14b_lightx2v": dict(_preset("14b", "14B"), sampler=LIGHTX2V)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
     max_steps=train_timesteps(SCHEDULER), video_vae=vae,

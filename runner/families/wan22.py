@@ -28,6 +28,8 @@ guidance 5.0) are the model cards' examples.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .parts import scheduler, t5_encoder, train_timesteps, unipc_flow_first_step
 from .record import Family
 from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode, vae as wan21_vae
@@ -136,11 +138,34 @@ WAN22_A14B = Family(
     experts=("transformer", "transformer_2"),
     checkpoint={"transformer_2": True, "boundary_ratio": True})
 
+def lightning_call_args(pipe, num_frames: int | None) -> dict:
+    return dict(wan_call_args(pipe, num_frames), guidance_scale_2=1.0)   # no CFG on either expert
+
+
+# Wan2.2-Lightning (lightx2v/Wan2.2-Lightning, T2V-A14B 4 steps): the A14B base with a LoRA per
+# expert (high_noise_model / low_noise_model.safetensors: conf/models/), 4 steps at shift 5 on
+# Euler (its wan/utils/fm_solvers_euler.py: timesteps 1000, 937.5 | 833.3, 625, so two steps on
+# each side of the 875 boundary), guidance 1.0 on both experts, 81 frames at 16 fps, 720x1280.
+# gpu_gib_fp8: with O3's FP8 linears, each expert's 13.6 G block weights in 8 bits (27 GiB for
+# both) beside UMT5-XXL (10.6 GiB), the rest and a 720p call's activations.
+WAN22_A14B_LIGHTNING = dataclasses.replace(
+    WAN22_A14B, name="wan22_a14b_lightning", call_args=lightning_call_args,
+    presets={"wan22_t2v_a14b_lightning": dict(_a14b(720, 1280, 81.0), gpu_gib_fp8=60.0,
+                                               sampler=dict(shift=5.0, stochastic=False))})
+
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
     presets={"wan22_ti2v_5b": dict(hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers", size_factor=32,
                                    max_tokens=512, height=704, width=1280, size="5b",
-                                   gpu_gib=38.0)},
+                                   gpu_gib=38.0),
+             # FastVideo's DMD distillation (FastVideo/FastWan2.2-TI2V-5B-FullAttn-Diffusers, the
+             # base transformer's keys): 3 steps at its dmd_denoising_steps 1000, 757, 522,
+             # re-noised between steps (its DmdDenoisingStage), no CFG; 704x1280x121 at 24 fps
+             "wan22_ti2v_5b_fastwan": dict(
+                 hub_id="FastVideo/FastWan2.2-TI2V-5B-FullAttn-Diffusers", size_factor=32,
+                 max_tokens=512, height=704, width=1280, size="5b", gpu_gib=38.0,
+                 sampler=dict(shift=1.0, stochastic=True, sigmas=[1.0, 0.757, 0.522]),
+                 min_steps=3, max_steps=3)},
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
     long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae,
