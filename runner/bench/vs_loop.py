@@ -136,6 +136,7 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     peer = arm in ("cachedit", "cachedit_sage")
     on_i2v = peer and _peer_on_image_pipeline(spec.family, prompts)   # before any GPU time
     pipe = build_pipeline(spec)
+    _fuse_adapters(pipe, spec)
     # image rows run the family's image-to-video pipeline over the same modules (TI2V), if any
     i2v = spec.family.image_pipeline(pipe) if spec.family.image_pipeline else pipe
     mask = (_cachedit(i2v if on_i2v else pipe, job["step_cache"], g.num_inference_steps)
@@ -162,9 +163,12 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
             with open(os.path.join(os.path.dirname(out), p["image"]), "rb") as f:
                 runner, kw["image"] = i2v, images.fit(f.read(), g.width, g.height)
         t_call = time.perf_counter()
+        gen = torch.Generator(spec.device).manual_seed(p["seed"])
+        if hasattr(pipe.scheduler, "generators"):   # a distilled sampler re-noises from it
+            pipe.scheduler.generators = [gen]
         result = runner(prompt=p["prompt"], height=g.height, width=g.width,
                         num_inference_steps=g.num_inference_steps, guidance_scale=g.guidance_scale,
-                        generator=torch.Generator(spec.device).manual_seed(p["seed"]), **kw)
+                        generator=gen, **kw)
         calls.append(time.perf_counter() - t_call)
         if video:
             export_to_video(result.frames[0], os.path.join(out, f"{p['id']}.mp4"), fps=8)
@@ -182,6 +186,17 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
                 # the rate without the loop's serial write (outputs kept as arrays): pipe calls only
                 call_items_per_s=(len(calls) - 1) / sum(calls[1:]) if len(calls) > 1 else None,
                 computed_steps=sum(mask) if mask else None, peak_mem_gb=peak)
+
+
+def _fuse_adapters(pipe, spec) -> None:
+    """The job's LoRA adapters as a diffusers user fuses them: `load_lora_weights`, `fuse_lora`
+    at the adapter's scale, `unload_lora_weights` (the fused weights stay)."""
+    from ..adapters import local_file
+    for i, a in enumerate(spec.adapters):
+        extra = {"load_into_transformer_2": True} if a.expert == "transformer_2" else {}
+        pipe.load_lora_weights(local_file(a), adapter_name=f"a{i}", **extra)
+        pipe.fuse_lora(components=[a.expert], lora_scale=a.scale, adapter_names=[f"a{i}"])
+        pipe.unload_lora_weights()
 
 
 def _peer_on_image_pipeline(family, prompts: list[dict]) -> bool:
