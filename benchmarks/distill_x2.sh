@@ -30,13 +30,13 @@ run() {   # run NAME GPUS vs_loop-args...
   return 0
 }
 e1() {
-  lora /tmp/dx/l14.safetensors preset=wan21_t2v_14b rank=64 layout=wan
+  lora /tmp/dx/l14.safetensors preset=wan21_t2v_14b rank=64 layout=original
   run e1 0,1 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dx/l14.safetensors}]" \
       prompts=3 arms=job,loop_compile modes=O3 lanes=2
 }
 e2() {
-  lora /tmp/dx/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=wan
-  lora /tmp/dx/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=wan expert=transformer_2 seed=1
+  lora /tmp/dx/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
+  lora /tmp/dx/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original expert=transformer_2 seed=1
   run e2 0 job=wan22_lightning_batch $R prompts=2 arms=job modes=O3 \
       "model.adapters=[{path: /tmp/dx/la1.safetensors}, {path: /tmp/dx/la2.safetensors, expert: transformer_2}]"
 }

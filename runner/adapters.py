@@ -2,8 +2,7 @@
 on the worker before anything is compiled.
 
 Contract:
-- `parse(value, experts)` -> tuple[Adapter, ...]: the config list, each entry checked (keys, scale,
-  expert, unique names); a `ValueError` names the entry and what is valid.
+- `Adapter` (runner.config): one entry of the config list, parsed and checked there.
 - `check(spec)` (driver, before any worker or GPU time): each adapter's file is found (a local file
   or directory, `s3://` / `gs://`, or a hub id with `weight_name`), is a whole safetensors file, its
   keys convert with diffusers' own `lora_state_dict` (diffusers/PEFT, original Wan
@@ -25,73 +24,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-KEYS = ("path", "weight_name", "scale", "expert", "name")
-DEFAULT_WEIGHT = "pytorch_lora_weights.safetensors"   # diffusers' save_lora_weights file name
+from .config import Adapter
+
+__all__ = ["Adapter", "AdapterError", "check", "fuse", "load_factors", "apply", "local_file"]
+
 SMALL = 1 << 16        # tensors up to this many values are read on the driver (alphas, norm diffs)
 
 
 class AdapterError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class Adapter:
-    path: str                      # local file or directory, s3:// or gs:// URI, or hub id
-    weight_name: str | None = None  # the file inside a directory or hub repo
-    scale: float = 1.0             # multiplies the adapter's own scaling (alpha / rank)
-    expert: str = "transformer"    # the denoiser it goes into (Wan 2.2 A14B: or transformer_2)
-    name: str = ""                 # shown in errors and logs; default: the file's stem
-
-    def settings(self) -> dict:
-        """What decides the outputs (the name does not)."""
-        return dict(path=self.path, weight_name=self.weight_name, scale=self.scale,
-                    expert=self.expert)
-
-    @property
-    def shown(self) -> str:
-        return f"model.adapters[{self.name!r}] ({self.path}" + (
-            f", {self.weight_name})" if self.weight_name else ")")
-
-
-def parse(value, experts: tuple[str, ...]) -> tuple[Adapter, ...]:
-    """`model.adapters` as Adapters: a list of mappings with keys `KEYS` (`path` required)."""
-    if value is None:
-        return ()
-    if isinstance(value, Adapter) or not isinstance(value, (list, tuple)):
-        raise AdapterError(f"model.adapters must be a list of mappings with keys {list(KEYS)} "
-                           f"(path required), got {value!r}")
-    out = []
-    for i, entry in enumerate(value):
-        if isinstance(entry, Adapter):
-            out.append(entry)
-            continue
-        where = f"model.adapters[{i}]"
-        if not isinstance(entry, dict) or not entry.get("path"):
-            raise AdapterError(f"{where}={entry!r} must be a mapping with a `path` (a .safetensors "
-                               f"file, a directory, s3:// / gs:// or a hub id); keys: {list(KEYS)}")
-        unknown = sorted(set(entry) - set(KEYS))
-        if unknown:
-            raise AdapterError(f"{where}: unknown keys {unknown}; valid: {list(KEYS)}")
-        scale = entry.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
-                or abs(scale) == float("inf"):
-            raise AdapterError(f"{where}.scale={scale!r} must be a finite number (1.0 = as trained)")
-        expert = entry.get("expert") or experts[0]
-        if expert not in experts:
-            raise AdapterError(f"{where}.expert={expert!r}: this model's denoisers are "
-                               f"{list(experts)}")
-        path, weight = str(entry["path"]), entry.get("weight_name")
-        name = entry.get("name") or Path(weight or path.rstrip("/")).stem
-        out.append(Adapter(path=path, weight_name=None if weight is None else str(weight),
-                           scale=float(scale), expert=expert, name=str(name)))
-    names = [a.name for a in out]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise AdapterError(f"model.adapters: names {dup} given twice; set `name:` on each")
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +205,8 @@ def _meta_denoiser(spec, expert: str):
     import torch
     if spec.source == "pretrained":
         import diffusers
-        from .models import _pretrained_file
-        cfg_file = _pretrained_file(spec, f"{expert}/config.json")
+        from .models import pretrained_file
+        cfg_file = pretrained_file(spec, f"{expert}/config.json")
         if cfg_file is None:
             raise AdapterError(f"model: {expert}/config.json not found in the checkpoint")
         cfg = json.loads(Path(cfg_file).read_text())

@@ -79,6 +79,70 @@ SOURCES = ("pretrained", "random", "tiny")
 DTYPES = ("fp16", "bf16", "fp32")
 
 
+ADAPTER_KEYS = ("path", "weight_name", "scale", "expert", "name")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter of `model.adapters`: checked and fused by `runner.adapters`."""
+    path: str                      # local file or directory, s3:// or gs:// URI, or hub id
+    weight_name: str | None = None  # the file inside a directory or hub repo
+    scale: float = 1.0             # multiplies the adapter's own scaling (alpha / rank)
+    expert: str = "transformer"    # the denoiser it goes into (Wan 2.2 A14B: or transformer_2)
+    name: str = ""                 # shown in errors and logs; default: the file's stem
+
+    def settings(self) -> dict:
+        """What decides the outputs (the name does not)."""
+        return dict(path=self.path, weight_name=self.weight_name, scale=self.scale,
+                    expert=self.expert)
+
+    @property
+    def shown(self) -> str:
+        return f"model.adapters[{self.name!r}] ({self.path}" + (
+            f", {self.weight_name})" if self.weight_name else ")")
+
+
+def parse_adapters(value, experts: tuple[str, ...]) -> tuple[Adapter, ...]:
+    """`model.adapters` as Adapters: a list of mappings with keys `ADAPTER_KEYS` (`path`
+    required); a `ConfigError` names the entry and what is valid."""
+    if value is None:
+        return ()
+    if isinstance(value, Adapter) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"model.adapters must be a list of mappings with keys "
+                          f"{list(ADAPTER_KEYS)} (path required), got {value!r}")
+    out = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, Adapter):
+            out.append(entry)
+            continue
+        where = f"model.adapters[{i}]"
+        if not isinstance(entry, dict) or not entry.get("path"):
+            raise ConfigError(f"{where}={entry!r} must be a mapping with a `path` (a .safetensors "
+                              f"file, a directory, s3:// / gs:// or a hub id); keys: "
+                              f"{list(ADAPTER_KEYS)}")
+        unknown = sorted(set(entry) - set(ADAPTER_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {unknown}; valid: {list(ADAPTER_KEYS)}")
+        scale = entry.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
+                or abs(scale) == float("inf"):
+            raise ConfigError(f"{where}.scale={scale!r} must be a finite number (1.0 = as "
+                              f"trained)")
+        expert = entry.get("expert") or experts[0]
+        if expert not in experts:
+            raise ConfigError(f"{where}.expert={expert!r}: this model's denoisers are "
+                              f"{list(experts)}")
+        path, weight = str(entry["path"]), entry.get("weight_name")
+        name = entry.get("name") or Path(weight or path.rstrip("/")).stem
+        out.append(Adapter(path=path, weight_name=None if weight is None else str(weight),
+                           scale=float(scale), expert=expert, name=str(name)))
+    names = [a.name for a in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"model.adapters: names {dup} given twice; set `name:` on each")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The model section, validated: which preset, from which weights, where. `family` is the
@@ -109,8 +173,8 @@ class ModelSpec:
             raise ValueError(f"unknown model.dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"unknown model.device {self.device!r}; valid: auto, cpu, cuda, cuda:N")
-        from .adapters import parse
-        object.__setattr__(self, "adapters", parse(self.adapters, PRESETS[self.preset].experts))
+        object.__setattr__(self, "adapters", parse_adapters(self.adapters,
+                                                            PRESETS[self.preset].experts))
 
     def resolved(self) -> "ModelSpec":
         """`auto` device/dtype made concrete for the process this runs in."""

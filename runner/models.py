@@ -25,7 +25,7 @@ from pathlib import Path
 from .config import ModelSpec
 
 __all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_gpu_memory", "check_pretrained",
-           "hub_unreachable", "model_path", "video_length"]
+           "hub_unreachable", "model_path", "pretrained_file", "video_length"]
 
 
 class ModelLoadError(RuntimeError):
@@ -40,7 +40,7 @@ def video_length(spec: ModelSpec) -> int | None:
         return None
     if spec.source != "pretrained":
         return fam.exact_frames(fam.denoiser_config(spec.info, spec.source == "tiny"))
-    cfg = _pretrained_file(spec, "transformer/config.json")
+    cfg = pretrained_file(spec, "transformer/config.json")
     return fam.exact_frames(json.loads(Path(cfg).read_text()) if cfg else {})
 
 
@@ -119,13 +119,13 @@ def check_pretrained(spec: ModelSpec) -> None:
     if not _offline(spec):
         why = hub_unreachable()
         if why is not None:
-            if _pretrained_file(spec, "model_index.json", local_only=True) is not None:
+            if pretrained_file(spec, "model_index.json", local_only=True) is not None:
                 raise ModelLoadError(
                     f"cannot reach the Hugging Face hub ({why}); {path!r} is in the local hub "
                     f"cache: run with model.local_files_only=true (or HF_HUB_OFFLINE=1) to use it")
             raise ModelLoadError(f"cannot reach the Hugging Face hub ({why}) and {path!r} is not "
                                  f"in the local hub cache{not_here}. {_download_fix(spec)}")
-    index = _pretrained_file(spec, "model_index.json")
+    index = pretrained_file(spec, "model_index.json")
     if index is None:
         raise ModelLoadError(
             f"cannot find the pretrained model {path!r} (not a local directory{not_here}; "
@@ -166,7 +166,7 @@ def _path_like(path: str) -> bool:
     return os.path.isabs(path) or path.startswith(("./", "../"))
 
 
-def _pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> str | None:
+def pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> str | None:
     """`name` of the pretrained model: from its directory, or the hub (through the local hub cache);
     with `local_only` (or offline settings) from the cache alone. The cache is read directly:
     `hf_hub_download(local_files_only=True)` still goes to the network (huggingface_hub 2.4

@@ -86,6 +86,8 @@ def generate(pipe, family: Family, items: list[Item], device: str, clock=None,
               height=first.height, width=first.width, num_inference_steps=first.num_inference_steps,
               guidance_scale=first.guidance_scale, output_type=output_type,
               generator=[torch.Generator(device).manual_seed(i.seed) for i in items])
+    if first.guidance_scale <= 1 and "guidance_scale_2" in kw:
+        kw["guidance_scale_2"] = 1.0   # no CFG at all (A14B's second expert too): no negative prompt
     if image is None and family.image == "required":
         raise ValueError(f"{family.name} animates an image per row (the `image` column): none given")
     if hasattr(pipe.scheduler, "generators"):   # a distilled sampler's re-noising: each row's own

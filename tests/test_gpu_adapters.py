@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runner import adapters
-from runner.bench.lora import random_lora, wan_linears
+from runner.families.wan import random_adapter
 from runner.config import ModelSpec
 
 pytestmark = pytest.mark.gpu
@@ -66,7 +66,7 @@ def _err(a, b) -> float:
 def _adapter_file(tmp_path, model, seed=0):
     from safetensors.torch import save_file
     f = tmp_path / f"lora{seed}.safetensors"
-    save_file(random_lora(wan_linears(model), "wan", rank=64, seed=seed), str(f))
+    save_file(random_adapter(model, "original", rank=64, seed=seed), str(f))
     return adapters.Adapter(path=str(f))
 
 

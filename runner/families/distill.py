@@ -19,12 +19,30 @@ fresh noise is drawn from each row's own generator (`generators`, set per call b
 from __future__ import annotations
 
 
+import functools
+
+
 def scheduler(shift: float, stochastic: bool, sigmas: list[float] | None = None):
     """The sampler of a distilled preset (`sampler` facts: shift, stochastic, sigmas)."""
+    out = _scheduler_class()(shift=shift, stochastic_sampling=stochastic)
+    out.fixed_sigmas = list(sigmas) if sigmas else None
+    return out
+
+
+def __getattr__(name: str):
+    # `from_pretrained` of a pipeline saved with this sampler imports it by name from this module;
+    # the class itself is made on first use (the families import without diffusers or torch)
+    if name == "DistilledFlowScheduler":
+        return _scheduler_class()
+    raise AttributeError(name)
+
+
+@functools.cache
+def _scheduler_class():
+    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
         FlowMatchEulerDiscreteSchedulerOutput)
-    import torch
 
     class DistilledFlowScheduler(FlowMatchEulerDiscreteScheduler):
         fixed_sigmas: list[float] | None = None
@@ -62,6 +80,5 @@ def scheduler(shift: float, stochastic: bool, sigmas: list[float] | None = None)
             return torch.stack([torch.randn(sample.shape[1:], generator=g, device=g.device,
                                             dtype=torch.float32) for g in gens]).to(sample.device)
 
-    out = DistilledFlowScheduler(shift=shift, stochastic_sampling=stochastic)
-    out.fixed_sigmas = list(sigmas) if sigmas else None
-    return out
+    DistilledFlowScheduler.__module__ = __name__
+    return DistilledFlowScheduler

@@ -102,6 +102,9 @@ class Family:
     # the pipeline attributes of its denoisers, the first the one every step runs (Wan 2.2 A14B:
     # the low-noise expert `transformer_2` too): where `model.adapters` may go (`runner.adapters`)
     experts: tuple[str, ...] = ("transformer",)
+    # (denoiser, layout, rank, seed) -> a random LoRA adapter's tensors in one of the family's
+    # published key layouts (`runner.bench.lora`, tests: no adapter can be downloaded here)
+    random_adapter: Callable[..., dict] | None = None
     # video with a causal video VAE (Wan's `AutoencoderKLWan`): (tiny) -> that VAE alone, random
     # weights, at full size (tiny=False; under the caller's device) or small; `runner.bench.decode`
     video_vae: Callable[[bool], Any] | None = None

@@ -64,6 +64,43 @@ def call_args(pipe, num_frames: int | None) -> dict:
     return dict(num_frames=num_frames)
 
 
+# A Wan block's Linears as diffusers names them -> the original Wan names of LoRA files
+# (diffusers' _convert_non_diffusers_wan_lora_to_diffusers maps them back)
+LORA_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+              "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q",
+              "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+              "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+
+
+def random_adapter(denoiser, layout: str = "original", rank: int = 64, seed: int = 0,
+                   strength: float = 0.05, alpha: float | None = None) -> dict:
+    """A random LoRA of every block's attention and feed-forward Linears (A (r, in), B (out, r);
+    B @ A * alpha / r about `strength` of a weight's typical entry), bf16, in a published layout:
+    `original` (LightX2V's: `diffusion_model.blocks.N.self_attn.q.lora_down.weight`,
+    `lora_up.weight`, `.alpha`), `kohya` (musubi-tuner's `lora_unet_blocks_N_self_attn_q...`) or
+    `diffusers` (`transformer.blocks.N.attn1.to_q.lora_A.weight`, PEFT's scaling 1)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    alpha = rank / 2 if alpha is None else alpha
+    out = {}
+    for i, blk in enumerate(denoiser.blocks):
+        for sub, orig in LORA_NAMES.items():
+            lin = blk.get_submodule(sub)
+            a = torch.randn(rank, lin.in_features, generator=g) / lin.in_features ** 0.5
+            b = torch.randn(lin.out_features, rank, generator=g) * strength / alpha * rank ** 0.5
+            if layout == "diffusers":   # alpha / rank folded into B
+                out[f"transformer.blocks.{i}.{sub}.lora_A.weight"] = a.bfloat16()
+                out[f"transformer.blocks.{i}.{sub}.lora_B.weight"] = (b * alpha / rank).bfloat16()
+                continue
+            name = f"blocks.{i}.{orig}"
+            key = f"diffusion_model.{name}" if layout == "original" else \
+                "lora_unet_" + name.replace(".", "_")
+            out[f"{key}.lora_down.weight"] = a.bfloat16()
+            out[f"{key}.lora_up.weight"] = b.bfloat16()
+            out[f"{key}.alpha"] = torch.tensor(float(alpha))
+    return out
+
+
 def _preset(size: str, hub: str) -> dict:
     return dict(hub_id=f"Wan-AI/Wan2.1-T2V-{hub}-Diffusers", size_factor=16, max_tokens=512,
                 height=480, width=832, size=size)
@@ -80,5 +117,5 @@ WAN21 = Family(
              "wan21_t2v_14b_lightx2v": dict(_preset("14b", "14B"), sampler=LIGHTX2V)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    max_steps=train_timesteps(SCHEDULER), video_vae=vae,
+    max_steps=train_timesteps(SCHEDULER), video_vae=vae, random_adapter=random_adapter,
     checkpoint={"transformer_2": False, "boundary_ratio": False, "expand_timesteps": False})

@@ -28,11 +28,10 @@ guidance 5.0) are the model cards' examples.
 
 from __future__ import annotations
 
-import dataclasses
-
 from .parts import scheduler, t5_encoder, train_timesteps, unipc_flow_first_step
 from .record import Family
-from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode, vae as wan21_vae
+from .wan import (SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode,
+                  random_adapter, vae as wan21_vae)
 
 BOUNDARY_RATIO = 0.875      # A14B: transformer for t >= 875, transformer_2 below
 GUIDANCE_2 = 3.0            # A14B: the low-noise expert's guidance scale (the row's is the first's)
@@ -131,27 +130,21 @@ def _a14b(height: int, width: int, gpu_gib: float) -> dict:
 WAN22_A14B = Family(
     name="wan22_a14b", kind="video", pipeline="WanPipeline",
     presets={"wan22_t2v_a14b": _a14b(720, 1280, 81.0),
-             "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0)},
+             "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0),
+             # Wan2.2-Lightning (lightx2v/Wan2.2-Lightning, T2V-A14B 4 steps): the base checkpoint
+             # with a LoRA per expert (conf/models/), 4 Euler steps at shift 5 (its
+             # wan/utils/fm_solvers_euler.py: timesteps 1000, 937.5 | 833.3, 625: two on each side
+             # of the 875 boundary), guidance 1.0 on both experts (a row at guidance <= 1 runs no
+             # CFG on either: runner.worker.generate), 81 frames at 16 fps, 720x1280.
+             # gpu_gib_fp8: with O3's FP8 linears, both experts' 26.2 G block weights in 8 bits
+             # beside UMT5-XXL (10.6 GiB) and a 720p call: 48.2 GiB measured (benchmarks/)
+             "wan22_t2v_a14b_lightning": dict(_a14b(720, 1280, 81.0), gpu_gib_fp8=56.0,
+                                              sampler=dict(shift=5.0, stochastic=False))},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae,
+    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae, random_adapter=random_adapter,
     experts=("transformer", "transformer_2"),
     checkpoint={"transformer_2": True, "boundary_ratio": True})
-
-def lightning_call_args(pipe, num_frames: int | None) -> dict:
-    return dict(wan_call_args(pipe, num_frames), guidance_scale_2=1.0)   # no CFG on either expert
-
-
-# Wan2.2-Lightning (lightx2v/Wan2.2-Lightning, T2V-A14B 4 steps): the A14B base with a LoRA per
-# expert (high_noise_model / low_noise_model.safetensors: conf/models/), 4 steps at shift 5 on
-# Euler (its wan/utils/fm_solvers_euler.py: timesteps 1000, 937.5 | 833.3, 625, so two steps on
-# each side of the 875 boundary), guidance 1.0 on both experts, 81 frames at 16 fps, 720x1280.
-# gpu_gib_fp8: with O3's FP8 linears, each expert's 13.6 G block weights in 8 bits (27 GiB for
-# both) beside UMT5-XXL (10.6 GiB), the rest and a 720p call's activations.
-WAN22_A14B_LIGHTNING = dataclasses.replace(
-    WAN22_A14B, name="wan22_a14b_lightning", call_args=lightning_call_args,
-    presets={"wan22_t2v_a14b_lightning": dict(_a14b(720, 1280, 81.0), gpu_gib_fp8=60.0,
-                                               sampler=dict(shift=5.0, stochastic=False))})
 
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
@@ -169,6 +162,7 @@ WAN22_TI2V = Family(
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
     long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae,
+    random_adapter=random_adapter,
     # 200: its image rows' WanImageToVideoPipeline at shift 5.0 (text rows would run 1000); one
     # bound for all its rows, 4x the published 50, rather than a second one for text rows
     max_steps=unipc_flow_first_step(TI2V_SCHEDULER),

@@ -1,0 +1,223 @@
+"""LoRA adapters (`runner.adapters`) and the step-distilled presets, on tiny Wan models on the CPU:
+the fused adapter in each published key layout against diffusers' unfused path; the driver's
+refusals (exit 2 before any worker, naming the adapter); resume with another scale refused; the
+distilled samplers' timesteps and per-row noise; one denoiser call a step at guidance 1.0; step
+reuse refused where it cannot apply; O3's FP8 linears leave no 16-bit fused weight behind."""
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runner import adapters, job
+from runner.config import ModelSpec
+from runner.models import build_pipeline
+
+TINY = dict(height=64, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+            output_type="np")
+
+
+def _spec(preset="wan21_t2v_1_3b", **kw):
+    return ModelSpec(preset=preset, source="tiny", **kw)
+
+
+def _denoiser(preset="wan21_t2v_1_3b", expert="transformer"):
+    with torch.device("meta"):
+        return getattr(_spec(preset).family.build(_spec(preset).info, True), expert)
+
+
+def _lora_file(tmp_path, layout="original", preset="wan21_t2v_1_3b", expert="transformer", seed=0,
+               rank=4, extra=None):
+    model = _denoiser(preset, expert)
+    tensors = model_family(preset).random_adapter(model, layout, rank=rank, seed=seed)
+    tensors.update(extra or {})
+    f = tmp_path / f"{layout}{seed}.safetensors"
+    save_file(tensors, str(f))
+    return str(f)
+
+
+def _frames(pipe):
+    return pipe(prompt="a fox", generator=torch.Generator().manual_seed(0), **TINY).frames
+
+
+def model_family(preset):
+    return _spec(preset).family
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "original", "kohya"])
+def test_fused_adapter_equals_diffusers_unfused_in_each_layout(tmp_path, layout):
+    f = _lora_file(tmp_path, layout)
+    spec = _spec(adapters=[{"path": f, "scale": 0.7}])
+    adapters.check(spec)                                     # the driver accepts it
+    ours, ref, base = build_pipeline(spec), build_pipeline(spec), build_pipeline(spec)
+    assert adapters.fuse(ours, spec.adapters) == 20           # 2 blocks x 10 Linears
+    ref.load_lora_weights(f, adapter_name="x")
+    ref.set_adapters(["x"], [0.7])
+    a, b, c = _frames(ours), _frames(ref), _frames(base)
+    assert np.abs(a - b).max() < 1e-4                          # fp32 here: rounding only
+    assert np.abs(b - c).max() > 100 * np.abs(a - b).max()     # the adapter does change the video
+    assert not any("lora" in type(m).__module__ for m in ours.transformer.modules())
+
+
+def test_second_expert_gets_its_own_adapter(tmp_path):
+    preset = "wan22_t2v_a14b_lightning"
+    f1 = _lora_file(tmp_path, preset=preset, seed=1)
+    f2 = _lora_file(tmp_path, preset=preset, expert="transformer_2", seed=2)
+    spec = _spec(preset, adapters=[{"path": f1}, {"path": f2, "expert": "transformer_2"}])
+    adapters.check(spec)
+    base, pipe = build_pipeline(spec), build_pipeline(spec)
+    adapters.fuse(pipe, spec.adapters)
+    for name in ("transformer", "transformer_2"):
+        w0 = getattr(base, name).blocks[0].attn1.to_q.weight
+        w1 = getattr(pipe, name).blocks[0].attn1.to_q.weight
+        assert not torch.equal(w0, w1), f"{name} kept its base weights"
+    with pytest.raises(ValueError, match="denoisers are"):
+        _spec(adapters=[{"path": f1, "expert": "transformer_2"}])    # Wan 2.1 has one
+
+
+def _run(tmp_path, *args) -> int:
+    return job.main(["job=wan_distill_batch", "model.source=tiny", "generation.height=64",
+                     "generation.width=48", "generation.num_frames=5", "ray.cpu_workers=1",
+                     "compile.mode=none", f"output.dir={tmp_path / 'out'}", *args])
+
+
+def _bad(tmp_path, capsys, path, *args) -> str:
+    assert _run(tmp_path, f"model.adapters=[{{path: '{path}', name: mine}}]", *args) == 2
+    err = capsys.readouterr().err
+    assert "model.adapters['mine']" in err, err
+    return err
+
+
+def test_bad_adapters_exit_2_naming_the_adapter(tmp_path, capsys):
+    good = _lora_file(tmp_path)
+    assert "no such file" in _bad(tmp_path, capsys, tmp_path / "missing.safetensors")
+    data = open(good, "rb").read()
+    (tmp_path / "cut.safetensors").write_bytes(data[:len(data) * 3 // 4])
+    assert "truncated" in _bad(tmp_path, capsys, tmp_path / "cut.safetensors")
+    (tmp_path / "head.safetensors").write_bytes(data[:200])
+    assert "truncated" in _bad(tmp_path, capsys, tmp_path / "head.safetensors")
+    (tmp_path / "text.safetensors").write_text("not a tensor file\n")
+    assert "not a readable safetensors" in _bad(tmp_path, capsys, tmp_path / "text.safetensors")
+    # made for another base model: the 14B's adapter against the 1.3B's Linears
+    with torch.device("meta"):
+        big = ModelSpec("wan21_t2v_14b", source="random")
+        big = big.family.build(big.info, False).transformer
+    big.blocks = big.blocks[:1]                               # one block: 10 of its 400 pairs
+    save_file(model_family("wan21_t2v_14b").random_adapter(big, "original", rank=2),
+              str(tmp_path / "other.safetensors"))
+    err = _bad(tmp_path, capsys, tmp_path / "other.safetensors")
+    assert "do not fit" in err and "against a Linear 24x24" in err
+
+
+def test_an_adapter_that_partly_does_not_apply_is_refused(tmp_path, capsys):
+    # every layer of the tiny model's 2 blocks, and a third block it does not have
+    model = _denoiser()
+    tensors = model_family("wan21_t2v_1_3b").random_adapter(model, "diffusers", rank=4)
+    tensors["transformer.blocks.2.attn1.to_q.lora_A.weight"] = torch.zeros(4, 24)
+    tensors["transformer.blocks.2.attn1.to_q.lora_B.weight"] = torch.zeros(24, 4)
+    save_file(tensors, str(tmp_path / "part.safetensors"))
+    err = _bad(tmp_path, capsys, tmp_path / "part.safetensors")
+    assert "1 of its 21 LoRA layers" in err and "blocks.2.attn1.to_q" in err
+    # a full-weight difference diffusers' converter would drop without an error
+    f = _lora_file(tmp_path, extra={"diffusion_model.blocks.0.ffn.0.diff": torch.ones(32, 24)})
+    assert "would be ignored" in _bad(tmp_path, capsys, f)
+
+
+def test_resume_with_another_scale_is_refused(tmp_path, capsys):
+    f = _lora_file(tmp_path)
+    assert _run(tmp_path, f"model.adapters=[{{path: '{f}', scale: 1.0}}]",
+                "prompts.path=jobs/prompts/sample.parquet", "run.dry_run=false") == 0
+    capsys.readouterr()
+    assert _run(tmp_path, f"model.adapters=[{{path: '{f}', scale: 0.5}}]") == 2
+    err = capsys.readouterr().err
+    assert "different config" in err and "'scale': 0.5" in err
+
+
+def test_distilled_samplers_run_the_published_timesteps():
+    from runner.families.distill import scheduler
+    s = scheduler(shift=5.0, stochastic=True)
+    s.set_timesteps(4)
+    assert s.timesteps.tolist() == pytest.approx([1000, 937.5, 833.333, 625], abs=0.01)
+    fast = scheduler(shift=1.0, stochastic=True, sigmas=[1.0, 0.757, 0.522])
+    fast.set_timesteps(3)
+    assert fast.timesteps.tolist() == pytest.approx([1000, 757, 522], abs=0.01)
+    with pytest.raises(ValueError, match="exactly 3 steps"):
+        fast.set_timesteps(4)
+
+
+def test_renoising_draws_each_rows_noise_from_its_own_seed():
+    """An output depends on its seed, not its batch-mates: a row alone equals it in a batch."""
+    from runner.prompts import Item
+    from runner.worker import generate
+    spec = _spec("wan21_t2v_14b_lightx2v")
+    pipe = build_pipeline(spec)
+    assert type(pipe.scheduler).__name__ == "DistilledFlowScheduler"
+
+    def item(seed):
+        return Item(id=f"r{seed}", prompt="a fox", negative_prompt="", seed=seed, height=64,
+                    width=48, num_frames=5, num_inference_steps=4, guidance_scale=1.0,
+                    file="p", row=seed)
+    alone = generate(pipe, spec.family, [item(7)], "cpu")
+    pair = generate(pipe, spec.family, [item(3), item(7)], "cpu")
+    # equal but for the batched matmuls' rounding (a batch-mate's noise would move it by ~0.1)
+    assert np.abs(alone[0] - pair[1]).max() < 1e-5
+    assert np.abs(pair[0] - pair[1]).max() > 1e-2
+
+
+def test_guidance_1_runs_one_denoiser_call_a_step_and_no_negative_prompt(monkeypatch):
+    from runner.prompts import Item
+    from runner.text import TextCache
+    from runner.worker import generate
+    spec = _spec("wan21_t2v_14b_lightx2v")
+    pipe = build_pipeline(spec)
+    calls = []
+    pipe.transformer.register_forward_hook(lambda *a: calls.append(1))
+    encoded = []
+    real = TextCache.negative
+    monkeypatch.setattr(TextCache, "negative", lambda self, t: encoded.append(t) or real(self, t))
+    it = Item(id="a", prompt="a fox", negative_prompt="blurry", seed=0, height=64, width=48,
+              num_frames=5, num_inference_steps=4, guidance_scale=1.0, file="p", row=0)
+    generate(pipe, spec.family, [it], "cpu")
+    assert len(calls) == 4 and encoded == []
+    generate(pipe, spec.family, [Item(**{**it.__dict__, "guidance_scale": 5.0})], "cpu")
+    assert len(calls) == 4 + 8 and set(encoded) == {"blurry"}   # with CFG: two calls a step
+
+
+def test_step_reuse_refused_on_distilled_presets_and_cfg_reuse_without_guidance(tmp_path, capsys):
+    f = _lora_file(tmp_path)
+    assert _run(tmp_path, "step_cache.method=residual", f"model.adapters=[{{path: '{f}'}}]") == 2
+    assert "step-distilled" in capsys.readouterr().err
+    assert job.main(["job=wan_batch", "model.source=tiny", "generation.guidance_scale=1.0",
+                     "step_cache.cfg_reuse=fastercache", "run.dry_run=true",
+                     f"output.dir={tmp_path}"]) == 2
+    assert "no unconditional branch" in capsys.readouterr().err
+
+
+def test_fp8_leaves_no_16_bit_copy_of_fused_projections():
+    """`to_fp8` after `fuse_qkv`: the q/k/v views into the fused 16-bit weight are emptied, so no
+    16-bit block weight stays but biases and norms (the full-size measure: tests/test_gpu_adapters)."""
+    from diffusers import WanTransformer3DModel
+
+    from compiler.transforms import fuse_qkv, to_fp8
+    cfg = dict(_spec().family.denoiser_config(_spec().info, True), num_attention_heads=2,
+               attention_head_dim=16, ffn_dim=64, text_dim=32)
+    model = WanTransformer3DModel.from_config(cfg).half()
+    fuse_qkv(model)
+    # a block: to_qkv, to_out (self); to_q, to_kv, to_out (cross); the two feed-forward linears
+    assert to_fp8(model, (type(model.blocks[0]).__name__,)) == 2 * 7
+    left = {n: p.numel() for n, p in model.blocks.named_parameters()
+            if p.dtype == torch.float16 and p.dim() == 2 and p.numel()}
+    assert not left, f"16-bit weights left in the blocks: {left}"
+
+
+def test_adapters_are_output_settings_and_absent_when_none():
+    from omegaconf import OmegaConf
+
+    from runner.config import load_config
+    from runner.results import settings_id
+    base = load_config(["job=demo_video"])
+    with_a = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors}]"])
+    other = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, scale: 2}]"])
+    renamed = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, name: y}]"])
+    assert len({settings_id(base), settings_id(with_a), settings_id(other)}) == 3
+    assert settings_id(renamed) == settings_id(with_a)          # the name decides nothing
+    assert OmegaConf.select(base, "model.adapters") == []
