@@ -438,6 +438,7 @@ class JobRun:
         self.shards = 0                         # shards handed to workers (the dispatcher's count)
         self.canaries = 0                       # canaries that passed (the dispatcher's count)
         self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
+        self.hangs: list[dict] = []             # each hung worker: device, bound, rows it held
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
         # outputs made without the kernel by an earlier run, handed out again (`fallback_shards`):
@@ -468,7 +469,8 @@ class JobRun:
                                 clock=self.clock, canary_every=opts.canary_items,
                                 canary_every_s=opts.canary_every_s,
                                 on_canary_failed=self.on_canary_failed,
-                                later=later, takes_later=runs_int8_attention)
+                                later=later, takes_later=runs_int8_attention,
+                                hang_timeout_s=opts.hang_timeout_s, on_hung=self.on_hung)
         try:
             with self.progress.logging():
                 dispatcher.run()
@@ -556,6 +558,11 @@ class JobRun:
         log.error("worker %d (%s) failed its canary (%s): it is stopped; its %d outputs made since "
                   "its last good canary are marked suspect (%s): a rerun regenerates them",
                   slot.rank, where(dev), describe(verdict), len(suspect), _few(suspect, 5))
+
+    def on_hung(self, slot, info: dict) -> None:
+        """A worker was declared hung (the dispatcher logged it and stops it): kept for the
+        summary and report, which name its host and GPU."""
+        self.hangs.append(dict(rank=slot.rank, at_s=round(self.clock() - self.t_start, 1), **info))
 
     def _snapshot(self) -> None:
         """results.parquet and report.html so far, off the dispatch loop's thread (a full rewrite
@@ -720,7 +727,8 @@ class JobRun:
                           steady_items_per_s=self.steady_items / (self.t_done - self.t_all_ready))
         timing["aborted"] = self.aborted
         timing["skipped_empty"] = self.skipped   # rows never run: empty prompts, on_empty=skip
-        timing.update(canaries=self.canaries, canary_failures=self.canary_failures)
+        timing.update(canaries=self.canaries, canary_failures=self.canary_failures,
+                      hangs=self.hangs)
         return timing
 
     def _metrics(self) -> list[dict]:

@@ -152,6 +152,20 @@ def canary_lines(s: dict) -> list[str]:
     return lines
 
 
+def hang_lines(s: dict) -> list[str]:
+    """Each worker declared hung: where it ran (host, node, GPU), how long it was silent, on
+    which rows (summary.txt, report.html)."""
+    from .canary import where
+    lines = []
+    for h in s.get("hangs") or ():
+        ids = ", ".join(h["ids"]) + (" ..." if h["rows"] > len(h["ids"]) else "")
+        lines.append(f"HUNG: worker {h['rank']} ({where(h['device'])}) made no progress for "
+                     f"{h['silent_s']:.0f} s (bound {h['bound_s']:.0f} s) at {h['at_s']:.1f} s, "
+                     + (f"generating {ids}" if ids else "running its canary")
+                     + "; it was stopped and replaced")
+    return lines
+
+
 def int8_fallback_lines(s: dict) -> list[str]:
     """Outputs of this directory made without int8-attention's kernel (their workers could not
     run it), in one line: how many, which workers of this run fell back and why (summary.txt);
@@ -201,7 +215,8 @@ def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
-    text += "".join(f"\n{line}\n" for line in canary_lines(s) + int8_fallback_lines(s))
+    text += "".join(f"\n{line}\n" for line in canary_lines(s) + hang_lines(s)
+                    + int8_fallback_lines(s))
     failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
     if failures:   # last: what the user acts on (the console's last lines)
         text += ("\nfailures by cause (a rerun retries them):\n"

@@ -8,6 +8,7 @@ SIGTERM and a second driver (test_record.py), a driver SIGKILL and resume and a 
 import json
 import logging
 import os
+import re
 import signal
 
 import pyarrow.parquet as pq
@@ -207,6 +208,72 @@ def test_a_row_that_kills_its_worker_every_time_fails_alone_and_the_job_goes_on(
     assert f"giving up on row {bad}: killed its worker 2 times" in caplog.text
     out = capsys.readouterr().out
     assert f"1 x killed its worker 2 times (run.max_row_deaths=2): actor died (simulated): {bad}" in out
+
+
+@pytest.mark.parametrize("workers, ceiling, bound", [(1, 1800, 60), (2, 1800, 60), (1, 20, 20)])
+def test_a_hung_row_is_failed_naming_the_cause_and_the_job_ends_by_itself(
+        prompts, tmp_path, capsys, caplog, workers, ceiling, bound):
+    """Issue 60: p07's generate call never returns (the worker lives, silent). Items take 1 s, so
+    a shard of 3 is expected in 3 s: the bound is the floor, 60 s (10 x 3 s is less), or the
+    ceiling run.hang_timeout_s when lower. The worker is declared hung at the bound, killed and
+    replaced; the shard it was on runs row by row, p07 hangs again and is failed at its second
+    hang, naming the cause; every other row is ok; exit 1, within 2 bounds and the start-ups of
+    the job's end. The log, summary and report name the worker's host and GPU. A rerun retries
+    p07 alone."""
+    c = Cluster(lambda it: "hang" if it.id == "p07" else "ok")
+    args = job_args(prompts, tmp_path, f"ray.cpu_workers={workers}", f"run.hang_timeout_s={ceiling}")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(args) == 1
+    d = tmp_path / "j"
+    table = assert_complete(d, failed={"p07"})
+    error = {r["id"]: r["error"] for r in table}["p07"]
+    first, second, third = error.splitlines()
+    assert first == (f"hung its worker 2 times (run.max_row_deaths=2): no progress for {bound} s "
+                     f"while generating it")
+    assert second.startswith("row 'p07' (") and third.startswith("worker ")
+    silent = int(re.search(r"\(host sim, CPU\) was stopped after (\d+) s without progress; the "
+                           r"bound: ", third).group(1))
+    assert bound <= silent <= bound + 1                     # looked at once a second
+    assert c.generated.count("p07") == 2
+    s = summary(d)
+    assert (s["ok"], s["failed"]) == (11, 1)
+    # each hang replaced its worker; with 2, the second may end with nothing left to replace it for
+    assert s["worker_restarts"] == 2 if workers == 1 else s["worker_restarts"] in (1, 2)
+    assert [h["bound_s"] for h in s["hangs"]] == [bound, bound]
+    assert s["hangs"][-1]["ids"] == ["p07"] and s["hangs"][-1]["device"] == {"host": "sim"}
+    # bounded: two hangs of `bound` s each, three start-ups (5 s), 11 items at 1 s
+    assert s["span_s"] < 2 * (bound + 2) + 3 * 5 + 11 + 5, s["span_s"]
+    line = re.compile(rf"HUNG: worker {s['hangs'][-1]['rank']} \(host sim, CPU\) made no progress "
+                      rf"for {bound}|{bound + 1} s \(bound {bound} s\) at [\d.]+ s, generating p07; it "
+                      rf"was stopped and replaced")
+    assert line.search((d / "summary.txt").read_text()) and line.search(capsys.readouterr().out)
+    assert "<h2>Hung workers</h2>" in (d / "report.html").read_text()
+    assert "(host sim, CPU) is hung: no progress for" in caplog.text
+    c.fate, c.generated = None, []
+    assert c.main(args) == 0 and c.generated == ["p07"]
+    assert_complete(d)
+
+
+def test_a_slow_worker_is_not_hung_and_the_bound_follows_the_work_it_holds():
+    """The bound scales with the measured rate and the size of the work held (a row 4x the pixels
+    gets 4x the time), never under the floor nor over the ceiling; the first shard of the job
+    gets the ceiling (nothing measured yet)."""
+    from runner.prompts import Item
+    from runner.watchdog import Pace, Watchdog, units
+    dog = Watchdog(ceiling_s=1000, factor=10, floor_s=60)
+    pace = Pace(since=0.0)
+
+    def rows(size, n=1):
+        return [Item(id=f"i{k}", prompt="x", negative_prompt="", seed=0, height=size, width=size,
+                     num_frames=1, num_inference_steps=10, guidance_scale=4.5, file="f", row=k)
+                for k in range(n)]
+    assert dog.bound(pace, units(rows(64))) == 1000              # nothing measured: the ceiling
+    dog.done(pace, units(rows(64, 4)), now=20.0)                 # 4 rows in 20 s: 5 s a row
+    assert dog.bound(pace, units(rows(64))) == 60                # 10 x 5 s = 50: the floor
+    assert dog.bound(pace, units(rows(128))) == 200              # 4x the pixels: 10 x 20 s
+    assert dog.bound(pace, units(rows(512))) == 1000             # the ceiling
+    assert dog.bound(Pace(since=0.0), units(rows(128))) == 200   # a new worker: the job's rate
+    assert Watchdog(ceiling_s=0).on is False
 
 
 def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_path, capsys,

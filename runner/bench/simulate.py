@@ -150,7 +150,8 @@ class SimPool:
     """A `dispatch.Pool` of `size` simulated workers (module docstring). `fate(item)` decides each
     item: "ok", "fail:<error>" (a failed row, the worker lives: a NaN output), "raise:<error>" (the
     shard raises in the worker: `TaskError`), "die" (the worker dies generating it), "die_writing"
-    (it dies writing the shard's files, after its GPU work: half a file under a temporary name).
+    (it dies writing the shard's files, after its GPU work: half a file under a temporary name),
+    "hang" (its generate call never returns: the worker lives, silent, until killed).
     `warm_fate(rank, attempt)` is None or the error its warm-up raises. `drift`: {rank: n}: that
     slot's first worker computes wrong after its n-th item, so its canaries fail from then on (a
     canary takes one item's time on its GPU). `media`: a Store to write each ok row's media file
@@ -292,6 +293,8 @@ class SimPool:
 
     def _run_shard(self, w: SimWorker, items, now: float) -> tuple[SimFuture, SimFuture]:
         """The shard's GPU work after what is queued on `w`; its rows `write_s` after that."""
+        if w.busy_until == math.inf:                 # hung: queued behind a call that never ends
+            return self._future(w, math.inf, None), self._future(w, math.inf, None)
         start = max(now, w.busy_until, w.ready_at)
         if w.ready and now > w.busy_until:           # the GPU waited for this shard
             w.idle_s += now - w.busy_until
@@ -304,6 +307,9 @@ class SimPool:
             if fate == "die" or k == die_at:
                 death = t + dt / 2
                 break
+            if fate == "hang":                       # nothing more of this worker completes
+                w.busy_until = math.inf
+                return self._future(w, math.inf, None), self._future(w, math.inf, None)
             if fate == "die_writing":
                 writing = writing or it
             elif fate.startswith("raise:"):
