@@ -24,6 +24,9 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   failing shard of several rows is split into single rows, so one poison prompt cannot take its
   neighbours down; a row that raises more than `max_retries` times is recorded as failed and the
   job goes on.
+- A row whose input's store did not answer its worker (its error starts with
+  `images.INPUT_FAULT`) is the store's fault: the shard's other rows are recorded, that row is
+  not (it stays pending), and the job stops at once (`PersistentFault`, exit 3, naming the store).
 - Canaries (`canary_every` items, `canary_every_s` seconds; `runner.canary`): a ready slot whose
   actor was handed that many items (or had that time) since its last canary, and which has more
   to do, is asked for one in turn with its shards (`Pool.canary`: it runs after the GPU work of
@@ -72,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from . import canary
+from .images import INPUT_FAULT
 from .prompts import Item, Shard
 from .results import error_cause, failed_row
 from .storage import StoreTimeout
@@ -157,6 +161,11 @@ class Pool(Protocol):
     def close(self) -> None:
         """The job is done with the pool (its workers stopped): nothing of it may print after
         the job's last lines (Ray: errors of calls never read, workers' log lines)."""
+
+
+def _few_ids(rows: list[dict], n: int = 5) -> str:
+    ids = [r["id"] for r in rows]
+    return ", ".join(ids[:n]) + (f" and {len(ids) - n} more" if len(ids) > n else "")
 
 
 def _short(text: str, n: int = 80) -> str:
@@ -370,10 +379,25 @@ class Dispatcher:
             self.retry(shard, str(e))
             return
         self._retire(finished)
+        self._input_faults(rows)
         self.streak.clear()
         if self.canary_on and epoch >= slot.good:     # (a canary after it passed: verified)
             slot.made.setdefault(epoch, []).extend(r for r in rows if r["status"] == "ok")
         self._rows(rows)
+
+    def _input_faults(self, rows: list[dict]) -> None:
+        """Rows whose input's store did not answer the worker (`images.INPUT_FAULT`): the store's
+        fault, not theirs. The shard's other rows are recorded, those stay pending (not
+        recorded: a rerun runs them), and the job stops: `PersistentFault` naming the store."""
+        faults = [r for r in rows if (r.get("error") or "").startswith(INPUT_FAULT)]
+        if not faults:
+            return
+        self._rows([r for r in rows if not (r.get("error") or "").startswith(INPUT_FAULT)])
+        cause = faults[0]["error"][len(INPUT_FAULT):].splitlines()[0]
+        raise PersistentFault(
+            f"{cause}: a worker could not read its input there (rows {_few_ids(faults)}); "
+            f"rows not generated stay pending. Finished outputs are kept: once the store "
+            f"answers, rerun the same command to resume.")
 
     def _retire(self, finished, measure: bool = True) -> None:
         """A shard (or canary) of `slot` came back: off its running list, and progress on its

@@ -449,6 +449,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             return images.fit(data, item.width, item.height, images.label(item)), sha, None
         except images.ImageError as e:
             return None, sha, f"ImageError: {e}"
+        except images.InputStoreFault as e:      # the store's, not the row's: the driver stops
+            return None, sha, f"{images.INPUT_FAULT}{e}"
         except Exception as e:   # anything else about this image (PIL's decompression-bomb guard)
             return None, sha, f"ImageError: {images.label(item)}: {type(e).__name__}: {e}"
 

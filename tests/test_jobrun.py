@@ -355,6 +355,32 @@ def test_a_persistent_fault_stops_the_job_exit_3_and_a_rerun_does_the_rest(promp
     assert_complete(d)
 
 
+def test_an_input_store_that_stops_answering_stops_the_job_and_leaves_the_rest_pending(
+        prompts, tmp_path, capsys):
+    """Issue 60: the store of the rows' images stalls from p05 on; each worker read of it fails
+    with the store's fault (`images.INPUT_FAULT`). The job stops at the first such row (exit 3,
+    naming the store), records the ok rows of that shard, fails none: every row not made stays
+    pending. Once the store answers, a rerun makes exactly the rest."""
+    stalled = ("fail:InputStoreFault: the image store s3://imgs: did not answer in time (timed "
+               "out), reading s3://imgs/a.png")
+    c = Cluster(lambda it: stalled if it.id >= "p05" else "ok")
+    assert c.main(job_args(prompts, tmp_path)) == 3
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the image store s3://imgs: did not answer in time"), err[-2000:]
+    assert "rows not generated stay pending" in last and "rerun" in last
+    d = tmp_path / "j"
+    recorded = {r["id"]: r["status"] for r in record_rows(d)}
+    assert recorded == {i: "ok" for i in ["p00", "p01", "p02", "p03", "p04"]}   # none failed
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["not_run"]) == (5, 0, 7) and "s3://imgs" in s["aborted"]
+    assert "STOPPED before the end: the image store s3://imgs" in (d / "summary.txt").read_text()
+    c.fate, c.generated = None, []                # the store answers again
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert sorted(c.generated) == IDS[5:]          # exactly the rest
+    assert_complete(d)
+
+
 def test_every_worker_gone_is_exit_2_naming_the_cause(prompts, tmp_path, capsys):
     """p00's worker dies once (p00 is not a poison row: it is done later), then no replacement
     starts (a different start-up error each time): every worker is gone, exit 2."""
