@@ -969,7 +969,18 @@ def constraints(model) -> Constraints:
     fam = model.family
     return Constraints(size_factor=model.info["size_factor"], video_length=video_length(model),
                        frame_step=fam.frame_step, min_steps=fam.min_steps,
-                       max_steps=fam.max_steps, image=fam.image)
+                       max_steps=fam.max_steps, image=fam.image,
+                       published=published_setting(model.preset, fam.kind == "video"))
+
+
+def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:
+    """The preset's published (height, width, frames) from conf/models/<preset>.yaml: what the
+    model was made for, and so the measure of a row's work (`Constraints.work_error`)."""
+    from .config import CONF_DIR
+    gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
+    if "height" not in gen or "width" not in gen:
+        return None
+    return int(gen.height), int(gen.width), int(gen.num_frames) if video and "num_frames" in gen else None
 
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:

@@ -381,6 +381,33 @@ def test_an_input_store_that_stops_answering_stops_the_job_and_leaves_the_rest_p
     assert_complete(d)
 
 
+@pytest.mark.parametrize("job_name, column, value, bound", [
+    ("demo_image", "height", 16384, "16384x16384 is 256x the work of this model's published setting "
+                                    "(1024x1024); a row may ask at most 4x"),
+    ("wan_batch", "num_frames", 10000, "480x832 x 10000 frames is 119x the work of this model's "
+                                       "published setting (480x832 x 81 frames); a row may ask at "
+                                       "most 4x")])
+def test_a_row_asking_for_unbounded_work_is_exit_2_before_any_worker(
+        tmp_path, write_prompts, capsys, job_name, column, value, bound):
+    """Issue 60: a row of 16384x16384 kept a worker busy until it was killed from outside. A
+    row's size and frames are bounded by its preset's published setting (4x its latent positions),
+    checked with the prompts: exit 2 naming the row, the bound and the fix; no pool started."""
+    cols = {"id": ["fine", "huge"], "prompt": ["a fox", "everything at once"], column: [None, value]}
+    if column == "height":
+        cols["width"] = [None, value]
+    p = write_prompts(cols)
+
+    def no_pool(*a):
+        raise AssertionError("a worker was started")
+    args = [f"job={job_name}", "model.source=tiny", f"prompts.path={p}", f"output.dir={tmp_path}",
+            "job.name=j", "generation.num_inference_steps=2"]
+    assert job.main(args, start_pool=no_pool) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {p}:1 (id 'huge'): {bound}"), err
+    assert "lower height, width" in err and "a larger preset" in err
+    assert not (tmp_path / "j").exists()
+
+
 def test_every_worker_gone_is_exit_2_naming_the_cause(prompts, tmp_path, capsys):
     """p00's worker dies once (p00 is not a poison row: it is done later), then no replacement
     starts (a different start-up error each time): every worker is gone, exit 2."""
