@@ -417,9 +417,19 @@ def check_sample(items: list, error, max_bytes: int = MAX_BYTES) -> None:
                 else "")
         raise error(f"none of the {len(picked)} images looked up can be read (of {len(refs)} "
                     f"named), e.g.\n  {listed}\nfix the images{hint}")
+    _warn_grouped(bad, causes, first, len(picked))
+
+
+def _warn_grouped(bad: list[str], causes: dict, first: dict, looked_up: int) -> None:
+    """The unusable images of the sample, one line per cause (how many, the first few): 38
+    missing images were 38 lines before the job started (issue 60)."""
+    groups: dict[str, list[str]] = {}
     for r in bad:
-        log.warning("%s: image %s: %s: that row will fail", first[r].source, r,
-                    causes[r].splitlines()[0])
+        groups.setdefault(causes[r].splitlines()[0], []).append(r)
+    for cause, refs in groups.items():
+        shown = ", ".join(f"{first[r].source}: image {r}" for r in refs[:3])
+        log.warning("%d of the %d images looked up: %s (their rows will fail): %s%s",
+                    len(refs), looked_up, cause, shown, " ..." if len(refs) > 3 else "")
 
 
 def read(item, stores: dict | None = None, max_bytes: int = MAX_BYTES) -> tuple[bytes, str]:

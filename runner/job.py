@@ -1004,6 +1004,7 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
                            f"credentials in the environment (docs/cloud.md)") from e
         return
     job_dir = _store(job_dir).base
+    _check_job_subdirs(job_dir)
     p = job_dir
     while not os.path.exists(p):
         p = os.path.dirname(p)
@@ -1019,6 +1020,20 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
     except OSError as e:
         raise JobError(f"output.dir: cannot create or write {job_dir!r} ({e.strerror or e}); set "
                        f"output.dir to a writable directory") from e
+
+
+JOB_SUBDIRS = ("media", "records", "metrics", "report")    # what a job keeps in its directory
+
+
+def _check_job_subdirs(job_dir: str) -> None:
+    """A file (or a dangling link) where the job keeps a directory: exit 2 naming it, before any
+    worker. It passed the checks, then stopped the job with exit 3 after Ray started, with no
+    summary or report written (issue 60)."""
+    for name in JOB_SUBDIRS:
+        path = os.path.join(job_dir, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise JobError(f"output.dir: {path!r} is a file, where the job keeps its {name}/ "
+                           f"directory; move or remove it, or use another job.name")
 
 
 def check_case_collisions(items: list[Item], job_dir: str) -> None:

@@ -36,6 +36,7 @@ Contract:
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import math
 import os
@@ -212,19 +213,47 @@ def list_files(paths: tuple[str, ...]) -> list[str]:
             files += _list_uri(p)
             continue
         if os.path.isdir(p):
-            # files only: a directory named x.parquet (Spark's output) is walked, not read whole
-            found = sorted(str(f) for f in Path(p).rglob("*.parquet") if f.is_file())
-            if not found:
-                raise PromptError(f"prompts.path directory {p!r} has no .parquet files")
-            files += found
+            files += _walk(p)
         elif os.path.isfile(p):
             files.append(p)
+        elif os.path.exists(p):      # /dev/zero, a FIFO, a socket: it exists, and is no file
+            raise PromptError(f"prompts.path {p!r} is {_kind(p)}, not a Parquet file or a "
+                              f"directory of them; set prompts.path to a .parquet file or a "
+                              f"directory")
         else:
             raise PromptError(f"prompts.path {p!r} does not exist (relative paths are relative "
                               f"to the current directory {os.getcwd()!r})")
     if len(set(map(os.path.abspath, files))) != len(files):
         raise PromptError(f"prompts.path lists a file twice: {files}")
     return files
+
+
+def _walk(p: str) -> list[str]:
+    """The .parquet files under directory `p`. Files only: a directory named x.parquet (Spark's
+    output) is walked, not read whole. Hidden ones (a name starting with "."; macOS writes a
+    `._x.parquet` of metadata beside each file copied to a foreign disk) are left out, in one
+    line: one such file refused the whole directory (issue 60)."""
+    found, hidden = [], []
+    for f in sorted(Path(p).rglob("*.parquet")):
+        if f.is_file():
+            (hidden if any(part.startswith(".") for part in f.relative_to(p).parts)
+             else found).append(str(f))
+    if hidden:
+        log.warning("prompts.path %s: %d hidden .parquet files left out (names starting with "
+                    "'.', e.g. macOS's ._* metadata): %s", p, len(hidden), ", ".join(hidden[:3]))
+    if not found:
+        raise PromptError(f"prompts.path directory {p!r} has no .parquet files"
+                          + (f" (only hidden ones: {hidden[0]} ...)" if hidden else ""))
+    return [str(f) for f in found]
+
+
+def _kind(p: str) -> str:
+    """What a path that is neither a file nor a directory is, in words."""
+    import stat
+    mode = os.stat(p).st_mode
+    return ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
 
 
 def _list_uri(p: str) -> list[str]:
@@ -234,7 +263,8 @@ def _list_uri(p: str) -> list[str]:
         kind = store.fs.get_file_info(store.base).type
         if kind == pafs.FileType.File:
             return [p]
-        found = sorted(n for n in store.list() if n.endswith(".parquet")) \
+        found = sorted(n for n in store.list() if n.endswith(".parquet") and not any(
+            part.startswith(".") for part in n.split("/"))) \
             if kind == pafs.FileType.Directory else []
     except (OSError, ValueError) as e:
         raise PromptError(f"prompts.path {p!r}: cannot read it ({e}); check the URI and the "
@@ -272,8 +302,13 @@ def _duplicate_columns(src: str, fs) -> list[str]:
 
 
 def sanitize_id(raw: str) -> str:
-    s = _ID_BAD.sub("_", raw.strip()).lstrip(".")[:MAX_ID_LEN]
-    return s
+    """`raw` in file-name characters, at most `MAX_ID_LEN`. A longer id keeps its first
+    characters and a hash of the whole: two long ids that differ only past the cut (a path, a
+    URL with a query) stay two ids, not "the same id" (issue 60)."""
+    s = _ID_BAD.sub("_", raw.strip()).lstrip(".")
+    if len(s) <= MAX_ID_LEN:
+        return s
+    return f"{s[:MAX_ID_LEN - 13]}-{hashlib.sha256(s.encode()).hexdigest()[:12]}"
 
 
 def _is_text(t: pa.DataType) -> bool:

@@ -920,7 +920,8 @@ def grey_png(path) -> str:
     return str(path)
 
 
-def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, write_prompts, capsys):
+def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, write_prompts, capsys,
+                                                                   caplog):
     """Issue 47: a 40-row job whose 38 images `photos/IMG_xxxx.jpg` are missing printed 38 lines
     `1 x ImageError: ... not found`. Now one line with the count and the first ids."""
     ids = [f"r{i:02d}" for i in range(40)]
@@ -928,7 +929,12 @@ def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, wri
     for i in (0, 39):                                               # two images are there
         grey_png(tmp_path / "photos" / f"IMG_{1000 + i}.jpg")
     p = write_prompts({"id": ids, "prompt": [f"p{i}" for i in range(40)], "image": cells})
-    assert Cluster(reading_fate).main(i2v_args(p, tmp_path)) == 1
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Cluster(reading_fate).main(i2v_args(p, tmp_path)) == 1
+    # the driver's check of 16 of them: one line for the missing ones (issue 60: one a line)
+    warned = [r.getMessage() for r in caplog.records if "images looked up" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("15 of the 16 images looked up: not found "
+                                                     "(their rows will fail): "), warned
     cause = "ImageError: image <path>: not found"
     s = summary(tmp_path / "j")
     assert (s["ok"], s["failed"]) == (2, 38) and s["errors"] == {cause: 38}
@@ -971,7 +977,8 @@ def test_rows_whose_image_is_no_image_file_fail_each_with_its_cause(tmp_path, wr
         image = os.path.join(tmp_path, cells[k])                     # relative to the prompts file
         assert by[k]["status"] == "failed" and by[k]["error"].startswith(
             f"ImageError: image {image}: {cause}"), by[k]
-        assert f"image {image}: {cause}: that row will fail" in caplog.text    # the driver's check
+        assert f"1 of the 6 images looked up: {cause.splitlines()[0]} (their rows will fail): " \
+               f"{p}:{list(cells).index(k)}: image {image}" in caplog.text        # the driver's check
     assert summary(tmp_path / "j")["errors"] == {f"ImageError: image <path>: {c}": 1
                                                  for c in causes.values()}
 
@@ -1236,3 +1243,89 @@ def test_a_remake_made_by_a_worker_that_then_fails_its_canary_is_suspect(
     assert c.main(args) == 0
     assert sorted(c.generated) == ["p00", "p01", "p02", "p12"]
     assert all(r["status"] == "ok" for r in rows(d))
+
+
+# -- issue 60's smaller items ---------------------------------------------------------------------
+
+def test_a_long_cause_is_whole_in_the_summary_and_a_longer_one_is_cut_at_a_word():
+    """The summary's cause line of a row that killed its worker without a word (SIGKILL, the
+    out-of-memory killer where its count is not read) ended "(SIGSEGV, a CU": cut at 160
+    characters. Now the runner's own causes are whole; a longer one is cut at a word, saying so."""
+    from runner.results import CAUSE_LEN, error_cause
+    death = ("killed its worker 2 times (run.max_row_deaths=2): the worker process ended without an "
+             "error of its own: killed (SIGKILL; the kernel's out-of-memory killer does that too) or "
+             "crashed (SIGSEGV, a CUDA error)")
+    assert error_cause({"id": "x", "error": death + "\nrow 'x' (p.parquet:3)"}) == death
+    long = "RuntimeError: " + " ".join(f"word{i:03d}" for i in range(60))
+    cut = error_cause({"id": "x", "error": long})
+    assert len(cut) <= CAUSE_LEN and cut.endswith(" ...") and long.startswith(cut[:-4] + " ")
+
+
+def test_an_empty_or_zero_filled_lock_names_no_driver_and_is_taken_over(prompts, tmp_path, caplog):
+    """A `.lock` left empty or zero-filled (a power loss before its write reached the disk) was
+    "in use by another driver (an unreadable lock file)": no driver to wait for. One that stays
+    unreadable past `lock.DAMAGED_S` is taken over, said in one line."""
+    d = tmp_path / "j"
+    for content in (b"", b"\0" * 64):
+        d.mkdir(exist_ok=True)
+        (d / ".lock").write_bytes(content)
+        old = os.stat(d / ".lock").st_mtime - 60
+        os.utime(d / ".lock", (old, old))
+        with caplog.at_level(logging.WARNING, logger="runner"):
+            assert Cluster().main(job_args(prompts, tmp_path, "output.overwrite=true")) == 0
+        assert "names no driver (empty or damaged, 60 s old): taken over" in caplog.text
+        assert not (d / ".lock").exists()
+        caplog.clear()
+
+
+def test_long_ids_that_differ_past_the_cut_stay_two_outputs(tmp_path, write_prompts):
+    """Ids were cut to 150 characters without a word, so two long ids differing at the end
+    (paths, URLs) were refused as "the same id". Now a long id keeps its first characters and a
+    hash of the whole: two outputs, each id at most 150 characters."""
+    base = "https://example.com/catalogue/" + "a" * 150
+    p = write_prompts({"id": [base + "?v=1", base + "?v=2"], "prompt": ["one", "two"]})
+    assert Cluster().main(job_args(p, tmp_path)) == 0
+    ids = [r["id"] for r in rows(tmp_path / "j")]
+    assert len(set(ids)) == 2 and all(len(i) <= 150 for i in ids), ids
+    assert sorted(os.listdir(tmp_path / "j" / "media")) == sorted(f"{i}.png" for i in ids)
+
+
+def test_hidden_parquet_files_in_a_prompts_directory_are_left_out_in_one_line(tmp_path,
+                                                                              write_prompts, caplog):
+    """A `._prompts.parquet` (macOS metadata beside each file copied to a foreign disk) refused the
+    whole directory (not Parquet). Hidden files are left out, said in one line."""
+    write_prompts({"id": IDS, "prompt": [f"prompt {i}" for i in IDS]})
+    (tmp_path / "._prompts.parquet").write_bytes(b"\0\5\26\7 Mac OS X        ")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Cluster().main(job_args(tmp_path, tmp_path / "out")) == 0
+    assert "1 hidden .parquet files left out" in caplog.text and "._prompts.parquet" in caplog.text
+    assert len(rows(tmp_path / "out" / "j")) == len(IDS)
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_prompts_path_that_is_a_device_or_a_fifo_is_named_as_such(tmp_path, capsys, kind):
+    """prompts.path=/dev/zero or a FIFO was "does not exist"; it is said for what it is, exit 2."""
+    path = "/dev/zero" if kind == "device" else str(tmp_path / "fifo.parquet")
+    if kind == "fifo":
+        os.mkfifo(path)
+    assert Cluster().main(job_args(path, tmp_path)) == 2
+    err = capsys.readouterr().err
+    said = "a character device" if kind == "device" else "a FIFO (named pipe)"
+    assert f"error: prompts.path {path!r} is {said}, not a Parquet file or a directory" in err, err
+    assert "does not exist" not in err
+
+
+@pytest.mark.parametrize("name", ["media", "records"])
+def test_a_file_where_the_job_keeps_a_directory_is_exit_2_before_any_worker(prompts, tmp_path,
+                                                                            capsys, name):
+    """A regular file named `media` in the job directory passed the checks, then the job stopped
+    with exit 3 after starting Ray, without its summary or report. Now exit 2 before any worker,
+    naming it."""
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / name).write_text("not a directory")
+
+    def no_pool(*a):
+        raise AssertionError("a worker was started")
+    assert job.main(job_args(prompts, tmp_path), start_pool=no_pool) == 2
+    err = capsys.readouterr().err
+    assert f"is a file, where the job keeps its {name}/ directory; move or remove it" in err, err
