@@ -64,6 +64,7 @@ from .summary import json_text, summarize, summary_text, work_after
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
+STOPPED_METRICS_S = 5.0   # a worker stopped by the driver: its metrics waited for this long
 
 
 class JobError(RuntimeError):
@@ -439,6 +440,7 @@ class JobRun:
         self.canaries = 0                       # canaries that passed (the dispatcher's count)
         self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
         self.hangs: list[dict] = []             # each hung worker: device, bound, rows it held
+        self.stopped_metrics: list[dict] = []   # metrics of the workers stopped (canary, hang)
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
         # outputs made without the kernel by an earlier run, handed out again (`fallback_shards`):
@@ -552,6 +554,7 @@ class JobRun:
             _, n_ok, n_failed = self.timeline[-1]
             self.timeline.append((now - self.t_start, n_ok - len(rows), n_failed + len(rows)))
         dev = verdict.get("device") or {}
+        self._stopped_metrics(slot, "its canary failed")
         self.canary_failures.append(dict(rank=slot.rank, at_s=round(now - self.t_start, 1),
                                          device=dev, verdict=describe(verdict),
                                          suspect=len(suspect), suspect_ids=suspect[:10]))
@@ -562,7 +565,24 @@ class JobRun:
     def on_hung(self, slot, info: dict) -> None:
         """A worker was declared hung (the dispatcher logged it and stops it): kept for the
         summary and report, which name its host and GPU."""
+        self._stopped_metrics(slot, "hung")
         self.hangs.append(dict(rank=slot.rank, at_s=round(self.clock() - self.t_start, 1), **info))
+
+    def _stopped_metrics(self, slot, why: str) -> None:
+        """The metrics of a worker the dispatcher is about to stop (a failed canary, a hang), asked
+        now: it served, so it has its line in the summary's worker table (a worker stopped by its
+        canary was missing there: issue 60). It is alive and answers from a thread of its own
+        (a hung one too, unless every thread is taken); `STOPPED_METRICS_S` at most, else left
+        out, said in a line."""
+        future = self.pool.metrics(slot.actor)
+        try:
+            if not self.pool.wait([future], timeout=STOPPED_METRICS_S):
+                raise TimeoutError(f"no answer within {STOPPED_METRICS_S:.0f} s")
+            m = self.pool.result(future)
+        except Exception as e:
+            log.warning("no metrics from worker %d (stopped: %s): %s", slot.rank, why, e)
+            return
+        self.stopped_metrics.append(dict(m, restarts=slot.restarts, stopped=why))
 
     def _snapshot(self) -> None:
         """results.parquet and report.html so far, off the dispatch loop's thread (a full rewrite
@@ -632,8 +652,8 @@ class JobRun:
         self.ending.write("summary.json", self.store.write_text, "summary.json", json_text(summary))
         self.ending.write("summary.txt", self.store.write_text, "summary.txt", text)
         for m in metrics:
-            self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
-                              f"metrics/worker-{m['rank']}.json", json_text(m))
+            name = metrics_name(m)
+            self.ending.write(name, self.store.write_text, name, json_text(m))
         self._write_report(table, summary, metrics, text)
         if not self.store.local:        # the page's staging directory: the last page is written
             from .report import remove_stage
@@ -753,7 +773,7 @@ class JobRun:
                 metrics.append(m)
         for s in asked.values():
             log.warning("no metrics from worker %d within %.0f s", s.rank, timeout_s)
-        return sorted(metrics, key=lambda m: m["rank"])
+        return sorted(metrics + self.stopped_metrics, key=lambda m: (m["rank"], m["restarts"]))
 
     def _stop_workers(self) -> None:
         """Every worker gone before the caller goes on: a worker mid-write could otherwise still
@@ -772,6 +792,14 @@ class JobRun:
         once the job's own last lines are due."""
         if self.pool is not None:
             self.pool.close()
+
+
+def metrics_name(m: dict) -> str:
+    """A worker's metrics file: `metrics/worker-<rank>.json`; a worker the driver stopped (its
+    slot then served on with a replacement) `worker-<rank>-stopped-<restarts>.json`."""
+    if m.get("stopped"):
+        return f"metrics/worker-{m['rank']}-stopped-{m.get('restarts', 0)}.json"
+    return f"metrics/worker-{m['rank']}.json"
 
 
 def _write_config(cfg, job_dir: str) -> None:

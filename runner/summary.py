@@ -76,7 +76,8 @@ def worker_detail(m: dict) -> dict:
     """A worker's line of the summary: its metrics' headline figures, GPU ms per item flattened."""
     d = {k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items", "failed", "restarts",
                                 "model_load_s", "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s",
-                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s")}
+                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s",
+                                "stopped")}
     ms = m.get("gpu_ms_per_item") or {}
     d.update(gpu_ms_text=ms.get("text_encode"), gpu_ms_denoise=ms.get("denoise"),
              gpu_ms_decode=ms.get("decode"))
@@ -185,7 +186,9 @@ def failed_rows(table: list[dict]) -> list[dict]:
 
 
 def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
-    table_txt = format_table(s["workers_detail"], COLUMNS) + "\n" + textwrap.fill(LEGEND, 100)
+    # a worker the driver stopped (its canary failed, it hung) has its own line, saying so
+    stopped = ["stopped"] if any(w.get("stopped") for w in s["workers_detail"]) else []
+    table_txt = format_table(s["workers_detail"], COLUMNS + stopped) + "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{s['items_per_s']:.3g} items/s" if s["items_per_s"] else "-"
     suspect = f", {s['suspect']} suspect" if s.get("suspect") else ""
     text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed{suspect}"

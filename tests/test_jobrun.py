@@ -241,6 +241,7 @@ def test_a_hung_row_is_failed_naming_the_cause_and_the_job_ends_by_itself(
     assert s["worker_restarts"] == 2 if workers == 1 else s["worker_restarts"] in (1, 2)
     assert [h["bound_s"] for h in s["hangs"]] == [bound, bound]
     assert s["hangs"][-1]["ids"] == ["p07"] and s["hangs"][-1]["device"] == {"host": "sim"}
+    assert [w["stopped"] for w in s["workers_detail"]].count("hung") == 2      # in the table
     # bounded: two hangs of `bound` s each, three start-ups (5 s), 11 items at 1 s
     assert s["span_s"] < 2 * (bound + 2) + 3 * 5 + 11 + 5, s["span_s"]
     line = re.compile(rf"HUNG: worker {s['hangs'][-1]['rank']} \(host sim, CPU\) made no progress "
@@ -310,6 +311,13 @@ def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_
     assert line in (d / "summary.txt").read_text() and line in capsys.readouterr().out
     assert "<h2>Suspect outputs</h2>" in (d / "report.html").read_text()
     assert "worker 0 (host sim, GPU 0 simulated) failed its canary" in caplog.text
+    # issue 60: the stopped worker has its line in the worker table (and its metrics file), beside
+    # its replacement's
+    assert [(w["rank"], w["restarts"], w["stopped"]) for w in s["workers_detail"]] == [
+        (0, 0, "its canary failed"), (0, 1, None)]
+    assert s["workers_detail"][0]["items"] == 8
+    assert "its canary failed" in (d / "summary.txt").read_text().split("seconds per stage")[0]
+    assert sorted(os.listdir(d / "metrics")) == ["worker-0-stopped-0.json", "worker-0.json"]
     assert c.generated.count("p08") == 2          # handed back as it was, run by the replacement
 
     c.drift, c.generated = None, []
