@@ -38,9 +38,11 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   they were (no row is blamed), and the slot restarts like after a death not pinned on a row (a
   fresh process reloads the weights; its own first canary is its reference). The outputs after
   a worker's last canary are not checked.
-- A ready worker that makes no progress (no shard or canary back) for longer than its bound is
-  hung (`runner.watchdog`: a multiple of its own measured time for the work it holds, a floor,
-  the ceiling `hang_timeout_s`; 0: off): it is killed (`Pool.kill`) and replaced like a dead one,
+- A ready worker that makes no progress (no model call finished: no shard or canary back, and,
+  asked through `Pool.progress` once silent past its bound, none finished since) for longer than
+  its bound is hung (`runner.watchdog`: a multiple of its own measured time for one call of the
+  work it holds, a floor, the ceiling `hang_timeout_s`; 0: off; unanswered within
+  `watchdog.ASK_S`: hung too): it is killed (`Pool.kill`) and replaced like a dead one,
   the shard it was on is blamed as for a death (a row in flight at `max_deaths` hangs is failed:
   "no progress for N s while generating it"), the shards behind it go back as they were, and
   `on_hung(slot, info)` is told (its host and GPU, the bound, the rows).
@@ -79,7 +81,7 @@ from .images import INPUT_FAULT
 from .prompts import Item, Shard
 from .results import error_cause, failed_row
 from .storage import StoreTimeout
-from .watchdog import Pace, Watchdog, units
+from .watchdog import ASK_S, Pace, Watchdog, units
 
 log = logging.getLogger("runner")
 
@@ -143,6 +145,10 @@ class Pool(Protocol):
 
     def metrics(self, worker: Any) -> Any:
         """Future of the worker's metrics (`Worker.metrics`)."""
+
+    def progress(self, worker: Any) -> Any:
+        """Future of the seconds since the worker's last model call finished (`Worker.progress`;
+        asked only by the watchdog, of a worker silent past its bound)."""
 
     def wait(self, futures: list, timeout: float) -> list:
         """The futures of `futures` that are done (at least one), or [] once `timeout` seconds
@@ -218,7 +224,7 @@ class Dispatcher:
                  canary_every_s: float | None = None,
                  on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None,
                  later: list[Shard] = (), takes_later: Callable[[Slot], bool] = lambda s: False,
-                 hang_timeout_s: float = 0.0,
+                 hang_timeout_s: float = 0.0, batch_size: int = 1,
                  on_hung: Callable[[Slot, dict], None] | None = None):
         self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
         # shards only some workers should take, once `shards` are handed out (module docstring)
@@ -229,7 +235,7 @@ class Dispatcher:
         self.canary_on = canary_every > 0 or canary_every_s is not None
         self.on_canary_failed = on_canary_failed
         self.canaries = 0                       # canaries that passed
-        self.watchdog, self.on_hung = Watchdog(hang_timeout_s), on_hung
+        self.watchdog, self.on_hung = Watchdog(hang_timeout_s, batch_size), on_hung
         self.next_hang_check = 0.0              # the clock's time of the next look (once a second)
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
@@ -326,8 +332,7 @@ class Dispatcher:
                 break
             shard = queue.popleft()
             if not slot.running:             # its idle time is no silence: the clock starts now
-                slot.pace.since = self.clock()
-            slot.pace.largest = max(slot.pace.largest, units(shard.items))
+                self.watchdog.begin(slot.pace, self.clock())
             _, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
             slot.since += len(shard.items)
@@ -405,10 +410,8 @@ class Dispatcher:
         slot, shard, _ = self.futures.pop(finished)
         slot.running.remove(finished)
         if slot.pace is not None:
-            if measure and shard is not None:
-                self.watchdog.done(slot.pace, units(shard.items), self.clock())
-            else:
-                slot.pace.since = self.clock()
+            work = units(shard.items) if measure and shard is not None else None
+            self.watchdog.done(slot.pace, work, self.clock())
         if slot.state == "ready":
             self.hungry[slot] = None
 
@@ -421,13 +424,35 @@ class Dispatcher:
         self.next_hang_check = now + 1.0
         for slot in [s for s in self.slots if s.state == "ready" and s.running]:
             head = self.futures[slot.running[0]][1]      # what it works on: the oldest it holds
-            work = units(head.items) if head is not None else None
-            bound = self.watchdog.bound(slot.pace, work)
-            if now - slot.pace.since > bound:
-                self._hung(slot, head, now - slot.pace.since, bound, work)
+            pace = slot.pace
+            if head is not None:                         # (a canary: calls like the last shard's)
+                pace.call = self.watchdog.call_units(head.items)
+            bound = self.watchdog.bound(pace, pace.call)
+            if now - pace.since <= bound:
+                continue
+            if pace.asked is None:                       # silent in a long shard: ask it first
+                pace.asked, pace.asked_at = self.pool.progress(slot.actor), now
+            elif self._answered(slot, now) and now - pace.since <= bound:
+                continue                                 # a call finished since: not hung
+            elif pace.asked is None or now - pace.asked_at > ASK_S:
+                self._hung(slot, head, now - pace.since, bound, pace.call)
+
+    def _answered(self, slot: Slot, now: float) -> bool:
+        """Whether `slot`'s worker has answered the watchdog's question (`Pool.progress`: seconds
+        since its last call finished); its answer moves its progress clock. A worker lost
+        meanwhile is noticed through its shards."""
+        pace = slot.pace
+        if not self.pool.wait([pace.asked], timeout=0):
+            return False
+        try:
+            pace.since = max(pace.since, now - float(self.pool.result(pace.asked)))
+        except (TaskError, WorkerLost):
+            pass
+        pace.asked = None
+        return True
 
     def _hung(self, slot: Slot, head: Shard | None, silent: float, bound: float,
-              work: float | None) -> None:
+              call: float) -> None:
         """Stop a hung worker (`Pool.kill`: its process killed, whatever it is stuck in) and
         replace it. Only the shard it was on is blamed, as for a death (`run.max_row_deaths`); the
         shards queued behind it go back as they were. The error's first line is the cause rows
@@ -438,7 +463,7 @@ class Dispatcher:
         what = "generating it" if head is not None else "running its canary"
         error = (f"no progress for {bound:.0f} s while {what}\nworker {slot.rank} "
                  f"({canary.where(dev)}) was stopped after {silent:.0f} s without progress; the "
-                 f"bound: {self.watchdog.explain(slot.pace, work)}")
+                 f"bound: {self.watchdog.explain(slot.pace, call)}")
         log.error("worker %d (%s) is hung: no progress for %.0f s (bound %.0f s) on %s; stopping "
                   "and replacing it", slot.rank, canary.where(dev), silent, bound,
                   ", ".join(ids[:5]) + (" ..." if len(ids) > 5 else "") if ids else "its canary")

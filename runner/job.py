@@ -472,7 +472,8 @@ class JobRun:
                                 canary_every_s=opts.canary_every_s,
                                 on_canary_failed=self.on_canary_failed,
                                 later=later, takes_later=runs_int8_attention,
-                                hang_timeout_s=opts.hang_timeout_s, on_hung=self.on_hung)
+                                hang_timeout_s=opts.hang_timeout_s,
+                                batch_size=opts.batch_size, on_hung=self.on_hung)
         try:
             with self.progress.logging():
                 dispatcher.run()

@@ -255,10 +255,10 @@ def test_a_hung_row_is_failed_naming_the_cause_and_the_job_ends_by_itself(
     assert_complete(d)
 
 
-def test_a_slow_worker_is_not_hung_and_the_bound_follows_the_work_it_holds():
-    """The bound scales with the measured rate and the size of the work held (a row 4x the pixels
-    gets 4x the time), never under the floor nor over the ceiling; the first shard of the job
-    gets the ceiling (nothing measured yet)."""
+def test_the_bound_follows_the_measured_rate_and_the_work_of_one_call():
+    """The bound scales with the worker's measured rate and the size of one call of the work it
+    holds (a row of 4x the pixels gets 4x the time; a batch of 2, twice), never under the floor
+    nor over the ceiling; before anything came back, the ceiling; a new worker gets the job's."""
     from runner.prompts import Item
     from runner.watchdog import Pace, Watchdog, units
     dog = Watchdog(ceiling_s=1000, factor=10, floor_s=60)
@@ -268,13 +268,30 @@ def test_a_slow_worker_is_not_hung_and_the_bound_follows_the_work_it_holds():
         return [Item(id=f"i{k}", prompt="x", negative_prompt="", seed=0, height=size, width=size,
                      num_frames=1, num_inference_steps=10, guidance_scale=4.5, file="f", row=k)
                 for k in range(n)]
-    assert dog.bound(pace, units(rows(64))) == 1000              # nothing measured: the ceiling
+    assert dog.bound(pace, dog.call_units(rows(64))) == 1000     # nothing measured: the ceiling
+    dog.begin(pace, now=0.0)
     dog.done(pace, units(rows(64, 4)), now=20.0)                 # 4 rows in 20 s: 5 s a row
-    assert dog.bound(pace, units(rows(64))) == 60                # 10 x 5 s = 50: the floor
-    assert dog.bound(pace, units(rows(128))) == 200              # 4x the pixels: 10 x 20 s
-    assert dog.bound(pace, units(rows(512))) == 1000             # the ceiling
-    assert dog.bound(Pace(since=0.0), units(rows(128))) == 200   # a new worker: the job's rate
+    assert dog.bound(pace, dog.call_units(rows(64, 8))) == 60    # 10 x 5 s = 50: the floor
+    assert dog.bound(pace, dog.call_units(rows(128))) == 200     # 4x the pixels: 10 x 20 s
+    assert dog.bound(pace, dog.call_units(rows(512))) == 1000    # the ceiling
+    assert dog.bound(Pace(since=0.0), dog.call_units(rows(128))) == 200   # the job's rate
+    assert Watchdog(1000, batch=2, floor_s=60).call_units(rows(64, 8)) == 2 * units(rows(64))
     assert Watchdog(ceiling_s=0).on is False
+
+
+def test_a_worker_in_a_shard_longer_than_its_bound_is_asked_and_not_hung(tmp_path, write_prompts,
+                                                                          caplog):
+    """A shard of 100 rows at 1 s each runs 100 s without coming back, past the 60-s bound of a
+    call: the watchdog asks the worker (`Pool.progress`), which finished a call a second ago, so
+    it is not hung; the job ends ok with no hang."""
+    ids = [f"l{i:03d}" for i in range(200)]
+    p = write_prompts({"prompt": [f"p {i}" for i in range(200)], "id": ids})
+    c = Cluster()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(job_args(p, tmp_path, "run.shard_size=100")) == 0
+    s = summary(tmp_path / "j")
+    assert (s["ok"], s["hangs"], s["worker_restarts"]) == (200, [], 0)
+    assert "hung" not in caplog.text
 
 
 def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_path, capsys,

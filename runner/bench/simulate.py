@@ -44,6 +44,7 @@ the K futures, `RayPool.result` of a shard's rows, in CPU microseconds of the dr
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -142,6 +143,7 @@ class SimWorker:
     generated: int = 0                     # items handed to its GPU (canaries not counted)
     canaries: int = 0
     busy_s: float = 0.0                    # GPU seconds of the shards it ran
+    call_ends: list = field(default_factory=list)   # when each of its model calls ends, in order
     idle_s: float = 0.0                    # closed periods of waiting for work while ready
     ready: bool = False
 
@@ -211,6 +213,7 @@ class SimPool:
         w.busy_until = start + self.item_s
         w.busy_s += self.item_s
         w.canaries += 1
+        w.call_ends.append(w.busy_until)
         wrong = w.attempt == 1 and self.drift.get(w.rank, math.inf) < w.generated
         verdict = dict(ok=not wrong, rule="bit for bit", differing=0.5 if wrong else 0.0,
                        max_abs=40 if wrong else 0, psnr_db=20.0 if wrong else math.inf,
@@ -225,6 +228,16 @@ class SimPool:
 
     def metrics(self, w: SimWorker) -> SimFuture:
         return self._future(w, self.clock.time(), lambda f: self._set(f, "ok", self._metrics(w)))
+
+    def progress(self, w: SimWorker) -> SimFuture:
+        """Seconds since `w`'s last model call ended (or since it became ready), as a worker
+        answers the watchdog; a dead worker's call is lost."""
+        now = self.clock.time()
+        if w.dead_at is not None:
+            return self._future(w, now, lambda f: self._set(f, "lost", "killed"))
+        k = bisect.bisect_right(w.call_ends, now)
+        last = w.call_ends[k - 1] if k else w.ready_at
+        return self._future(w, now, lambda f: self._set(f, "ok", now - last))
 
     def wait(self, futures: list, timeout: float) -> list:
         t0 = time.thread_time()
@@ -316,6 +329,7 @@ class SimPool:
                 error = error or fate[6:]
             rows.append(_row(it, w.rank, fate, t, dt + self.write_s))
             t += dt
+            w.call_ends.append(t)
         if death is None and writing is not None:    # its GPU work done, dead while writing
             death = t + self.write_s / 2
         w.busy_until = death if death is not None else t
