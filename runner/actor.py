@@ -51,3 +51,6 @@ class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/w
 
     def phases(self, since: int) -> list[tuple[str, float]]:
         return self.worker.phases(since) if self.worker is not None else []
+
+    def progress(self) -> float:
+        return self.worker.progress()

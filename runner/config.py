@@ -263,6 +263,12 @@ class RunOptions:
     canary_min_psnr_db: float = key(40.0, "lossy compile modes (O3...): a canary passes at this "
                                           "PSNR against the first (uint8); lossless modes: bit "
                                           "for bit")
+    hang_timeout_s: float = key(1800.0, "a worker with no model call finished for 10 x its "
+                                        "measured time for one call of the work it holds (at "
+                                        "least 60 s), and never more than this many seconds, is "
+                                        "hung: killed, replaced, its shard's rows counted as in "
+                                        "flight at a death (see run.max_row_deaths); 0: never "
+                                        "(docs/failures.md)")
     dry_run: bool = key(False, "true: check config and prompts, print the plan against the job "
                                "directory, exit (no Ray)")
 
@@ -274,6 +280,7 @@ class RunOptions:
         if self.canary_every_s is not None:
             _positive("run.canary_every_s", self.canary_every_s)
         _positive("run.canary_min_psnr_db", self.canary_min_psnr_db)
+        _positive("run.hang_timeout_s", self.hang_timeout_s, allow_zero=True)
         _positive("run.batch_size", self.batch_size)
         _positive("run.shard_size", self.shard_size)
         _positive("run.warmup_steps", self.warmup_steps, allow_zero=True)

@@ -24,6 +24,9 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   failing shard of several rows is split into single rows, so one poison prompt cannot take its
   neighbours down; a row that raises more than `max_retries` times is recorded as failed and the
   job goes on.
+- A row whose input's store did not answer its worker (its error starts with
+  `images.INPUT_FAULT`) is the store's fault: the shard's other rows are recorded, that row is
+  not (it stays pending), and the job stops at once (`PersistentFault`, exit 3, naming the store).
 - Canaries (`canary_every` items, `canary_every_s` seconds; `runner.canary`): a ready slot whose
   actor was handed that many items (or had that time) since its last canary, and which has more
   to do, is asked for one in turn with its shards (`Pool.canary`: it runs after the GPU work of
@@ -35,6 +38,14 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   they were (no row is blamed), and the slot restarts like after a death not pinned on a row (a
   fresh process reloads the weights; its own first canary is its reference). The outputs after
   a worker's last canary are not checked.
+- A ready worker that makes no progress (no model call finished: no shard or canary back, and,
+  asked through `Pool.progress` once silent past its bound, none finished since) for longer than
+  its bound is hung (`runner.watchdog`: a multiple of its own measured time for one call of the
+  work it holds, a floor, the ceiling `hang_timeout_s`; 0: off; unanswered within
+  `watchdog.ASK_S`: hung too): it is killed (`Pool.kill`) and replaced like a dead one,
+  the shard it was on is blamed as for a death (a row in flight at `max_deaths` hangs is failed:
+  "no progress for N s while generating it"), the shards behind it go back as they were, and
+  `on_hung(slot, info)` is told (its host and GPU, the bound, the rows).
 - A slot whose actor has not become ready within `start_timeout_s` (a restart waiting for resources
   that left with a lost node waits forever in Ray) is given up. When no slot is ready or starting,
   the job stops with `DispatchError` instead of hanging.
@@ -66,9 +77,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from . import canary
+from .images import INPUT_FAULT
 from .prompts import Item, Shard
 from .results import error_cause, failed_row
 from .storage import StoreTimeout
+from .watchdog import ASK_S, Pace, Watchdog, units
 
 log = logging.getLogger("runner")
 
@@ -133,6 +146,10 @@ class Pool(Protocol):
     def metrics(self, worker: Any) -> Any:
         """Future of the worker's metrics (`Worker.metrics`)."""
 
+    def progress(self, worker: Any) -> Any:
+        """Future of the seconds since the worker's last model call finished (`Worker.progress`;
+        asked only by the watchdog, of a worker silent past its bound)."""
+
     def wait(self, futures: list, timeout: float) -> list:
         """The futures of `futures` that are done (at least one), or [] once `timeout` seconds
         passed with none done."""
@@ -150,6 +167,11 @@ class Pool(Protocol):
     def close(self) -> None:
         """The job is done with the pool (its workers stopped): nothing of it may print after
         the job's last lines (Ray: errors of calls never read, workers' log lines)."""
+
+
+def _few_ids(rows: list[dict], n: int = 5) -> str:
+    ids = [r["id"] for r in rows]
+    return ", ".join(ids[:n]) + (f" and {len(ids) - n} more" if len(ids) > n else "")
 
 
 def _short(text: str, n: int = 80) -> str:
@@ -185,6 +207,7 @@ class Slot:
     canary_at: float = 0.0           # when it was last asked for one (or became ready)
     checking: bool = False           # a canary of it is in flight
     made: dict = field(default_factory=dict)   # epoch -> ok rows it returned, not yet verified
+    pace: Pace | None = None         # its progress clock once ready (`runner.watchdog`)
 
 
 class Dispatcher:
@@ -200,7 +223,9 @@ class Dispatcher:
                  clock: Callable[[], float] = time.monotonic, canary_every: int = 0,
                  canary_every_s: float | None = None,
                  on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None,
-                 later: list[Shard] = (), takes_later: Callable[[Slot], bool] = lambda s: False):
+                 later: list[Shard] = (), takes_later: Callable[[Slot], bool] = lambda s: False,
+                 hang_timeout_s: float = 0.0, batch_size: int = 1,
+                 on_hung: Callable[[Slot, dict], None] | None = None):
         self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
         # shards only some workers should take, once `shards` are handed out (module docstring)
         self.later, self.takes_later = deque(later), takes_later
@@ -210,6 +235,8 @@ class Dispatcher:
         self.canary_on = canary_every > 0 or canary_every_s is not None
         self.on_canary_failed = on_canary_failed
         self.canaries = 0                       # canaries that passed
+        self.watchdog, self.on_hung = Watchdog(hang_timeout_s, batch_size), on_hung
+        self.next_hang_check = 0.0              # the clock's time of the next look (once a second)
         self.start_timeout_s, self.on_ready, self.on_tick = start_timeout_s, on_ready, on_tick
         self.clock = clock
         self.slots = [] if slots is None else slots     # the caller's list, kept current
@@ -242,6 +269,7 @@ class Dispatcher:
             if self.on_tick:                 # about once a second: start-up phases, progress lines
                 self.on_tick()
             self._time_out(ready)
+            self._check_hung()
             for f in ready:
                 if f in self.warming:
                     self.on_warm(self.warming[f])
@@ -303,6 +331,8 @@ class Dispatcher:
                     self._suspect(f) for f in slot.running)):
                 break
             shard = queue.popleft()
+            if not slot.running:             # its idle time is no silence: the clock starts now
+                self.watchdog.begin(slot.pace, self.clock())
             _, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
             slot.since += len(shard.items)
@@ -333,6 +363,7 @@ class Dispatcher:
             self.lose(slot, error, restart=self.startup_errors.get(error, 0) <= 1)
             return
         slot.state, slot.canary_at = "ready", self.clock()
+        slot.pace = Pace(since=self.clock())
         if self.on_ready:
             self.on_ready(slot)
         self.fill(slot)
@@ -348,21 +379,98 @@ class Dispatcher:
             self.lose(slot, str(e))
             return
         except TaskError as e:
-            self._retire(finished)
+            self._retire(finished, measure=False)     # progress, but not its pace: it raised
             self._count_fault(shard, str(e))
             self.retry(shard, str(e))
             return
         self._retire(finished)
+        self._input_faults(rows)
         self.streak.clear()
         if self.canary_on and epoch >= slot.good:     # (a canary after it passed: verified)
             slot.made.setdefault(epoch, []).extend(r for r in rows if r["status"] == "ok")
         self._rows(rows)
 
-    def _retire(self, finished) -> None:
-        slot, _, _ = self.futures.pop(finished)
+    def _input_faults(self, rows: list[dict]) -> None:
+        """Rows whose input's store did not answer the worker (`images.INPUT_FAULT`): the store's
+        fault, not theirs. The shard's other rows are recorded, those stay pending (not
+        recorded: a rerun runs them), and the job stops: `PersistentFault` naming the store."""
+        faults = [r for r in rows if (r.get("error") or "").startswith(INPUT_FAULT)]
+        if not faults:
+            return
+        self._rows([r for r in rows if not (r.get("error") or "").startswith(INPUT_FAULT)])
+        cause = faults[0]["error"][len(INPUT_FAULT):].splitlines()[0]
+        raise PersistentFault(
+            f"{cause}: a worker could not read its input there (rows {_few_ids(faults)}); "
+            f"rows not generated stay pending. Finished outputs are kept: once the store "
+            f"answers, rerun the same command to resume.")
+
+    def _retire(self, finished, measure: bool = True) -> None:
+        """A shard (or canary) of `slot` came back: off its running list, and progress on its
+        clock (`measure`: a shard's time taken into its pace)."""
+        slot, shard, _ = self.futures.pop(finished)
         slot.running.remove(finished)
+        if slot.pace is not None:
+            work = units(shard.items) if measure and shard is not None else None
+            self.watchdog.done(slot.pace, work, self.clock())
         if slot.state == "ready":
             self.hungry[slot] = None
+
+    def _check_hung(self) -> None:
+        """Once a second: a ready worker silent past its bound (`runner.watchdog`) is hung. O(slots)
+        a second, not per loop iteration."""
+        now = self.clock()
+        if not self.watchdog.on or now < self.next_hang_check:
+            return
+        self.next_hang_check = now + 1.0
+        for slot in [s for s in self.slots if s.state == "ready" and s.running]:
+            head = self.futures[slot.running[0]][1]      # what it works on: the oldest it holds
+            pace = slot.pace
+            if head is not None:                         # (a canary: calls like the last shard's)
+                pace.call = self.watchdog.call_units(head.items)
+            bound = self.watchdog.bound(pace, pace.call)
+            if now - pace.since <= bound:
+                continue
+            if pace.asked is None:                       # silent in a long shard: ask it first
+                pace.asked, pace.asked_at = self.pool.progress(slot.actor), now
+            elif self._answered(slot, now) and now - pace.since <= bound:
+                continue                                 # a call finished since: not hung
+            elif pace.asked is None or now - pace.asked_at > ASK_S:
+                self._hung(slot, head, now - pace.since, bound, pace.call)
+
+    def _answered(self, slot: Slot, now: float) -> bool:
+        """Whether `slot`'s worker has answered the watchdog's question (`Pool.progress`: seconds
+        since its last call finished); its answer moves its progress clock. A worker lost
+        meanwhile is noticed through its shards."""
+        pace = slot.pace
+        if not self.pool.wait([pace.asked], timeout=0):
+            return False
+        try:
+            pace.since = max(pace.since, now - float(self.pool.result(pace.asked)))
+        except (TaskError, WorkerLost):
+            pass
+        pace.asked = None
+        return True
+
+    def _hung(self, slot: Slot, head: Shard | None, silent: float, bound: float,
+              call: float) -> None:
+        """Stop a hung worker (`Pool.kill`: its process killed, whatever it is stuck in) and
+        replace it. Only the shard it was on is blamed, as for a death (`run.max_row_deaths`); the
+        shards queued behind it go back as they were. The error's first line is the cause rows
+        share (the bound, no figure of this worker); the next names the worker, host and GPU."""
+        info = slot.ready_info or {}
+        dev = info.get("device") or {"host": info.get("host")}
+        ids = [it.id for it in head.items] if head is not None else []
+        what = "generating it" if head is not None else "running its canary"
+        error = (f"no progress for {bound:.0f} s while {what}\nworker {slot.rank} "
+                 f"({canary.where(dev)}) was stopped after {silent:.0f} s without progress; the "
+                 f"bound: {self.watchdog.explain(slot.pace, call)}")
+        log.error("worker %d (%s) is hung: no progress for %.0f s (bound %.0f s) on %s; stopping "
+                  "and replacing it", slot.rank, canary.where(dev), silent, bound,
+                  ", ".join(ids[:5]) + (" ..." if len(ids) > 5 else "") if ids else "its canary")
+        if self.on_hung:
+            self.on_hung(slot, dict(device=dev, silent_s=round(silent, 1), bound_s=round(bound, 1),
+                                    ids=ids[:10], rows=len(ids)))
+        self.lose(slot, error, blame=head is not None, pin=head)
 
     def _count_fault(self, shard: Shard, error: str) -> None:
         """PersistentFault once `FAULT_ROWS` distinct shards failed of one cause (`fault_cause`)
@@ -404,10 +512,12 @@ class Dispatcher:
             self.suspects.add(s.index)
         self.queue.extendleft(reversed(singles))
 
-    def lose(self, slot: Slot, error: str, restart: bool = True, blame: bool = True) -> None:
+    def lose(self, slot: Slot, error: str, restart: bool = True, blame: bool = True,
+             pin: Shard | None = None) -> None:
         """The slot's worker is gone: keep what it finished, count the death for the rows it held
-        (`_died_with`; not `blame`: they go back as they were), restart it if its budget of
-        deaths not pinned on a row allows."""
+        (`_died_with`; not `blame`: they go back as they were; `pin`: only that shard's rows,
+        the others go back as they were), restart it if its budget of deaths not pinned on a row
+        allows."""
         if slot.state == "dead":
             return
         slot.state, slot.last_error = "dead", error
@@ -428,11 +538,13 @@ class Dispatcher:
         death = len(self.death_of) + 1
         self.death_of[death] = (slot.rank, error)
         ids = [it.id for s in held for it in s.items]
-        if ids and blame:                    # pinned on them until each is seen to be innocent
-            self.unresolved[death] = set(ids)
-            self._died_with(held, death)
+        blamed = [s for s in held if blame and (pin is None or s is pin)]
+        self.queue.extendleft(reversed([s for s in held if s not in blamed]))
+        pinned = [it.id for s in blamed for it in s.items]
+        if pinned:                           # pinned on them until each is seen to be innocent
+            self.unresolved[death] = set(pinned)
+            self._died_with(blamed, death)
         else:
-            self.queue.extendleft(reversed(held))
             self._charge(death)
         charged = self.charged.get(slot.rank, 0)
         what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
@@ -490,7 +602,8 @@ class Dispatcher:
         deaths = self.deaths[it.id]
         errors = [self.death_of[d][1].splitlines() or ["?"] for d in deaths]
         last = errors[-1]
-        text = (f"killed its worker {len(deaths)} times (run.max_row_deaths={self.max_deaths}): "
+        verb = "hung" if last[0].startswith("no progress") else "killed"
+        text = (f"{verb} its worker {len(deaths)} times (run.max_row_deaths={self.max_deaths}): "
                 f"{last[0]}\nrow {it.id!r} ({it.source}): prompt {_short(it.prompt)!r}")
         if it.image is not None:
             text += f", image {it.image!r}"

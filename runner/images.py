@@ -25,7 +25,8 @@ Contract:
   descriptor; an object's size comes with the request that opens it.
 - `read(item, stores, max_bytes) -> (bytes, sha256 hex)`, `fit(data, width, height) -> PIL.Image`
   (worker): raise `ImageError` naming the image and why (the causes above, not a decodable
-  image). The image
+  image), or `InputStoreFault` naming the store when the store itself did not answer (the job's
+  fault, not the row's: the worker reports it so, and the job stops). The image
   is resized to cover width x height (Lanczos) and center-cropped to it: no distortion, the
   row's own size (the crop of diffusers' Wan docs, `center_crop_resize`, and of Wan 2.2's own
   image-to-video code). A missing or undecodable image fails its row only (`runner.worker`).
@@ -71,6 +72,18 @@ NO_ANSWER_LOCAL = f"no answer from the file system in {LOOKUP_S:.0f} s (a stalle
 
 class ImageError(ValueError):
     """An image that cannot be used: fails its row, with this message as the reason."""
+
+
+class InputStoreFault(OSError):
+    """The store an image is read from did not answer a worker's read (timed out, refused, a host
+    name that does not resolve): the store's fault, not the row's. The worker hands it to the
+    driver as such (`runner.worker`), and the dispatcher stops the job (exit 3) instead of
+    failing every row that reads from that store (issue 60: 36 of 40 rows burnt in 192 s)."""
+
+
+# How a worker's row says its input store failed it (the start of the row's error): the
+# dispatcher stops the job on such a row and records it not (`runner.dispatch`).
+INPUT_FAULT = f"{InputStoreFault.__name__}: "
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -286,6 +299,9 @@ def _read_object(ref: str, stores: dict, max_bytes: int) -> bytes:
         raise ImageError("a directory (a prefix of other objects), not an object: not read"
                          if directory else "not found") from None
     except (OSError, ValueError) as e:
+        why = storage.unreachable(e)
+        if why:
+            raise InputStoreFault(f"the image store {_root(ref)}: {why}, reading {ref}") from None
         raise ImageError(_store_cause(e)) from None
 
 
@@ -401,9 +417,19 @@ def check_sample(items: list, error, max_bytes: int = MAX_BYTES) -> None:
                 else "")
         raise error(f"none of the {len(picked)} images looked up can be read (of {len(refs)} "
                     f"named), e.g.\n  {listed}\nfix the images{hint}")
+    _warn_grouped(bad, causes, first, len(picked))
+
+
+def _warn_grouped(bad: list[str], causes: dict, first: dict, looked_up: int) -> None:
+    """The unusable images of the sample, one line per cause (how many, the first few): 38
+    missing images were 38 lines before the job started (issue 60)."""
+    groups: dict[str, list[str]] = {}
     for r in bad:
-        log.warning("%s: image %s: %s: that row will fail", first[r].source, r,
-                    causes[r].splitlines()[0])
+        groups.setdefault(causes[r].splitlines()[0], []).append(r)
+    for cause, refs in groups.items():
+        shown = ", ".join(f"{first[r].source}: image {r}" for r in refs[:3])
+        log.warning("%d of the %d images looked up: %s (their rows will fail): %s%s",
+                    len(refs), looked_up, cause, shown, " ..." if len(refs) > 3 else "")
 
 
 def read(item, stores: dict | None = None, max_bytes: int = MAX_BYTES) -> tuple[bytes, str]:

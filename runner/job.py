@@ -64,6 +64,7 @@ from .summary import json_text, summarize, summary_text, work_after
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
+STOPPED_METRICS_S = 5.0   # a worker stopped by the driver: its metrics waited for this long
 
 
 class JobError(RuntimeError):
@@ -438,6 +439,8 @@ class JobRun:
         self.shards = 0                         # shards handed to workers (the dispatcher's count)
         self.canaries = 0                       # canaries that passed (the dispatcher's count)
         self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
+        self.hangs: list[dict] = []             # each hung worker: device, bound, rows it held
+        self.stopped_metrics: list[dict] = []   # metrics of the workers stopped (canary, hang)
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
         # outputs made without the kernel by an earlier run, handed out again (`fallback_shards`):
@@ -468,7 +471,9 @@ class JobRun:
                                 clock=self.clock, canary_every=opts.canary_items,
                                 canary_every_s=opts.canary_every_s,
                                 on_canary_failed=self.on_canary_failed,
-                                later=later, takes_later=runs_int8_attention)
+                                later=later, takes_later=runs_int8_attention,
+                                hang_timeout_s=opts.hang_timeout_s,
+                                batch_size=opts.batch_size, on_hung=self.on_hung)
         try:
             with self.progress.logging():
                 dispatcher.run()
@@ -550,12 +555,35 @@ class JobRun:
             _, n_ok, n_failed = self.timeline[-1]
             self.timeline.append((now - self.t_start, n_ok - len(rows), n_failed + len(rows)))
         dev = verdict.get("device") or {}
+        self._stopped_metrics(slot, "its canary failed")
         self.canary_failures.append(dict(rank=slot.rank, at_s=round(now - self.t_start, 1),
                                          device=dev, verdict=describe(verdict),
                                          suspect=len(suspect), suspect_ids=suspect[:10]))
         log.error("worker %d (%s) failed its canary (%s): it is stopped; its %d outputs made since "
                   "its last good canary are marked suspect (%s): a rerun regenerates them",
                   slot.rank, where(dev), describe(verdict), len(suspect), _few(suspect, 5))
+
+    def on_hung(self, slot, info: dict) -> None:
+        """A worker was declared hung (the dispatcher logged it and stops it): kept for the
+        summary and report, which name its host and GPU."""
+        self._stopped_metrics(slot, "hung")
+        self.hangs.append(dict(rank=slot.rank, at_s=round(self.clock() - self.t_start, 1), **info))
+
+    def _stopped_metrics(self, slot, why: str) -> None:
+        """The metrics of a worker the dispatcher is about to stop (a failed canary, a hang), asked
+        now: it served, so it has its line in the summary's worker table (a worker stopped by its
+        canary was missing there: issue 60). It is alive and answers from a thread of its own
+        (a hung one too, unless every thread is taken); `STOPPED_METRICS_S` at most, else left
+        out, said in a line."""
+        future = self.pool.metrics(slot.actor)
+        try:
+            if not self.pool.wait([future], timeout=STOPPED_METRICS_S):
+                raise TimeoutError(f"no answer within {STOPPED_METRICS_S:.0f} s")
+            m = self.pool.result(future)
+        except Exception as e:
+            log.warning("no metrics from worker %d (stopped: %s): %s", slot.rank, why, e)
+            return
+        self.stopped_metrics.append(dict(m, restarts=slot.restarts, stopped=why))
 
     def _snapshot(self) -> None:
         """results.parquet and report.html so far, off the dispatch loop's thread (a full rewrite
@@ -625,8 +653,8 @@ class JobRun:
         self.ending.write("summary.json", self.store.write_text, "summary.json", json_text(summary))
         self.ending.write("summary.txt", self.store.write_text, "summary.txt", text)
         for m in metrics:
-            self.ending.write(f"metrics/worker-{m['rank']}.json", self.store.write_text,
-                              f"metrics/worker-{m['rank']}.json", json_text(m))
+            name = metrics_name(m)
+            self.ending.write(name, self.store.write_text, name, json_text(m))
         self._write_report(table, summary, metrics, text)
         if not self.store.local:        # the page's staging directory: the last page is written
             from .report import remove_stage
@@ -720,7 +748,8 @@ class JobRun:
                           steady_items_per_s=self.steady_items / (self.t_done - self.t_all_ready))
         timing["aborted"] = self.aborted
         timing["skipped_empty"] = self.skipped   # rows never run: empty prompts, on_empty=skip
-        timing.update(canaries=self.canaries, canary_failures=self.canary_failures)
+        timing.update(canaries=self.canaries, canary_failures=self.canary_failures,
+                      hangs=self.hangs)
         return timing
 
     def _metrics(self) -> list[dict]:
@@ -745,7 +774,7 @@ class JobRun:
                 metrics.append(m)
         for s in asked.values():
             log.warning("no metrics from worker %d within %.0f s", s.rank, timeout_s)
-        return sorted(metrics, key=lambda m: m["rank"])
+        return sorted(metrics + self.stopped_metrics, key=lambda m: (m["rank"], m["restarts"]))
 
     def _stop_workers(self) -> None:
         """Every worker gone before the caller goes on: a worker mid-write could otherwise still
@@ -764,6 +793,14 @@ class JobRun:
         once the job's own last lines are due."""
         if self.pool is not None:
             self.pool.close()
+
+
+def metrics_name(m: dict) -> str:
+    """A worker's metrics file: `metrics/worker-<rank>.json`; a worker the driver stopped (its
+    slot then served on with a replacement) `worker-<rank>-stopped-<restarts>.json`."""
+    if m.get("stopped"):
+        return f"metrics/worker-{m['rank']}-stopped-{m.get('restarts', 0)}.json"
+    return f"metrics/worker-{m['rank']}.json"
 
 
 def _write_config(cfg, job_dir: str) -> None:
@@ -964,7 +1001,18 @@ def constraints(model) -> Constraints:
     info = model.info     # a distilled preset's sampler may bound the steps itself (FastWan: 3)
     return Constraints(size_factor=info["size_factor"], video_length=video_length(model),
                        frame_step=fam.frame_step, min_steps=info.get("min_steps", fam.min_steps),
-                       max_steps=info.get("max_steps", fam.max_steps), image=fam.image)
+                       max_steps=info.get("max_steps", fam.max_steps), image=fam.image,
+                       published=published_setting(model.preset, fam.kind == "video"))
+
+
+def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:
+    """The preset's published (height, width, frames) from conf/models/<preset>.yaml: what the
+    model was made for, and so the measure of a row's work (`Constraints.work_error`)."""
+    from .config import CONF_DIR
+    gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
+    if "height" not in gen or "width" not in gen:
+        return None
+    return int(gen.height), int(gen.width), int(gen.num_frames) if video and "num_frames" in gen else None
 
 
 def _check_output_dir(job_dir: str, create: bool = True) -> None:
@@ -988,6 +1036,7 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
                            f"credentials in the environment (docs/cloud.md)") from e
         return
     job_dir = _store(job_dir).base
+    _check_job_subdirs(job_dir)
     p = job_dir
     while not os.path.exists(p):
         p = os.path.dirname(p)
@@ -1003,6 +1052,20 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
     except OSError as e:
         raise JobError(f"output.dir: cannot create or write {job_dir!r} ({e.strerror or e}); set "
                        f"output.dir to a writable directory") from e
+
+
+JOB_SUBDIRS = ("media", "records", "metrics", "report")    # what a job keeps in its directory
+
+
+def _check_job_subdirs(job_dir: str) -> None:
+    """A file (or a dangling link) where the job keeps a directory: exit 2 naming it, before any
+    worker. It passed the checks, then stopped the job with exit 3 after Ray started, with no
+    summary or report written (issue 60)."""
+    for name in JOB_SUBDIRS:
+        path = os.path.join(job_dir, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise JobError(f"output.dir: {path!r} is a file, where the job keeps its {name}/ "
+                           f"directory; move or remove it, or use another job.name")
 
 
 def check_case_collisions(items: list[Item], job_dir: str) -> None:

@@ -38,6 +38,7 @@ LOCK = ".lock"
 HEARTBEAT_S = 15.0      # object stores: how often the holder rewrites its lock
 STALE_S = 120.0         # object stores: a lock not rewritten for this long is stale
 RELEASE_S = 15.0        # object stores: removing the lock at the end gives up after this long
+DAMAGED_S = 2.0         # a local lock unreadable this long names no driver: it is damaged
 
 
 class LockedError(RuntimeError):
@@ -71,6 +72,25 @@ def _stale(holder: dict) -> bool:
         and not _alive(holder["pid"])
 
 
+def _damaged(path: str, holder: dict) -> bool:
+    """A lock file that has been unreadable (empty, zero-filled: a power loss after its create,
+    before its synced write reached the disk) for `DAMAGED_S`: no driver is named in it, and a
+    driver writes its lock within milliseconds of creating it. Taken over, said in one line; it
+    was "in use by another driver" with no driver to wait for (issue 60)."""
+    if holder:
+        return False
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return False
+    if age < DAMAGED_S:                          # being written now, perhaps: read it again
+        time.sleep(DAMAGED_S - age)
+        holder.update(_read(path) or {})
+        return not holder and _damaged(path, holder)
+    log.warning("%s names no driver (empty or damaged, %.0f s old): taken over", path, age)
+    return True
+
+
 def _try_create(path: str, me: dict) -> bool:
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -100,7 +120,7 @@ def acquire(job_dir: str) -> str:
         holder = _read(path)
         if holder is None:                       # released meanwhile
             continue
-        if _stale(holder):
+        if _stale(holder) or _damaged(path, holder):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
             continue

@@ -36,6 +36,7 @@ Contract:
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import math
 import os
@@ -60,6 +61,13 @@ class PromptError(ValueError):
     pass
 
 
+# A row may ask at most this many times the latent positions (size x frames) of its preset's
+# published setting: 2x the side of an image, or 4x a video's frames at its size. Past that a row
+# runs a GPU out of memory or for hours (issue 60: a 16384x16384 row, 256x PixArt-1024's, held its
+# worker until it was killed from outside).
+WORK_FACTOR = 4
+
+
 @dataclass(frozen=True)
 class Constraints:
     """What the model accepts, known before it is built."""
@@ -69,11 +77,42 @@ class Constraints:
     min_steps: int = 1
     max_steps: int | None = None     # the most steps its pipeline runs (`Family.max_steps`)
     image: str | None = None         # image-to-video: "required" | "optional" (`Family.image`)
+    # the preset's published (height, width, num_frames or None): a row's work is bounded by it
+    published: tuple[int, int, int | None] | None = None
 
     @property
     def video(self) -> bool:
         """Rows have num_frames (None for image models)."""
         return self.video_length is not None or self.frame_step is not None
+
+    def latents(self, height: int, width: int, frames: int | None) -> int:
+        """Latent positions of a row (the denoiser's tokens times its patch area): what its
+        memory and time grow with, over its steps."""
+        f = self.size_factor
+        t = 1
+        if self.video and frames:
+            t = (frames - 1) // self.frame_step + 1 if self.frame_step else frames
+        return max(1, height // f) * max(1, width // f) * t
+
+    @property
+    def max_latents(self) -> int | None:
+        """The most latent positions a row may ask: `WORK_FACTOR` x the preset's published
+        setting's (None: no published setting known)."""
+        return WORK_FACTOR * self.latents(*self.published) if self.published else None
+
+    def work_error(self, height: int, width: int, frames: int | None) -> str | None:
+        """Why a row of this size is more work than the preset is for, or None."""
+        bound = self.max_latents
+        if bound is None or self.latents(height, width, frames) <= bound:
+            return None
+        ph, pw, pf = self.published
+        ratio = self.latents(height, width, frames) / self.latents(ph, pw, pf)
+        frames_txt = lambda n: f" x {n} frames" if self.video and n else ""   # noqa: E731
+        return (f"{height}x{width}{frames_txt(frames)} is {ratio:,.0f}x the work of this model's "
+                f"published setting ({ph}x{pw}{frames_txt(pf)}); a row may ask at most "
+                f"{WORK_FACTOR}x (it would run a GPU out of memory or for hours, and nothing stops "
+                f"a row once it runs): lower height, width" + (" or num_frames (split a long "
+                f"video into clips)" if self.video else "") + ", or pick a larger preset")
 
     def frames_error(self, n: int) -> str | None:
         """Why `n` frames is not valid for this model, or None."""
@@ -174,19 +213,47 @@ def list_files(paths: tuple[str, ...]) -> list[str]:
             files += _list_uri(p)
             continue
         if os.path.isdir(p):
-            # files only: a directory named x.parquet (Spark's output) is walked, not read whole
-            found = sorted(str(f) for f in Path(p).rglob("*.parquet") if f.is_file())
-            if not found:
-                raise PromptError(f"prompts.path directory {p!r} has no .parquet files")
-            files += found
+            files += _walk(p)
         elif os.path.isfile(p):
             files.append(p)
+        elif os.path.exists(p):      # /dev/zero, a FIFO, a socket: it exists, and is no file
+            raise PromptError(f"prompts.path {p!r} is {_kind(p)}, not a Parquet file or a "
+                              f"directory of them; set prompts.path to a .parquet file or a "
+                              f"directory")
         else:
             raise PromptError(f"prompts.path {p!r} does not exist (relative paths are relative "
                               f"to the current directory {os.getcwd()!r})")
     if len(set(map(os.path.abspath, files))) != len(files):
         raise PromptError(f"prompts.path lists a file twice: {files}")
     return files
+
+
+def _walk(p: str) -> list[str]:
+    """The .parquet files under directory `p`. Files only: a directory named x.parquet (Spark's
+    output) is walked, not read whole. Hidden ones (a name starting with "."; macOS writes a
+    `._x.parquet` of metadata beside each file copied to a foreign disk) are left out, in one
+    line: one such file refused the whole directory (issue 60)."""
+    found, hidden = [], []
+    for f in sorted(Path(p).rglob("*.parquet")):
+        if f.is_file():
+            (hidden if any(part.startswith(".") for part in f.relative_to(p).parts)
+             else found).append(str(f))
+    if hidden:
+        log.warning("prompts.path %s: %d hidden .parquet files left out (names starting with "
+                    "'.', e.g. macOS's ._* metadata): %s", p, len(hidden), ", ".join(hidden[:3]))
+    if not found:
+        raise PromptError(f"prompts.path directory {p!r} has no .parquet files"
+                          + (f" (only hidden ones: {hidden[0]} ...)" if hidden else ""))
+    return [str(f) for f in found]
+
+
+def _kind(p: str) -> str:
+    """What a path that is neither a file nor a directory is, in words."""
+    import stat
+    mode = os.stat(p).st_mode
+    return ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
 
 
 def _list_uri(p: str) -> list[str]:
@@ -196,7 +263,8 @@ def _list_uri(p: str) -> list[str]:
         kind = store.fs.get_file_info(store.base).type
         if kind == pafs.FileType.File:
             return [p]
-        found = sorted(n for n in store.list() if n.endswith(".parquet")) \
+        found = sorted(n for n in store.list() if n.endswith(".parquet") and not any(
+            part.startswith(".") for part in n.split("/"))) \
             if kind == pafs.FileType.Directory else []
     except (OSError, ValueError) as e:
         raise PromptError(f"prompts.path {p!r}: cannot read it ({e}); check the URI and the "
@@ -234,8 +302,13 @@ def _duplicate_columns(src: str, fs) -> list[str]:
 
 
 def sanitize_id(raw: str) -> str:
-    s = _ID_BAD.sub("_", raw.strip()).lstrip(".")[:MAX_ID_LEN]
-    return s
+    """`raw` in file-name characters, at most `MAX_ID_LEN`. A longer id keeps its first
+    characters and a hash of the whole: two long ids that differ only past the cut (a path, a
+    URL with a query) stay two ids, not "the same id" (issue 60)."""
+    s = _ID_BAD.sub("_", raw.strip()).lstrip(".")
+    if len(s) <= MAX_ID_LEN:
+        return s
+    return f"{s[:MAX_ID_LEN - 13]}-{hashlib.sha256(s.encode()).hexdigest()[:12]}"
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -413,6 +486,10 @@ def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefau
                 ok.append(pc.all(pc.equal(pc.subtract(left, pc.multiply(
                     pc.divide(left, limits.frame_step), limits.frame_step)), 0)))
         ok += [pc.all(pc.less(c, 2**63)) for c in ints.values() if pa.types.is_uint64(c.type)]
+        if limits.max_latents is not None:   # the largest of each: a bound on every row's work
+            big = [pc.max(ints[k]).as_py() for k in ("height", "width")]
+            frames = pc.max(ints["num_frames"]).as_py() if limits.video else None
+            ok.append(pa.scalar(limits.work_error(*big, frames) is None))
         if not all(x.as_py() for x in ok):
             raise _Slow
     except (_Slow, pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -492,6 +569,9 @@ def _row_item(cols: dict, i: int, row: int, file: str, stem: str, gen: Generatio
 
 def _check_item(item: Item, limits: Constraints) -> None:
     where = item.source
+    why = limits.work_error(item.height, item.width, item.num_frames)
+    if why:     # first: a row of 10,000 frames is too long before it is a wrong frame count
+        raise PromptError(f"{where} (id {item.id!r}): {why}")
     g = item.guidance_scale
     if not math.isfinite(g) or g < 0:
         raise PromptError(f"{where}: guidance_scale={g} must be a finite number >= 0 (<= 1: no "

@@ -9,7 +9,7 @@ Contract:
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
 - The Pool calls map one to one onto actor calls (`warmup`, told when it was asked: the worker's
   start-up deadline counts from then; `start_shard` + `finish_shard`,
-  `canary`, `phases`, `metrics`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
+  `canary`, `phases`, `metrics`, `progress`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
   `TaskError` (our code raised in the worker: its cause, `Type: message`) or `WorkerLost` (the
   actor or its node is gone: what it died of, `lost_cause`: its first line a cause that deaths
   share, "out of memory: ..." when it was killed for memory, the particulars on the next); `stop`
@@ -58,9 +58,10 @@ class RayPool:
             broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
         cfg = worker_config(bool(gpus))
         # Threaded: a shard's two calls (start_shard, finish_shard) for each of the `inflight`
-        # shards, metrics() and phases(); the worker orders the GPU work itself.
+        # shards, a canary, metrics() or phases(), and progress() (the watchdog's: answered while
+        # all the others wait on a hung call); the worker orders the GPU work itself.
         remote = ray.remote(WorkerActor).options(max_restarts=0, scheduling_strategy="SPREAD",
-                                                 max_concurrency=2 * inflight + 1, **resources)
+                                                 max_concurrency=2 * inflight + 3, **resources)
         log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
                  "warms up)", size, "GPU" if gpus else "CPU")
         return cls(lambda rank: remote.remote(rank, cfg, broker), size)
@@ -82,6 +83,9 @@ class RayPool:
 
     def metrics(self, actor) -> Any:
         return actor.metrics.remote()
+
+    def progress(self, actor) -> Any:
+        return actor.progress.remote()
 
     def wait(self, futures: list, timeout: float) -> list:
         # One blocking wait for the first, then every other one already done: under load a loop

@@ -46,7 +46,7 @@ import numpy as np
 
 from .outputs import atomic_path, write_json
 from .results import group_errors
-from .summary import canary_lines, not_ready_text
+from .summary import canary_lines, hang_lines, not_ready_text
 from .storage import Store, resolve
 
 log = logging.getLogger("runner")
@@ -80,7 +80,8 @@ def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics, (summary or {}).get("workers_not_ready") or ()),
-        failures=_failure_list(rows) + _suspect_list(summary or {}),
+        failures=_failure_list(rows) + _suspect_list(summary or {})
+                 + _hung_list(summary or {}),
         gallery="\n".join(_entry(job_dir, r, deadline, store, no_thumb) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
@@ -460,6 +461,15 @@ def _suspect_list(s: dict) -> str:
     if not lines:
         return ""
     return ("<h2>Suspect outputs</h2><ul class='failures'>"
+            + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
+
+
+def _hung_list(s: dict) -> str:
+    """Each worker declared hung: where it ran (host, node, GPU) and the rows it held."""
+    lines = hang_lines(s)
+    if not lines:
+        return ""
+    return ("<h2>Hung workers</h2><ul class='failures'>"
             + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
 
 

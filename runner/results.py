@@ -170,7 +170,10 @@ def failed_row(item, error: str, worker: int | None = None) -> dict:
             "started_at": None, "denoise_it_s": None}
 
 
-CAUSE_LEN = 160          # characters of an error's first line that name its cause
+# Characters of an error's first line that name its cause: the longest cause the runner words
+# itself ("killed its worker 2 times (...): the worker process ended without an error of its own:
+# killed (SIGKILL; ...) or crashed (...)", 206) whole; a longer one is cut at a word, and says so.
+CAUSE_LEN = 240
 _TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}-")          # storage/outputs temp names: random part
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")          # "object at 0x7f...": differs per call
 # Where a message names a file, which differs per row (`_mask_paths`). A name ends before a
@@ -219,7 +222,16 @@ def error_cause(row: dict) -> str:
         # a temp file's name is ".tmp-*-<id>.ext"), nor a URI's scheme (an id "s3")
         text = re.sub(rf"(?:(?<=\.tmp-\*-)|(?<![A-Za-z0-9._-])){re.escape(rid)}(?![A-Za-z0-9_-]|:/)",
                       "<id>", text)
-    return text[:CAUSE_LEN]
+    return _cut(text, CAUSE_LEN)
+
+
+def _cut(text: str, n: int) -> str:
+    """`text` within `n` characters, cut at a word with "..." (never mid-word: issue 60's summary
+    line for a memory kill ended "(SIGSEGV, a CU")."""
+    if len(text) <= n:
+        return text
+    head = text[:n - 4]
+    return (head.rsplit(" ", 1)[0] if " " in head else head) + " ..."
 
 
 def group_errors(rows) -> list[tuple[str, list[str]]]:

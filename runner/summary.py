@@ -76,7 +76,8 @@ def worker_detail(m: dict) -> dict:
     """A worker's line of the summary: its metrics' headline figures, GPU ms per item flattened."""
     d = {k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items", "failed", "restarts",
                                 "model_load_s", "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s",
-                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s")}
+                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s",
+                                "stopped")}
     ms = m.get("gpu_ms_per_item") or {}
     d.update(gpu_ms_text=ms.get("text_encode"), gpu_ms_denoise=ms.get("denoise"),
              gpu_ms_decode=ms.get("decode"))
@@ -152,6 +153,20 @@ def canary_lines(s: dict) -> list[str]:
     return lines
 
 
+def hang_lines(s: dict) -> list[str]:
+    """Each worker declared hung: where it ran (host, node, GPU), how long it was silent, on
+    which rows (summary.txt, report.html)."""
+    from .canary import where
+    lines = []
+    for h in s.get("hangs") or ():
+        ids = ", ".join(h["ids"]) + (" ..." if h["rows"] > len(h["ids"]) else "")
+        lines.append(f"HUNG: worker {h['rank']} ({where(h['device'])}) made no progress for "
+                     f"{h['silent_s']:.0f} s (bound {h['bound_s']:.0f} s) at {h['at_s']:.1f} s, "
+                     + (f"generating {ids}" if ids else "running its canary")
+                     + "; it was stopped and replaced")
+    return lines
+
+
 def int8_fallback_lines(s: dict) -> list[str]:
     """Outputs of this directory made without int8-attention's kernel (their workers could not
     run it), in one line: how many, which workers of this run fell back and why (summary.txt);
@@ -171,7 +186,9 @@ def failed_rows(table: list[dict]) -> list[dict]:
 
 
 def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
-    table_txt = format_table(s["workers_detail"], COLUMNS) + "\n" + textwrap.fill(LEGEND, 100)
+    # a worker the driver stopped (its canary failed, it hung) has its own line, saying so
+    stopped = ["stopped"] if any(w.get("stopped") for w in s["workers_detail"]) else []
+    table_txt = format_table(s["workers_detail"], COLUMNS + stopped) + "\n" + textwrap.fill(LEGEND, 100)
     rate = f"{s['items_per_s']:.3g} items/s" if s["items_per_s"] else "-"
     suspect = f", {s['suspect']} suspect" if s.get("suspect") else ""
     text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed{suspect}"
@@ -201,7 +218,8 @@ def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
-    text += "".join(f"\n{line}\n" for line in canary_lines(s) + int8_fallback_lines(s))
+    text += "".join(f"\n{line}\n" for line in canary_lines(s) + hang_lines(s)
+                    + int8_fallback_lines(s))
     failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
     if failures:   # last: what the user acts on (the console's last lines)
         text += ("\nfailures by cause (a rerun retries them):\n"

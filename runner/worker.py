@@ -204,6 +204,11 @@ class WorkerContract(Protocol):
     def phases(self, since: int) -> list[tuple[str, float]]:
         """Start-up phases from the `since`-th on: (phase, seconds since the worker started)."""
 
+    def progress(self) -> float:
+        """Seconds since the worker's last model call finished (or since it became ready): the
+        driver's watchdog asks a worker silent in a long shard whether it still makes progress
+        (`runner.watchdog`)."""
+
 
 class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol base)
     def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
@@ -230,6 +235,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self._lock = threading.Lock()         # metrics, written by the host threads
         self._turn = threading.Condition()    # start_shard's ordering
         self._next_seq, self._runs = 0, {}
+        self._last_call_end = time.perf_counter()   # the last model call's end (`progress`)
         if cfg.compile.enabled:  # Inductor's imports (and a kernel build) overlap with loading the model
             import compiler
             compiler.prewarm(build_int8_attention=cfg.compile.options.has("int8_attention")
@@ -274,6 +280,11 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
     def phases(self, since: int) -> list[tuple[str, float]]:
         # Answered while warmup() runs (a threaded actor); the driver polls it (progress.py).
         return self._phases[since:]
+
+    def progress(self) -> float:
+        # Answered from a thread of the actor's own, whatever the gpu thread is stuck in. A
+        # duration, not a time: the driver's clock need not agree with this machine's.
+        return time.perf_counter() - self._last_call_end
 
     def _sync(self):
         if self.cuda:
@@ -354,7 +365,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         if self.cuda:  # peak memory of serving, not of loading/compiling
             torch.cuda.reset_peak_memory_stats()
         self._util = UtilSampler.start(self.cuda)
-        self.ready_at = self._gpu_idle_since = time.perf_counter()
+        self.ready_at = self._gpu_idle_since = self._last_call_end = time.perf_counter()
         self.m["ready_at"] = time.time()
         keys = ("rank", "host", "node_id", "model_load_s", "warmup_s", "warmup_with_compile_s",
                 "warmup_with_cache_s", "cache_hit", "cache_wait_s", "int8_attention",
@@ -456,6 +467,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
             return images.fit(data, item.width, item.height, images.label(item)), sha, None
         except images.ImageError as e:
             return None, sha, f"ImageError: {e}"
+        except images.InputStoreFault as e:      # the store's, not the row's: the driver stops
+            return None, sha, f"{images.INPUT_FAULT}{e}"
         except Exception as e:   # anything else about this image (PIL's decompression-bomb guard)
             return None, sha, f"ImageError: {images.label(item)}: {type(e).__name__}: {e}"
 
@@ -535,7 +548,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                                  exact=self.cfg.compile.options.lossless,
                                  min_psnr_db=self.cfg.canary_min_psnr_db)
         seconds = time.perf_counter() - t0
-        self._gpu_idle_since = time.perf_counter()
+        self._gpu_idle_since = self._last_call_end = time.perf_counter()
         with self._lock:
             self.m["canaries"] += 1
             self.m["canary_s"] += seconds
@@ -599,7 +612,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 marks.mark("to_host_end")
         finally:
             self._marks = None
-            self._gpu_idle_since = time.perf_counter()
+            self._gpu_idle_since = self._last_call_end = time.perf_counter()
         return Generated(batch, t0, started_at, media, finite, marks)
 
     def _finish(self, gen: Future) -> list[dict]:

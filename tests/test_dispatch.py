@@ -545,7 +545,8 @@ def test_the_worker_implements_the_contract():
     from runner.actor import WorkerActor
     from runner.worker import Worker, WorkerContract
     names = [n for n in vars(WorkerContract) if not n.startswith("_")]
-    assert sorted(names) == ["canary", "finish_shard", "metrics", "phases", "start_shard", "warmup"]
+    assert sorted(names) == ["canary", "finish_shard", "metrics", "phases", "progress",
+                             "start_shard", "warmup"]
     for cls in (Worker, WorkerActor):    # the class, and the actor the driver starts around it
         for name in names:
             assert inspect.signature(getattr(cls, name)) == \

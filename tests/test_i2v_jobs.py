@@ -7,6 +7,8 @@ job and a FLUX.1-dev job, both with step reuse."""
 import hashlib
 import json
 import os
+import signal
+import time
 
 import imageio_ffmpeg
 import numpy as np
@@ -190,3 +192,59 @@ def test_new_family_job_with_step_reuse(tmp_path, write_prompts, job, ext):
     # 1 call a step, 4 of 8 steps reused; the warm-up's reused calls add to both
     assert m["step_cache_reused"] >= 2 * (6 if ext == "mp4" else 4)
     assert (d / "report.html").is_file() and json.load(open(d / "summary.json"))["ok"] == 2
+
+
+@pytest.mark.e2e
+def test_an_image_store_frozen_mid_job_stops_it_exit_3_and_a_rerun_makes_the_rest(
+        tmp_path, monkeypatch):
+    """Issue 60: the S3 server of 40 rows' images frozen (SIGSTOP: connections accepted, no
+    answer) once a few rows are made. Before, every later row failed one by one (36 of 40, 192 s,
+    exit 1). Now the first worker read that times out (the store's 20 s limit) is the store's
+    fault: exit 3 within 60 s of the stall, naming the store; no row failed, those not made are
+    pending (not in the record). Once the store answers, a rerun makes exactly the rest."""
+    from conftest import GUARD_S
+    from s3server import moto_server
+    from test_faults import wait_for_journal
+    n = 40
+    ids = [f"r{i:02d}" for i in range(n)]
+    with moto_server() as server:          # its own server: freezing the session's would stall others
+        server.create_bucket("frozen")
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        store = resolve("s3://frozen/imgs")
+        for i in range(n):
+            store.write_file_atomic(f"{i}.png", png(tmp_path / "img" / f"{i}.png", (5 * i, 90, 30)))
+        pq.write_table(pa.table({"id": ids, "prompt": [f"scene {i}" for i in range(n)],
+                                 "image": [f"s3://frozen/imgs/{i}.png" for i in range(n)]}),
+                       tmp_path / "p.parquet")
+        args = ["ray.cpu_workers=1", "generation.height=64", "generation.width=48",
+                "generation.num_frames=5", "generation.num_inference_steps=2", "job=wan_i2v_batch",
+                "model.source=tiny", f"prompts.path={tmp_path / 'p.parquet'}",
+                f"output.dir={tmp_path / 'out'}", "job.name=j", "run.shard_size=2",
+                "output.results_every_s=0"]
+        job = tmp_path / "out" / "j"
+        p = cli(args, faults="slow:0.3", wait=False)
+        wait_for_journal(str(job), 4)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        t_stall = time.time()
+        try:
+            out, err = p.communicate(timeout=GUARD_S)
+            took = time.time() - t_stall
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert p.returncode == 3, err[-4000:]
+        assert took <= 60, took
+        last = [line for line in err.splitlines() if line.strip()][-1]
+        assert last.startswith("error: the image store s3://frozen: did not answer in time"), err[-3000:]
+        recorded = {r["id"]: r["status"] for r in pq.read_table(job / "results.parquet").to_pylist()}
+        assert set(recorded.values()) == {"ok"} and 4 <= len(recorded) < n, recorded
+        summary = json.load(open(job / "summary.json"))
+        assert summary["failed"] == 0 and summary["not_run"] == n - len(recorded)
+        made = {i: os.stat(job / "media" / f"{i}.mp4").st_mtime_ns for i in recorded}
+
+        rc, out, err = cli(args)               # the store answers again
+        assert rc == 0, err[-3000:]
+        table = pq.read_table(job / "results.parquet").to_pylist()
+        assert sorted(r["id"] for r in table) == ids and {r["status"] for r in table} == {"ok"}
+        assert {i: os.stat(job / "media" / f"{i}.mp4").st_mtime_ns for i in recorded} == made
+        assert json.load(open(job / "summary.json"))["resumed"] == len(recorded)

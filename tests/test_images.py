@@ -197,7 +197,8 @@ def test_each_unusable_local_image_has_its_own_cause_at_the_check_and_the_read(t
         items = check(p)[2]                                        # the good one: the job runs
     for k, (kind, path) in enumerate(files.items()):
         if kind != "good":
-            line = f"p.parquet:{k}: image {path}: {CAUSES[kind].splitlines()[0]}: that row will fail"
+            line = (f"1 of the {len(files)} images looked up: {CAUSES[kind].splitlines()[0]} (their "
+                    f"rows will fail): {p}:{k}: image {path}")
             assert line in caplog.text, (kind, caplog.text)
     assert "good.png" not in caplog.text
     t0 = time.monotonic()

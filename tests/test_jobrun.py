@@ -8,6 +8,7 @@ SIGTERM and a second driver (test_record.py), a driver SIGKILL and resume and a 
 import json
 import logging
 import os
+import re
 import signal
 
 import pyarrow.parquet as pq
@@ -209,6 +210,90 @@ def test_a_row_that_kills_its_worker_every_time_fails_alone_and_the_job_goes_on(
     assert f"1 x killed its worker 2 times (run.max_row_deaths=2): actor died (simulated): {bad}" in out
 
 
+@pytest.mark.parametrize("workers, ceiling, bound", [(1, 1800, 60), (2, 1800, 60), (1, 20, 20)])
+def test_a_hung_row_is_failed_naming_the_cause_and_the_job_ends_by_itself(
+        prompts, tmp_path, capsys, caplog, workers, ceiling, bound):
+    """Issue 60: p07's generate call never returns (the worker lives, silent). Items take 1 s, so
+    a shard of 3 is expected in 3 s: the bound is the floor, 60 s (10 x 3 s is less), or the
+    ceiling run.hang_timeout_s when lower. The worker is declared hung at the bound, killed and
+    replaced; the shard it was on runs row by row, p07 hangs again and is failed at its second
+    hang, naming the cause; every other row is ok; exit 1, within 2 bounds and the start-ups of
+    the job's end. The log, summary and report name the worker's host and GPU. A rerun retries
+    p07 alone."""
+    c = Cluster(lambda it: "hang" if it.id == "p07" else "ok")
+    args = job_args(prompts, tmp_path, f"ray.cpu_workers={workers}", f"run.hang_timeout_s={ceiling}")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(args) == 1
+    d = tmp_path / "j"
+    table = assert_complete(d, failed={"p07"})
+    error = {r["id"]: r["error"] for r in table}["p07"]
+    first, second, third = error.splitlines()
+    assert first == (f"hung its worker 2 times (run.max_row_deaths=2): no progress for {bound} s "
+                     f"while generating it")
+    assert second.startswith("row 'p07' (") and third.startswith("worker ")
+    silent = int(re.search(r"\(host sim, CPU\) was stopped after (\d+) s without progress; the "
+                           r"bound: ", third).group(1))
+    assert bound <= silent <= bound + 1                     # looked at once a second
+    assert c.generated.count("p07") == 2
+    s = summary(d)
+    assert (s["ok"], s["failed"]) == (11, 1)
+    # each hang replaced its worker; with 2, the second may end with nothing left to replace it for
+    assert s["worker_restarts"] == 2 if workers == 1 else s["worker_restarts"] in (1, 2)
+    assert [h["bound_s"] for h in s["hangs"]] == [bound, bound]
+    assert s["hangs"][-1]["ids"] == ["p07"] and s["hangs"][-1]["device"] == {"host": "sim"}
+    assert [w["stopped"] for w in s["workers_detail"]].count("hung") == 2      # in the table
+    # bounded: two hangs of `bound` s each, three start-ups (5 s), 11 items at 1 s
+    assert s["span_s"] < 2 * (bound + 2) + 3 * 5 + 11 + 5, s["span_s"]
+    line = re.compile(rf"HUNG: worker {s['hangs'][-1]['rank']} \(host sim, CPU\) made no progress "
+                      rf"for {bound}|{bound + 1} s \(bound {bound} s\) at [\d.]+ s, generating p07; it "
+                      rf"was stopped and replaced")
+    assert line.search((d / "summary.txt").read_text()) and line.search(capsys.readouterr().out)
+    assert "<h2>Hung workers</h2>" in (d / "report.html").read_text()
+    assert "(host sim, CPU) is hung: no progress for" in caplog.text
+    c.fate, c.generated = None, []
+    assert c.main(args) == 0 and c.generated == ["p07"]
+    assert_complete(d)
+
+
+def test_the_bound_follows_the_measured_rate_and_the_work_of_one_call():
+    """The bound scales with the worker's measured rate and the size of one call of the work it
+    holds (a row of 4x the pixels gets 4x the time; a batch of 2, twice), never under the floor
+    nor over the ceiling; before anything came back, the ceiling; a new worker gets the job's."""
+    from runner.prompts import Item
+    from runner.watchdog import Pace, Watchdog, units
+    dog = Watchdog(ceiling_s=1000, factor=10, floor_s=60)
+    pace = Pace(since=0.0)
+
+    def rows(size, n=1):
+        return [Item(id=f"i{k}", prompt="x", negative_prompt="", seed=0, height=size, width=size,
+                     num_frames=1, num_inference_steps=10, guidance_scale=4.5, file="f", row=k)
+                for k in range(n)]
+    assert dog.bound(pace, dog.call_units(rows(64))) == 1000     # nothing measured: the ceiling
+    dog.begin(pace, now=0.0)
+    dog.done(pace, units(rows(64, 4)), now=20.0)                 # 4 rows in 20 s: 5 s a row
+    assert dog.bound(pace, dog.call_units(rows(64, 8))) == 60    # 10 x 5 s = 50: the floor
+    assert dog.bound(pace, dog.call_units(rows(128))) == 200     # 4x the pixels: 10 x 20 s
+    assert dog.bound(pace, dog.call_units(rows(512))) == 1000    # the ceiling
+    assert dog.bound(Pace(since=0.0), dog.call_units(rows(128))) == 200   # the job's rate
+    assert Watchdog(1000, batch=2, floor_s=60).call_units(rows(64, 8)) == 2 * units(rows(64))
+    assert Watchdog(ceiling_s=0).on is False
+
+
+def test_a_worker_in_a_shard_longer_than_its_bound_is_asked_and_not_hung(tmp_path, write_prompts,
+                                                                          caplog):
+    """A shard of 100 rows at 1 s each runs 100 s without coming back, past the 60-s bound of a
+    call: the watchdog asks the worker (`Pool.progress`), which finished a call a second ago, so
+    it is not hung; the job ends ok with no hang."""
+    ids = [f"l{i:03d}" for i in range(200)]
+    p = write_prompts({"prompt": [f"p {i}" for i in range(200)], "id": ids})
+    c = Cluster()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert c.main(job_args(p, tmp_path, "run.shard_size=100")) == 0
+    s = summary(tmp_path / "j")
+    assert (s["ok"], s["hangs"], s["worker_restarts"]) == (200, [], 0)
+    assert "hung" not in caplog.text
+
+
 def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_path, capsys,
                                                                     caplog):
     """Issue 47: one worker, shards of 2, a canary every 4 items; its GPU goes wrong after its 6th
@@ -243,6 +328,13 @@ def test_a_worker_that_computes_wrong_is_caught_at_its_next_canary(prompts, tmp_
     assert line in (d / "summary.txt").read_text() and line in capsys.readouterr().out
     assert "<h2>Suspect outputs</h2>" in (d / "report.html").read_text()
     assert "worker 0 (host sim, GPU 0 simulated) failed its canary" in caplog.text
+    # issue 60: the stopped worker has its line in the worker table (and its metrics file), beside
+    # its replacement's
+    assert [(w["rank"], w["restarts"], w["stopped"]) for w in s["workers_detail"]] == [
+        (0, 0, "its canary failed"), (0, 1, None)]
+    assert s["workers_detail"][0]["items"] == 8
+    assert "its canary failed" in (d / "summary.txt").read_text().split("seconds per stage")[0]
+    assert sorted(os.listdir(d / "metrics")) == ["worker-0-stopped-0.json", "worker-0.json"]
     assert c.generated.count("p08") == 2          # handed back as it was, run by the replacement
 
     c.drift, c.generated = None, []
@@ -286,6 +378,59 @@ def test_a_persistent_fault_stops_the_job_exit_3_and_a_rerun_does_the_rest(promp
     c.fate = None                                 # the disk has room again
     assert c.main(job_args(prompts, tmp_path)) == 0
     assert_complete(d)
+
+
+def test_an_input_store_that_stops_answering_stops_the_job_and_leaves_the_rest_pending(
+        prompts, tmp_path, capsys):
+    """Issue 60: the store of the rows' images stalls from p05 on; each worker read of it fails
+    with the store's fault (`images.INPUT_FAULT`). The job stops at the first such row (exit 3,
+    naming the store), records the ok rows of that shard, fails none: every row not made stays
+    pending. Once the store answers, a rerun makes exactly the rest."""
+    stalled = ("fail:InputStoreFault: the image store s3://imgs: did not answer in time (timed "
+               "out), reading s3://imgs/a.png")
+    c = Cluster(lambda it: stalled if it.id >= "p05" else "ok")
+    assert c.main(job_args(prompts, tmp_path)) == 3
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the image store s3://imgs: did not answer in time"), err[-2000:]
+    assert "rows not generated stay pending" in last and "rerun" in last
+    d = tmp_path / "j"
+    recorded = {r["id"]: r["status"] for r in record_rows(d)}
+    assert recorded == {i: "ok" for i in ["p00", "p01", "p02", "p03", "p04"]}   # none failed
+    s = summary(d)
+    assert (s["ok"], s["failed"], s["not_run"]) == (5, 0, 7) and "s3://imgs" in s["aborted"]
+    assert "STOPPED before the end: the image store s3://imgs" in (d / "summary.txt").read_text()
+    c.fate, c.generated = None, []                # the store answers again
+    assert c.main(job_args(prompts, tmp_path)) == 0
+    assert sorted(c.generated) == IDS[5:]          # exactly the rest
+    assert_complete(d)
+
+
+@pytest.mark.parametrize("job_name, column, value, bound", [
+    ("demo_image", "height", 16384, "16384x16384 is 256x the work of this model's published setting "
+                                    "(1024x1024); a row may ask at most 4x"),
+    ("wan_batch", "num_frames", 10000, "480x832 x 10000 frames is 119x the work of this model's "
+                                       "published setting (480x832 x 81 frames); a row may ask at "
+                                       "most 4x")])
+def test_a_row_asking_for_unbounded_work_is_exit_2_before_any_worker(
+        tmp_path, write_prompts, capsys, job_name, column, value, bound):
+    """Issue 60: a row of 16384x16384 kept a worker busy until it was killed from outside. A
+    row's size and frames are bounded by its preset's published setting (4x its latent positions),
+    checked with the prompts: exit 2 naming the row, the bound and the fix; no pool started."""
+    cols = {"id": ["fine", "huge"], "prompt": ["a fox", "everything at once"], column: [None, value]}
+    if column == "height":
+        cols["width"] = [None, value]
+    p = write_prompts(cols)
+
+    def no_pool(*a):
+        raise AssertionError("a worker was started")
+    args = [f"job={job_name}", "model.source=tiny", f"prompts.path={p}", f"output.dir={tmp_path}",
+            "job.name=j", "generation.num_inference_steps=2"]
+    assert job.main(args, start_pool=no_pool) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {p}:1 (id 'huge'): {bound}"), err
+    assert "lower height, width" in err and "a larger preset" in err
+    assert not (tmp_path / "j").exists()
 
 
 def test_every_worker_gone_is_exit_2_naming_the_cause(prompts, tmp_path, capsys):
@@ -800,7 +945,8 @@ def grey_png(path) -> str:
     return str(path)
 
 
-def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, write_prompts, capsys):
+def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, write_prompts, capsys,
+                                                                   caplog):
     """Issue 47: a 40-row job whose 38 images `photos/IMG_xxxx.jpg` are missing printed 38 lines
     `1 x ImageError: ... not found`. Now one line with the count and the first ids."""
     ids = [f"r{i:02d}" for i in range(40)]
@@ -808,7 +954,12 @@ def test_missing_images_under_different_paths_are_one_summary_line(tmp_path, wri
     for i in (0, 39):                                               # two images are there
         grey_png(tmp_path / "photos" / f"IMG_{1000 + i}.jpg")
     p = write_prompts({"id": ids, "prompt": [f"p{i}" for i in range(40)], "image": cells})
-    assert Cluster(reading_fate).main(i2v_args(p, tmp_path)) == 1
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Cluster(reading_fate).main(i2v_args(p, tmp_path)) == 1
+    # the driver's check of 16 of them: one line for the missing ones (issue 60: one a line)
+    warned = [r.getMessage() for r in caplog.records if "images looked up" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("15 of the 16 images looked up: not found "
+                                                     "(their rows will fail): "), warned
     cause = "ImageError: image <path>: not found"
     s = summary(tmp_path / "j")
     assert (s["ok"], s["failed"]) == (2, 38) and s["errors"] == {cause: 38}
@@ -851,7 +1002,8 @@ def test_rows_whose_image_is_no_image_file_fail_each_with_its_cause(tmp_path, wr
         image = os.path.join(tmp_path, cells[k])                     # relative to the prompts file
         assert by[k]["status"] == "failed" and by[k]["error"].startswith(
             f"ImageError: image {image}: {cause}"), by[k]
-        assert f"image {image}: {cause}: that row will fail" in caplog.text    # the driver's check
+        assert f"1 of the 6 images looked up: {cause.splitlines()[0]} (their rows will fail): " \
+               f"{p}:{list(cells).index(k)}: image {image}" in caplog.text        # the driver's check
     assert summary(tmp_path / "j")["errors"] == {f"ImageError: image <path>: {c}": 1
                                                  for c in causes.values()}
 
@@ -1116,3 +1268,89 @@ def test_a_remake_made_by_a_worker_that_then_fails_its_canary_is_suspect(
     assert c.main(args) == 0
     assert sorted(c.generated) == ["p00", "p01", "p02", "p12"]
     assert all(r["status"] == "ok" for r in rows(d))
+
+
+# -- issue 60's smaller items ---------------------------------------------------------------------
+
+def test_a_long_cause_is_whole_in_the_summary_and_a_longer_one_is_cut_at_a_word():
+    """The summary's cause line of a row that killed its worker without a word (SIGKILL, the
+    out-of-memory killer where its count is not read) ended "(SIGSEGV, a CU": cut at 160
+    characters. Now the runner's own causes are whole; a longer one is cut at a word, saying so."""
+    from runner.results import CAUSE_LEN, error_cause
+    death = ("killed its worker 2 times (run.max_row_deaths=2): the worker process ended without an "
+             "error of its own: killed (SIGKILL; the kernel's out-of-memory killer does that too) or "
+             "crashed (SIGSEGV, a CUDA error)")
+    assert error_cause({"id": "x", "error": death + "\nrow 'x' (p.parquet:3)"}) == death
+    long = "RuntimeError: " + " ".join(f"word{i:03d}" for i in range(60))
+    cut = error_cause({"id": "x", "error": long})
+    assert len(cut) <= CAUSE_LEN and cut.endswith(" ...") and long.startswith(cut[:-4] + " ")
+
+
+def test_an_empty_or_zero_filled_lock_names_no_driver_and_is_taken_over(prompts, tmp_path, caplog):
+    """A `.lock` left empty or zero-filled (a power loss before its write reached the disk) was
+    "in use by another driver (an unreadable lock file)": no driver to wait for. One that stays
+    unreadable past `lock.DAMAGED_S` is taken over, said in one line."""
+    d = tmp_path / "j"
+    for content in (b"", b"\0" * 64):
+        d.mkdir(exist_ok=True)
+        (d / ".lock").write_bytes(content)
+        old = os.stat(d / ".lock").st_mtime - 60
+        os.utime(d / ".lock", (old, old))
+        with caplog.at_level(logging.WARNING, logger="runner"):
+            assert Cluster().main(job_args(prompts, tmp_path, "output.overwrite=true")) == 0
+        assert "names no driver (empty or damaged, 60 s old): taken over" in caplog.text
+        assert not (d / ".lock").exists()
+        caplog.clear()
+
+
+def test_long_ids_that_differ_past_the_cut_stay_two_outputs(tmp_path, write_prompts):
+    """Ids were cut to 150 characters without a word, so two long ids differing at the end
+    (paths, URLs) were refused as "the same id". Now a long id keeps its first characters and a
+    hash of the whole: two outputs, each id at most 150 characters."""
+    base = "https://example.com/catalogue/" + "a" * 150
+    p = write_prompts({"id": [base + "?v=1", base + "?v=2"], "prompt": ["one", "two"]})
+    assert Cluster().main(job_args(p, tmp_path)) == 0
+    ids = [r["id"] for r in rows(tmp_path / "j")]
+    assert len(set(ids)) == 2 and all(len(i) <= 150 for i in ids), ids
+    assert sorted(os.listdir(tmp_path / "j" / "media")) == sorted(f"{i}.png" for i in ids)
+
+
+def test_hidden_parquet_files_in_a_prompts_directory_are_left_out_in_one_line(tmp_path,
+                                                                              write_prompts, caplog):
+    """A `._prompts.parquet` (macOS metadata beside each file copied to a foreign disk) refused the
+    whole directory (not Parquet). Hidden files are left out, said in one line."""
+    write_prompts({"id": IDS, "prompt": [f"prompt {i}" for i in IDS]})
+    (tmp_path / "._prompts.parquet").write_bytes(b"\0\5\26\7 Mac OS X        ")
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Cluster().main(job_args(tmp_path, tmp_path / "out")) == 0
+    assert "1 hidden .parquet files left out" in caplog.text and "._prompts.parquet" in caplog.text
+    assert len(rows(tmp_path / "out" / "j")) == len(IDS)
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_prompts_path_that_is_a_device_or_a_fifo_is_named_as_such(tmp_path, capsys, kind):
+    """prompts.path=/dev/zero or a FIFO was "does not exist"; it is said for what it is, exit 2."""
+    path = "/dev/zero" if kind == "device" else str(tmp_path / "fifo.parquet")
+    if kind == "fifo":
+        os.mkfifo(path)
+    assert Cluster().main(job_args(path, tmp_path)) == 2
+    err = capsys.readouterr().err
+    said = "a character device" if kind == "device" else "a FIFO (named pipe)"
+    assert f"error: prompts.path {path!r} is {said}, not a Parquet file or a directory" in err, err
+    assert "does not exist" not in err
+
+
+@pytest.mark.parametrize("name", ["media", "records"])
+def test_a_file_where_the_job_keeps_a_directory_is_exit_2_before_any_worker(prompts, tmp_path,
+                                                                            capsys, name):
+    """A regular file named `media` in the job directory passed the checks, then the job stopped
+    with exit 3 after starting Ray, without its summary or report. Now exit 2 before any worker,
+    naming it."""
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / name).write_text("not a directory")
+
+    def no_pool(*a):
+        raise AssertionError("a worker was started")
+    assert job.main(job_args(prompts, tmp_path), start_pool=no_pool) == 2
+    err = capsys.readouterr().err
+    assert f"is a file, where the job keeps its {name}/ directory; move or remove it" in err, err

@@ -44,6 +44,7 @@ the K futures, `RayPool.result` of a shard's rows, in CPU microseconds of the dr
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import itertools
@@ -142,6 +143,7 @@ class SimWorker:
     generated: int = 0                     # items handed to its GPU (canaries not counted)
     canaries: int = 0
     busy_s: float = 0.0                    # GPU seconds of the shards it ran
+    call_ends: list = field(default_factory=list)   # when each of its model calls ends, in order
     idle_s: float = 0.0                    # closed periods of waiting for work while ready
     ready: bool = False
 
@@ -150,7 +152,8 @@ class SimPool:
     """A `dispatch.Pool` of `size` simulated workers (module docstring). `fate(item)` decides each
     item: "ok", "fail:<error>" (a failed row, the worker lives: a NaN output), "raise:<error>" (the
     shard raises in the worker: `TaskError`), "die" (the worker dies generating it), "die_writing"
-    (it dies writing the shard's files, after its GPU work: half a file under a temporary name).
+    (it dies writing the shard's files, after its GPU work: half a file under a temporary name),
+    "hang" (its generate call never returns: the worker lives, silent, until killed).
     `warm_fate(rank, attempt)` is None or the error its warm-up raises. `drift`: {rank: n}: that
     slot's first worker computes wrong after its n-th item, so its canaries fail from then on (a
     canary takes one item's time on its GPU). `media`: a Store to write each ok row's media file
@@ -210,6 +213,7 @@ class SimPool:
         w.busy_until = start + self.item_s
         w.busy_s += self.item_s
         w.canaries += 1
+        w.call_ends.append(w.busy_until)
         wrong = w.attempt == 1 and self.drift.get(w.rank, math.inf) < w.generated
         verdict = dict(ok=not wrong, rule="bit for bit", differing=0.5 if wrong else 0.0,
                        max_abs=40 if wrong else 0, psnr_db=20.0 if wrong else math.inf,
@@ -224,6 +228,16 @@ class SimPool:
 
     def metrics(self, w: SimWorker) -> SimFuture:
         return self._future(w, self.clock.time(), lambda f: self._set(f, "ok", self._metrics(w)))
+
+    def progress(self, w: SimWorker) -> SimFuture:
+        """Seconds since `w`'s last model call ended (or since it became ready), as a worker
+        answers the watchdog; a dead worker's call is lost."""
+        now = self.clock.time()
+        if w.dead_at is not None:
+            return self._future(w, now, lambda f: self._set(f, "lost", "killed"))
+        k = bisect.bisect_right(w.call_ends, now)
+        last = w.call_ends[k - 1] if k else w.ready_at
+        return self._future(w, now, lambda f: self._set(f, "ok", now - last))
 
     def wait(self, futures: list, timeout: float) -> list:
         t0 = time.thread_time()
@@ -292,6 +306,8 @@ class SimPool:
 
     def _run_shard(self, w: SimWorker, items, now: float) -> tuple[SimFuture, SimFuture]:
         """The shard's GPU work after what is queued on `w`; its rows `write_s` after that."""
+        if w.busy_until == math.inf:                 # hung: queued behind a call that never ends
+            return self._future(w, math.inf, None), self._future(w, math.inf, None)
         start = max(now, w.busy_until, w.ready_at)
         if w.ready and now > w.busy_until:           # the GPU waited for this shard
             w.idle_s += now - w.busy_until
@@ -304,12 +320,16 @@ class SimPool:
             if fate == "die" or k == die_at:
                 death = t + dt / 2
                 break
+            if fate == "hang":                       # nothing more of this worker completes
+                w.busy_until = math.inf
+                return self._future(w, math.inf, None), self._future(w, math.inf, None)
             if fate == "die_writing":
                 writing = writing or it
             elif fate.startswith("raise:"):
                 error = error or fate[6:]
             rows.append(_row(it, w.rank, fate, t, dt + self.write_s))
             t += dt
+            w.call_ends.append(t)
         if death is None and writing is not None:    # its GPU work done, dead while writing
             death = t + self.write_s / 2
         w.busy_until = death if death is not None else t

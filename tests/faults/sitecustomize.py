@@ -12,6 +12,8 @@ two of that module's functions. Faults, comma-separated:
                       every worker serves, however slowly the machine starts them.
     kill:<id>         the worker process sends itself SIGKILL when it is about to generate <id>
                       (a row that kills its worker every time)
+    hang:<id>         the generate call of <id> never returns (it waits on an event nobody sets):
+                      a hung kernel or a stuck subprocess, the worker alive and silent
     oom:<id>          the worker allocates memory, 32 MiB at a time, every page touched, when it is
                       about to generate <id>, until the kernel kills it (4 GiB at most, then
                       MemoryError): with `cgroup`, the out-of-memory killer's kill
@@ -34,6 +36,7 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
 import time
 
 FAULTS = [f.partition(":")[::2] for f in os.environ.get("RUNNER_FAULTS", "").split(",") if f]
@@ -54,6 +57,8 @@ def _generate_with_faults(generate):
             for it in items:
                 if ("kill", it.id) in FAULTS:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if ("hang", it.id) in FAULTS:
+                    threading.Event().wait()
                 if ("oom", it.id) in FAULTS:
                     _eat_memory(limit=4 << 30)
         if items[0].file == "warmup":
