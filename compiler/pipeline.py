@@ -173,19 +173,37 @@ def _gpu_transforms(den, opts: CompileOptions, fused: bool, report: dict) -> Non
 
 
 def _int8_attention(den, opts: CompileOptions, device: str, report: dict) -> None:
-    """Flag `int8-attention` on one denoiser: its Wan self-attentions on the kernel (the count in
-    `report["int8_attention"]`), or, where it cannot run (`device` not CUDA, another GPU, no
-    nvcc), `report["int8_attention_off"]` says why and the attention stays SDPA's: the caller
-    records which outputs were made without it."""
+    """Flag `int8-attention` on one denoiser: its Wan self-attentions inside the kernel's domain
+    (q and k normalised per token: `int8_attention.domain_miss`) on the kernel (the count in
+    `report["int8_attention"]`; those outside stay lossless, one log line and their count in
+    `report["int8_attention_lossless"]`), or, where none is inside or the kernel cannot run
+    (`device` not CUDA, another GPU, no nvcc), `report["int8_attention_off"]` says why and the
+    attention stays SDPA's: the caller records which outputs were made without it."""
     if not (opts.has("int8_attention") and int8_attention.has_long_attention(den)):
         return
-    why = int8_attention.unavailable() if device == "cuda" else f"no CUDA device ({device})"
+    outside = int8_attention.outside_domain(den)
+    why = _int8_attention_off(den, device, outside)
     if why:   # said once per process
         if "int8_attention_off" not in report:
             log.warning("int8 attention off, Wan self-attention stays on SDPA (cuDNN): %s", why)
         report["int8_attention_off"] = why
-    else:
-        report["int8_attention"] = report.get("int8_attention", 0) + int8_attention.use_int8_attention(den)
+        return
+    report["int8_attention"] = report.get("int8_attention", 0) + int8_attention.use_int8_attention(den)
+    if outside:   # a lossy kernel outside the inputs it was shown to hold on: the lossless path
+        if "int8_attention_lossless" not in report:
+            name, why = next(iter(outside.items()))
+            log.warning("int8 attention: %d self-attention(s) stay on SDPA (lossless), outside its "
+                        "domain: %s (%s, ...)", len(outside), why, name)
+        report["int8_attention_lossless"] = report.get("int8_attention_lossless", 0) + len(outside)
+
+
+def _int8_attention_off(den, device: str, outside: dict[str, str]) -> str | None:
+    """Why flag `int8-attention` leaves `den` as it is, or None: none of its self-attentions is
+    inside the kernel's domain (asked first: no kernel build for nothing), or the kernel cannot
+    run here."""
+    if len(outside) == len(int8_attention.self_attentions(den)):
+        return "no self-attention inside its domain: " + next(iter(outside.values()))
+    return int8_attention.unavailable() if device == "cuda" else f"no CUDA device ({device})"
 
 
 def _add_counts(counts) -> dict[str, int]:

@@ -86,6 +86,73 @@ def test_the_flag_falls_back_with_one_line_where_the_kernel_cannot_run(monkeypat
             assert report["int8_attention"] == len(den.blocks) and "int8_attention_off" not in report
 
 
+def _strip_qk_norm(attn, which=("norm_q", "norm_k")):
+    """An attention whose q / k are not normalised per token, as a model without qk norm has it
+    (diffusers 0.42 builds Wan's RMS norms whatever the config's `qk_norm` says)."""
+    for name in which:
+        setattr(attn, name, torch.nn.Identity())
+
+
+def test_the_domain_is_read_from_the_attention_q_and_k_normalised_per_token():
+    """`domain_miss`: Wan's RMS norm across heads is inside; so is a per-head norm or a layer
+    norm; no norm on q or on k, or a norm over other channels, is outside, whatever the module's
+    class or the model's family."""
+    den, _ = _tiny_wan()
+    attn = den.blocks[0].attn1
+    assert isinstance(attn.norm_q, torch.nn.RMSNorm) and attn.norm_q.normalized_shape == (128,)
+    assert ia.domain_miss(attn) is None and ia.outside_domain(den) == {}
+    assert list(ia.self_attentions(den)) == ["blocks.0.attn1", "blocks.1.attn1"]   # not attn2
+    attn.norm_q, attn.norm_k = torch.nn.RMSNorm(64), torch.nn.LayerNorm(64)      # per head
+    assert ia.domain_miss(attn) is None
+    from diffusers.models.normalization import RMSNorm
+    attn.norm_q = RMSNorm(128, eps=1e-6)                                          # diffusers' own
+    assert ia.domain_miss(attn) is None
+    attn.norm_k = torch.nn.RMSNorm(32)                                            # other channels
+    assert ia.domain_miss(attn) == "k not normalised per token (norm_k: RMSNorm)"
+    _strip_qk_norm(attn, ("norm_k",))
+    assert ia.domain_miss(attn) == "k not normalised per token (norm_k: Identity)"
+    _strip_qk_norm(attn)
+    assert ia.domain_miss(attn) == "q not normalised per token (norm_q: Identity)"
+    assert ia.outside_domain(den) == {"blocks.0.attn1": "q not normalised per token (norm_q: Identity)"}
+    assert ia.use_int8_attention(den) == 1                                        # block 1 only
+    assert isinstance(den.blocks[1].attn1.processor, ia.LongSelfAttnProcessor)
+    assert not isinstance(den.blocks[0].attn1.processor, ia.LongSelfAttnProcessor)
+
+
+def test_the_flag_keeps_attentions_outside_its_domain_lossless_with_one_line(monkeypatch, caplog):
+    """compile_pipe's CUDA step on a tiny Wan with and without qk norm (the kernel available):
+    with it every self-attention gets the processor; without it on one block, that block keeps
+    diffusers' processor and one line says so; without it anywhere, the flag is off (one line,
+    the reason in the report, no kernel build asked for)."""
+    opts = parse_options("O3")
+    asked = []
+    monkeypatch.setattr(ia, "unavailable", lambda: asked.append(1))   # None: the kernel runs
+    for stripped in ((), (1,), (0, 1)):
+        den, _ = _tiny_wan()
+        fuse_qkv(den)
+        for i in stripped:
+            _strip_qk_norm(den.blocks[i].attn1)
+        report: dict = {}
+        asked.clear()
+        with caplog.at_level(logging.WARNING, logger="compiler"):
+            caplog.clear()
+            _gpu_transforms(den, opts, True, report)
+        lines = [r.getMessage() for r in caplog.records if "int8 attention" in r.getMessage()]
+        on = [isinstance(b.attn1.processor, ia.LongSelfAttnProcessor) for b in den.blocks]
+        if not stripped:
+            assert (report["int8_attention"], on, lines) == (2, [True, True], [])
+            assert "int8_attention_lossless" not in report
+        elif stripped == (1,):
+            assert (report["int8_attention"], report["int8_attention_lossless"], on) == (1, 1, [True, False])
+            assert lines == ["int8 attention: 1 self-attention(s) stay on SDPA (lossless), outside its "
+                             "domain: q not normalised per token (norm_q: Identity) (blocks.1.attn1, ...)"]
+        else:
+            why = "no self-attention inside its domain: q not normalised per token (norm_q: Identity)"
+            assert report["int8_attention_off"] == why and "int8_attention" not in report
+            assert lines == [f"int8 attention off, Wan self-attention stays on SDPA (cuDNN): {why}"]
+            assert on == [False, False] and asked == []
+
+
 def test_unavailable_names_the_reason_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: the reason is about its GPU or nvcc")
@@ -184,6 +251,87 @@ def test_attention8_against_fp32_attention(shape, outliers):
     ref = torch.softmax(qs @ kk.transpose(-1, -2) / math.sqrt(d), -1) @ vv
     err = (out[:, rows].float().transpose(1, 2) - ref).norm() / ref.norm()
     assert err <= 0.05, float(err)
+
+
+# The kernel's domain (issue 61; `int8_attention.domain_miss`): perturbations of Gaussian q, k, v
+# at Wan 2.1's 81-frame shape, each alone and combined, against an fp32 reference.
+PERTURBATIONS = ("k_offsets", "q_outliers", "sharp", "v_outliers", "k_spikes")
+INSIDE = [(), *((p,) for p in PERTURBATIONS), PERTURBATIONS[:4]]     # no K token spikes among others
+SPIKED = [("k_offsets", "k_spikes", "v_outliers"), PERTURBATIONS]    # outside: why the rule
+
+
+def _perturbed(kinds, gen, b=2, h=12, n=32760, d=128):
+    """q, k, v (B, N, H, D) fp16: Gaussian (q, k of std 1.3), then each kind in `kinds`:
+    k_offsets: 4 channels of K offset by 20-50x the std; q_outliers: 4 channels of Q 20x larger;
+    sharp: the logits x4 (Q x4); v_outliers: 4 channels of V 20x larger; k_spikes: 0.1 % of the
+    key tokens 20-50x larger."""
+    q, k = (torch.randn(b, n, h, d, device="cuda", generator=gen) * 1.3 for _ in range(2))
+    v = torch.randn(b, n, h, d, device="cuda", generator=gen)
+    ch = lambda: torch.randperm(d, device="cuda", generator=gen)[:4]
+    if "k_offsets" in kinds:
+        off = 1.3 * (20 + 30 * torch.rand(h, 4, device="cuda", generator=gen))
+        k[..., ch()] += off * torch.where(torch.rand(h, 4, device="cuda", generator=gen) < 0.5, -1.0, 1.0)
+    if "q_outliers" in kinds:
+        q[..., ch()] *= 20
+    if "sharp" in kinds:
+        q *= 4
+    if "v_outliers" in kinds:
+        v[..., ch()] *= 20
+    if "k_spikes" in kinds:
+        tokens = torch.randperm(n, device="cuda", generator=gen)[:max(1, n // 1000)]
+        k[:, tokens] *= 20 + 30 * torch.rand(len(tokens), 1, 1, device="cuda", generator=gen)
+    return q.half(), k.half(), v.half()
+
+
+def _per_token_norm(x):
+    """An RMS norm of each token over all heads' channels (Wan's `rms_norm_across_heads`) whose
+    weight keeps the tensor's overall RMS: spikes between tokens go, channel structure stays."""
+    x = x.float()
+    return (x * (x.square().mean().sqrt() / x.square().mean((2, 3), keepdim=True).sqrt())).half()
+
+
+def _against_fp32(q, k, v, gen, rows=256):
+    """attention8's cosine and relative error against fp32 attention on `rows` random query rows."""
+    out = ia.attention8(q, k, v)
+    assert torch.isfinite(out).all()
+    sel = torch.randperm(q.shape[1], device="cuda", generator=gen)[:rows]
+    qs, kk, vv = (t.float().transpose(1, 2) for t in (q[:, sel], k, v))
+    ref = torch.softmax(qs @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ vv
+    got = out[:, sel].float().transpose(1, 2)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+    return float(cos), float((got - ref).norm() / ref.norm())
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kinds", INSIDE, ids=lambda k: "+".join(k) or "gaussian")
+def test_attention8_holds_inside_its_domain(kinds):
+    """Each perturbation alone, and all but the K token spikes together: cosine >= 0.999 against
+    fp32 attention (issue 61's measurements, H200: every one of these >= 0.999)."""
+    assert ia.unavailable() is None, ia.unavailable()
+    gen = torch.Generator("cuda").manual_seed(0)
+    cos, err = _against_fp32(*_perturbed(kinds, gen), gen)
+    print(f"{'+'.join(kinds) or 'gaussian'}: cosine {cos:.5f}, relative error {err:.4f}")
+    assert cos >= 0.999, (cos, err)
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kinds", SPIKED, ids="+".join)
+def test_attention8_needs_q_and_k_normalised_per_token(kinds):
+    """K token spikes beside other perturbations are why `int8-attention` takes only attentions
+    whose q and k are normalised per token: there issue 61 measured cosine 0.989 (K offsets +
+    spikes + V outliers, 15 % error) and 0.954 (all five). The same inputs with q and k through a
+    per-token RMS norm, as such attentions have them, hold: cosine >= 0.999. The raw figure is
+    printed for the record, not bounded (how far it falls depends on the spikes' size)."""
+    assert ia.unavailable() is None, ia.unavailable()
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = _perturbed(kinds, gen)
+    raw = _against_fp32(q, k, v, gen)
+    normed = _against_fp32(_per_token_norm(q), _per_token_norm(k), v, gen)
+    print(f"{'+'.join(kinds)}: cosine {raw[0]:.5f} (error {raw[1]:.4f}) as they come; "
+          f"{normed[0]:.5f} ({normed[1]:.4f}) with q and k normalised per token")
+    assert normed[0] >= 0.999, normed
 
 
 @gpu
