@@ -33,7 +33,8 @@ Arithmetic (what is lossy, and why it survives outliers):
 - Where it does not hold: Gaussian inputs, K channel offsets, Q outlier channels, a sharp softmax
   (logits x4), V outlier channels and K token spikes each alone keep cosine >= 0.999, but key
   token spikes together with K offsets and V outliers give 0.989, all five 0.954 (H200, fp32
-  reference; issue 61): hence the domain.
+  reference; issue 61): hence the domain. Q outlier channels (20x) with logits x4 together also
+  fall to 0.998, normalised or not: a limit the rule does not rule out (pinned by a gpu test).
 - Only long sequences pay: the kernel is ~1.3x cuDNN at 32,760 tokens but slower below ~12k
   tokens (H100/H200), hence `MIN_TOKENS`.
 """

@@ -254,10 +254,20 @@ def test_attention8_against_fp32_attention(shape, outliers):
 
 
 # The kernel's domain (issue 61; `int8_attention.domain_miss`): perturbations of Gaussian q, k, v
-# at Wan 2.1's 81-frame shape, each alone and combined, against an fp32 reference.
-PERTURBATIONS = ("k_offsets", "q_outliers", "sharp", "v_outliers", "k_spikes")
-INSIDE = [(), *((p,) for p in PERTURBATIONS), PERTURBATIONS[:4]]     # no K token spikes among others
-SPIKED = [("k_offsets", "k_spikes", "v_outliers"), PERTURBATIONS]    # outside: why the rule
+# at Wan 2.1's 81-frame shape, alone and combined, against fp32 attention. Cosines measured on an
+# H200 (seeds 0-2) are in each list; the bound is the kernel test's (cosine >= 0.999, <= 5 %).
+COS_MIN, ERR_MAX = 0.999, 0.05
+INSIDE = [(),                                           # 0.99923
+          ("k_offsets",), ("q_outliers",), ("sharp",),  # 0.99924, 0.99904-0.99910, 0.99901
+          ("v_outliers",),                              # 0.99925
+          ("k_offsets", "q_outliers", "v_outliers"),    # 0.99913
+          ("k_offsets", "sharp", "v_outliers")]         # 0.99902
+# Outside: key token spikes (why the rule), and Q outliers with a sharp softmax together. With q
+# and k through a per-token norm the spiked ones hold again (where the rest is inside).
+OUTSIDE = {("k_spikes",): 0.99923,                                   # raw 0.9976-0.9980
+           ("k_offsets", "k_spikes", "v_outliers"): 0.99922,         # raw 0.9836-0.9862
+           ("k_offsets", "q_outliers", "sharp", "v_outliers", "k_spikes"): None,   # raw 0.9594
+           ("q_outliers", "sharp"): None}                            # raw 0.9979, normed 0.9977
 
 
 def _perturbed(kinds, gen, b=2, h=12, n=32760, d=128):
@@ -290,48 +300,70 @@ def _per_token_norm(x):
     return (x * (x.square().mean().sqrt() / x.square().mean((2, 3), keepdim=True).sqrt())).half()
 
 
-def _against_fp32(q, k, v, gen, rows=256):
-    """attention8's cosine and relative error against fp32 attention on `rows` random query rows."""
-    out = ia.attention8(q, k, v)
-    assert torch.isfinite(out).all()
-    sel = torch.randperm(q.shape[1], device="cuda", generator=gen)[:rows]
-    qs, kk, vv = (t.float().transpose(1, 2) for t in (q[:, sel], k, v))
-    ref = torch.softmax(qs @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ vv
-    got = out[:, sel].float().transpose(1, 2)
+def _rows(n, gen, rows=256):
+    return torch.randperm(n, device="cuda", generator=gen)[:rows]
+
+
+def _exact(q, k, v, rows):
+    """fp32 attention of the query rows `rows`: (B, H, len(rows), D)."""
+    qs, kk, vv = (t.float().transpose(1, 2) for t in (q[:, rows], k, v))
+    return torch.softmax(qs @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ vv
+
+
+def _score(out, ref, rows):
+    """(cosine, relative error) of `out` (B, N, H, D) on `rows` against `ref` from `_exact`."""
+    got = out[:, rows].float().transpose(1, 2)
     cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
     return float(cos), float((got - ref).norm() / ref.norm())
 
 
+def _within(score) -> bool:
+    return score[0] >= COS_MIN and score[1] <= ERR_MAX
+
+
+def _against_fp32(q, k, v, gen):
+    rows = _rows(q.shape[1], gen)
+    out = ia.attention8(q, k, v)
+    assert torch.isfinite(out).all()
+    return _score(out, _exact(q, k, v, rows), rows)
+
+
+def _name(kinds):
+    return "+".join(kinds) or "gaussian"
+
+
 @gpu
 @hopper
-@pytest.mark.parametrize("kinds", INSIDE, ids=lambda k: "+".join(k) or "gaussian")
+@pytest.mark.parametrize("kinds", INSIDE, ids=_name)
 def test_attention8_holds_inside_its_domain(kinds):
-    """Each perturbation alone, and all but the K token spikes together: cosine >= 0.999 against
-    fp32 attention (issue 61's measurements, H200: every one of these >= 0.999)."""
+    """Each perturbation alone and the combinations measured to hold: cosine >= 0.999 and
+    relative error <= 5 % against fp32 attention (issue 61 measured each alone >= 0.999)."""
     assert ia.unavailable() is None, ia.unavailable()
     gen = torch.Generator("cuda").manual_seed(0)
-    cos, err = _against_fp32(*_perturbed(kinds, gen), gen)
-    print(f"{'+'.join(kinds) or 'gaussian'}: cosine {cos:.5f}, relative error {err:.4f}")
-    assert cos >= 0.999, (cos, err)
+    score = _against_fp32(*_perturbed(kinds, gen), gen)
+    print(f"{_name(kinds)}: cosine {score[0]:.5f}, relative error {score[1]:.4f}")
+    assert _within(score), score
 
 
 @gpu
 @hopper
-@pytest.mark.parametrize("kinds", SPIKED, ids="+".join)
-def test_attention8_needs_q_and_k_normalised_per_token(kinds):
-    """K token spikes beside other perturbations are why `int8-attention` takes only attentions
-    whose q and k are normalised per token: there issue 61 measured cosine 0.989 (K offsets +
-    spikes + V outliers, 15 % error) and 0.954 (all five). The same inputs with q and k through a
-    per-token RMS norm, as such attentions have them, hold: cosine >= 0.999. The raw figure is
-    printed for the record, not bounded (how far it falls depends on the spikes' size)."""
+@pytest.mark.parametrize("kinds", OUTSIDE, ids=_name)
+def test_attention8_fails_outside_its_domain(kinds):
+    """Where the kernel does not hold, pinned: key token spikes (issue 61: 0.989 with K offsets
+    and V outliers, 0.954 with all five), the reason `int8-attention` takes only attentions
+    whose q and k are normalised per token; and Q outlier channels with a sharp softmax
+    together. The spiked inputs with q and k through a per-token RMS norm, as such attentions
+    have them, hold again where the rest is inside (`OUTSIDE`'s figure: measured normed)."""
     assert ia.unavailable() is None, ia.unavailable()
     gen = torch.Generator("cuda").manual_seed(0)
     q, k, v = _perturbed(kinds, gen)
     raw = _against_fp32(q, k, v, gen)
     normed = _against_fp32(_per_token_norm(q), _per_token_norm(k), v, gen)
-    print(f"{'+'.join(kinds)}: cosine {raw[0]:.5f} (error {raw[1]:.4f}) as they come; "
+    print(f"{_name(kinds)}: cosine {raw[0]:.5f} (error {raw[1]:.4f}) as they come; "
           f"{normed[0]:.5f} ({normed[1]:.4f}) with q and k normalised per token")
-    assert normed[0] >= 0.999, normed
+    assert raw[0] < COS_MIN, raw          # if this holds one day, the domain may widen
+    if OUTSIDE[kinds] is not None:
+        assert _within(normed), normed
 
 
 @gpu
@@ -363,30 +395,56 @@ def test_attention8_replays_in_a_cuda_graph_and_is_faster_than_cudnn_at_wan_81_f
     assert t16 / t8 >= 1.2   # 1.40 measured on an H100; the bound leaves room for noise
 
 
+class _CheckedAttention:
+    """A Wan self-attention processor for tests: each call's q, k, v as the model makes them
+    (`self_attention_qkv`), each of `attends` scored against fp32 attention on 256 query rows
+    (`scores[name]`, one (cosine, error) per call), and the exact output returned, so every
+    later layer sees the model's own activations."""
+
+    def __init__(self, attends: dict, gen):
+        self.attends, self.gen = attends, gen
+        self.scores = {name: [] for name in attends}
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        q, k, v = ia.self_attention_qkv(attn, hidden_states, rotary_emb)
+        rows = _rows(q.shape[1], self.gen)
+        ref = _exact(q, k, v, rows)
+        for name, attend in self.attends.items():
+            self.scores[name].append(_score(attend(q, k, v), ref, rows))
+        out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2, 3).type_as(q)))
+
+
+BROKEN = {"zeros": lambda q, k, v: torch.zeros_like(q),
+          "mean_v": lambda q, k, v: v.float().mean(1, keepdim=True).expand_as(v)}
+
+
 @gpu
 @hopper
-def test_full_size_wan_o3_step_with_int8_attention_stays_close():
-    """Wan 2.1 1.3B at full size (random weights), 480x832 x 81 frames: compile_pipe's O3 puts every
-    self-attention on attention8 (30), and one compiled denoiser call stays within cosine 0.999 of
-    the same call without the flag."""
-    from compiler import compile_pipe
-    outs = {}
-    for mode in ("cudagraphs:cache-all:max-optimize:low-precision", "O3"):
-        pipe = build_pipeline(ModelSpec("wan21_t2v_1_3b", source="random", device="cuda"))
-        pipe.text_encoder = None
-        compile_pipe(pipe, mode)
-        report = pipe._compile_report
-        assert report.get("int8_attention", 0) == (30 if mode == "O3" else 0), report
-        gen = torch.Generator("cuda").manual_seed(0)
-        x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.float16, generator=gen)
-        ctx = torch.randn(1, 512, 4096, device="cuda", dtype=torch.float16, generator=gen)
-        with torch.no_grad():
-            for _ in range(2):   # the second call replays the captured step
-                out = pipe.transformer(x, torch.tensor([500], device="cuda"), ctx, return_dict=False)[0]
-        outs[mode] = out.float().clone()
-        del pipe
-        torch.cuda.empty_cache()
-    a, b = outs.values()
-    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
-    print(f"O3 step with / without int8 attention: cosine {float(cos):.6f}")
-    assert torch.isfinite(b).all() and cos >= 0.999
+def test_full_size_wan_self_attentions_on_attention8_match_exact_attention_per_layer():
+    """Wan 2.1 1.3B at full size (random weights), 480x832 x 81 frames: all 30 self-attentions
+    are inside the kernel's domain, and on the q, k, v each of them makes in one denoiser call,
+    `attention8`'s output is within the kernel test's bound of fp32 attention (cosine >= 0.999,
+    error <= 5 %; measured on an H200: >= 0.99999, <= 0.5 %), layer by layer. The same check
+    fails a broken attention in every layer: zeros (cosine 0) and mean(V) (0.79-0.95, error
+    30-61 %). (The model's output alone could not tell: with random weights it stays within
+    cosine 0.9993 of the reference with every self-attention returning zeros.)"""
+    pipe = build_pipeline(ModelSpec("wan21_t2v_1_3b", source="random", device="cuda"))
+    den = pipe.transformer
+    assert len(ia.self_attentions(den)) == 30 and ia.outside_domain(den) == {}
+    gen = torch.Generator("cuda").manual_seed(0)
+    check = _CheckedAttention({"attention8": ia.attention8, **BROKEN}, gen)
+    for attn in ia.self_attentions(den).values():
+        attn.set_processor(check)
+    x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.float16, generator=gen)
+    ctx = torch.randn(1, 512, 4096, device="cuda", dtype=torch.float16, generator=gen)
+    with torch.no_grad():
+        den(x, torch.tensor([500], device="cuda"), ctx, return_dict=False)
+    for name, scores in check.scores.items():
+        cos, err = min(c for c, _ in scores), max(e for _, e in scores)
+        print(f"{name}: per layer cosine >= {cos:.6f}, error <= {err:.4f} against fp32 attention")
+    assert len(check.scores["attention8"]) == 30
+    assert all(map(_within, check.scores["attention8"])), check.scores["attention8"]
+    for name in BROKEN:
+        assert not any(map(_within, check.scores[name])), (name, check.scores[name])
