@@ -10,10 +10,12 @@ import threading
 import torch
 
 from .options import FLAGS, CompileOptions, parse_options
-from . import block_pairs, int8_attention, quant, transforms, video_vae
+from . import transforms
+from .kernels import int8_attention, quant
+from .video import block_pairs, video_vae
 from .cudagraph import StepGraph, wrap_step
-from .cross_attention import use_short_cross_attention
-from .short_attention import use_short_attention
+from .kernels.cross_attention import use_short_cross_attention
+from .kernels.short_attention import use_short_attention
 
 log = logging.getLogger("compiler")
 
@@ -133,7 +135,7 @@ def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:
 
 def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[str, int]:
     """The VAE decoder, with the lossless settings. A causal video VAE (Wan 2.1's and 2.2's)
-    decodes in chunks of frames, its blocks compiled (`compiler.video_vae`; on CUDA in
+    decodes in chunks of frames, its blocks compiled (`compiler.video.video_vae`; on CUDA in
     channels_last_3d, its upsamplers as four-phase convolutions, its 3x3x3 convolutions as
     time-Winograd ones, the output convolution as one GEMM to its taps); a 2-D one has its
     ResnetBlock2Ds compiled. `dynamic`: the blocks specialise on sizes and strides and would

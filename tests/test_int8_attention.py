@@ -1,4 +1,4 @@
-"""`compiler.int8_attention` (compile flag `int8-attention`, part of O3): the processor's logic on
+"""`compiler.kernels.int8_attention` (compile flag `int8-attention`, part of O3): the processor's logic on
 the CPU (where `attention8` is exact SDPA), the flag's fallback line, the job's output settings;
 the kernel itself at the published shapes on a Hopper GPU (`gpu`)."""
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from compiler import int8_attention as ia
+from compiler.kernels import int8_attention as ia
 from compiler import parse_options
 from compiler.pipeline import _gpu_transforms
 from compiler.transforms import fuse_qkv

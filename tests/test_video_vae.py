@@ -1,5 +1,5 @@
 """Wan's causal video VAEs (2.1's, and 2.2's residual one of TI2V-5B) decoded in chunks
-(`compiler.video_vae`): the same video as diffusers' one-latent-frame-per-pass decode, on CPU with
+(`compiler.video.video_vae`): the same video as diffusers' one-latent-frame-per-pass decode, on CPU with
 narrow VAEs, and on the GPU at the published sizes compiled as `compile_pipe` installs it.
 
 What could break: a chunk boundary that drops or repeats a frame, or reads the wrong cache (the
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler import video_vae
+from compiler.video import video_vae
 
 
 def _vae():
@@ -31,7 +31,7 @@ def _vae22():
     return PRESETS["wan22_ti2v_5b"].video_vae(True).eval()
 
 
-# `compiler.winograd_triton`'s custom ops: what the fused residual block (`_fused_resblock`) calls.
+# `compiler.kernels.winograd_triton`'s custom ops: what the fused residual block (`_fused_resblock`) calls.
 FUSED_OPS = ("compiler::winograd_in", "compiler::winograd_mid", "compiler::winograd_out")
 
 
@@ -328,7 +328,7 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
     (2, 96, 100, 4, 9, 13, 2, "contiguous"), (3, 100, 96, 8, 7, 5, 4, "contiguous")])
 def test_triton_winograd_resblock_matches_the_reference(bs, ci, co, t, h, w, m, layout,
                                                         monkeypatch):
-    """`resblock(triton=True)` (`compiler.winograd_triton`'s kernels around cuDNN's products) at
+    """`resblock(triton=True)` (`compiler.kernels.winograd_triton`'s kernels around cuDNN's products) at
     the TI2V-5B decoder's residual-block shapes (one and two tiles: the middle kernel takes a
     tile's first frames from the tile before), two videos at the widest (offsets past 2^31),
     and odd sizes with channels that are not powers of two (the two-pass form), batches of 2-3
@@ -433,7 +433,7 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, leas
     of each (the figure is the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b
     frames=121 variants=installed`); `winograd`: with the time-Winograd convolutions off, and
     with F(4, 3) (`video_vae.WINOGRAD` as set for this test); `triton`: their passes as
-    `compiler.winograd_triton`'s kernels (`video_vae.TRITON`); `least`: latent frames a pass
+    `compiler.kernels.winograd_triton`'s kernels (`video_vae.TRITON`); `least`: latent frames a pass
     at least (`video_vae.WINOGRAD_CHUNK`)."""
     import compiler
     from compiler.pipeline import _compile_vae
