@@ -8,13 +8,17 @@ and returns it; `options` is anything `parse_options` takes (see `compiler/optio
 table). Nothing compiles until the first call. The result is recorded on `pipe._compile_options`.
 Lossless modes give the eager output within half-precision tolerance.
 
+Layout: the API and the transforms here (`pipeline`, `options`, `transforms`, `heuristics`,
+`cudagraph`, `step_reuse`, `cache`); the kernels they install in `compiler.kernels`; the
+video-model parts in `compiler.video`; measurement probes in `compiler.bench` (never imported).
+
 Order of transforms (each later one wraps the earlier):
   1. process-wide switches the flags ask for (low-precision matmul reductions, cudnn.benchmark,
      Inductor's single-pass row-reduction limit: `compiler/heuristics.py`);
   2. QKV fusion of the denoiser's attention (`fuse_qkv_projections` and `options.fuse_qkv` both on);
      then, CUDA only and when compiling: `low-precision` swaps the blocks' Linears for FP8Linear
      (compute capability >= 8.9) and their feed-forwards for FP8FeedForward (bias + GELU + FP8
-     quantisation of the hidden activation in one Triton pass, `compiler/quant.py`), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
+     quantisation of the hidden activation in one Triton pass, `compiler/kernels/quant.py`), and `fuse_gelu` routes Linear+GELU(tanh) through one cuBLASLt
      GEMM with a GELU epilogue (a custom op Inductor keeps whole), and `short_attention` gives the
      fused self-attentions a processor that runs sequences of <= 64 tokens (Latte's temporal
      attention) through one Triton kernel, and `short_cross_attention` the fused cross-attentions one
@@ -23,7 +27,7 @@ Order of transforms (each later one wraps the earlier):
   4. `torch.compile` of the denoiser's repeated blocks, one compiled function per block class,
      with the flags' Inductor settings (`CompileOptions.inductor_config()`, the one place they come
      from); for Latte one compiled function per (spatial, temporal) block pair with the layout
-     changes between them (`compiler/block_pairs.py`); text encoder / VAE decoder blocks likewise, without
+     changes between them (`compiler/video/block_pairs.py`); text encoder / VAE decoder blocks likewise, without
      the denoiser-only settings, if `compile_text_encoder` / `compile_vae`;
   5. SDPA kernel priority around the denoiser forward (CUDA only: CPU keeps the default);
   6. `cudagraphs`: the denoiser call captured as one CUDA graph per input shape (CUDA only).

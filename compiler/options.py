@@ -25,7 +25,7 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | `cudagraphs` | the whole denoiser call (one denoising step) captured as a CUDA graph per input shape, replayed on later steps (CUDA only; ignored on CPU) |
 | `freezing` | Inductor `freezing`: weights inlined as constants and constant-folded; weights can no longer change |
 | `low-precision` | lossy, denoiser blocks: their Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only; the projections feeding attention add their bias in the GEMM and write the model dtype, so q/k/v reach the attention kernel as views without a copy), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
-| `int8-attention` | lossy, compiled, CUDA Hopper (sm90): Wan's self-attention over >= 16,384 tokens (the published video sizes) in INT8 (QK; Q and K Hadamard-rotated first, so outlier channels keep their precision) and FP8 (PV) with FP32 accumulation (`compiler/int8_attention.py`: SageAttention 2's kernel, built once per machine with nvcc, our quantisation): 1.40x cuDNN at 480x832 x 81 frames on an H100, output cosine >= 0.999 also with outlier channels; where it cannot run (another GPU, no nvcc), one log line and cuDNN's attention |
+| `int8-attention` | lossy, compiled, CUDA Hopper (sm90): Wan's self-attention over >= 16,384 tokens (the published video sizes), where its q and k are normalised per token (the kernel's domain; elsewhere lossless, one log line), in INT8 (QK; Q and K Hadamard-rotated first, so outlier channels keep their precision) and FP8 (PV) with FP32 accumulation (`compiler/kernels/int8_attention.py`: SageAttention 2's kernel, built once per machine with nvcc, our quantisation): 1.40x cuDNN at 480x832 x 81 frames on an H100, output cosine >= 0.999 also with outlier channels; where it cannot run (another GPU, no nvcc), one log line and cuDNN's attention |
 | `cache-all` | Inductor `fx_graph_cache` and `autotune_local_cache` on (in `compiler.cache`'s directory), and portable artifacts packed by `compiler.cache` |
 | `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
 | `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
@@ -46,7 +46,7 @@ Why `max-optimize` uses `max_autotune_pointwise` rather than `coordinate_descent
 (BENCHMARKS.md, "Compiler, third round"): on Latte-1 O3 the descent ran 290 serial compile-and-time
 trials, 97 s of a 128 s first call, for 6.84 it/s; `max_autotune_pointwise` compiles its few
 candidates in parallel workers: 48 s for 6.38 it/s; neither: 25 s for 6.04 it/s. What the descent
-found beyond that was mostly the FP8 activation-quantisation reductions, which `compiler.quant`
+found beyond that was mostly the FP8 activation-quantisation reductions, which `compiler.kernels.quant`
 now does in one hand-written kernel: with it O3 runs Latte-1 at 7.1 it/s after a 27 s first call.
 Without `dynamic_scale_rblock` (BENCHMARKS.md, "fifth round"): with it Latte-1 ran 3 % faster, but
 torch 2.11 re-benchmarked and rebuilt the scaled-down reduction configs in every warm start (Latte's

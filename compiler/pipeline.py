@@ -10,10 +10,12 @@ import threading
 import torch
 
 from .options import FLAGS, CompileOptions, parse_options
-from . import block_pairs, int8_attention, quant, transforms, video_vae
+from . import transforms
+from .kernels import int8_attention, quant
+from .video import block_pairs, video_vae
 from .cudagraph import StepGraph, wrap_step
-from .cross_attention import use_short_cross_attention
-from .short_attention import use_short_attention
+from .kernels.cross_attention import use_short_cross_attention
+from .kernels.short_attention import use_short_attention
 
 log = logging.getLogger("compiler")
 
@@ -133,7 +135,7 @@ def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:
 
 def _compile_vae(vae, opts: CompileOptions, aux_kw: dict, device: str) -> dict[str, int]:
     """The VAE decoder, with the lossless settings. A causal video VAE (Wan 2.1's and 2.2's)
-    decodes in chunks of frames, its blocks compiled (`compiler.video_vae`; on CUDA in
+    decodes in chunks of frames, its blocks compiled (`compiler.video.video_vae`; on CUDA in
     channels_last_3d, its upsamplers as four-phase convolutions, its 3x3x3 convolutions as
     time-Winograd ones, the output convolution as one GEMM to its taps); a 2-D one has its
     ResnetBlock2Ds compiled. `dynamic`: the blocks specialise on sizes and strides and would
@@ -173,19 +175,37 @@ def _gpu_transforms(den, opts: CompileOptions, fused: bool, report: dict) -> Non
 
 
 def _int8_attention(den, opts: CompileOptions, device: str, report: dict) -> None:
-    """Flag `int8-attention` on one denoiser: its Wan self-attentions on the kernel (the count in
-    `report["int8_attention"]`), or, where it cannot run (`device` not CUDA, another GPU, no
-    nvcc), `report["int8_attention_off"]` says why and the attention stays SDPA's: the caller
-    records which outputs were made without it."""
+    """Flag `int8-attention` on one denoiser: its Wan self-attentions inside the kernel's domain
+    (q and k normalised per token: `int8_attention.domain_miss`) on the kernel (the count in
+    `report["int8_attention"]`; those outside stay lossless, one log line and their count in
+    `report["int8_attention_lossless"]`), or, where none is inside or the kernel cannot run
+    (`device` not CUDA, another GPU, no nvcc), `report["int8_attention_off"]` says why and the
+    attention stays SDPA's: the caller records which outputs were made without it."""
     if not (opts.has("int8_attention") and int8_attention.has_long_attention(den)):
         return
-    why = int8_attention.unavailable() if device == "cuda" else f"no CUDA device ({device})"
+    outside = int8_attention.outside_domain(den)
+    why = _int8_attention_off(den, device, outside)
     if why:   # said once per process
         if "int8_attention_off" not in report:
             log.warning("int8 attention off, Wan self-attention stays on SDPA (cuDNN): %s", why)
         report["int8_attention_off"] = why
-    else:
-        report["int8_attention"] = report.get("int8_attention", 0) + int8_attention.use_int8_attention(den)
+        return
+    report["int8_attention"] = report.get("int8_attention", 0) + int8_attention.use_int8_attention(den)
+    if outside:   # a lossy kernel outside the inputs it was shown to hold on: the lossless path
+        if "int8_attention_lossless" not in report:
+            name, why = next(iter(outside.items()))
+            log.warning("int8 attention: %d self-attention(s) stay on SDPA (lossless), outside its "
+                        "domain: %s (%s, ...)", len(outside), why, name)
+        report["int8_attention_lossless"] = report.get("int8_attention_lossless", 0) + len(outside)
+
+
+def _int8_attention_off(den, device: str, outside: dict[str, str]) -> str | None:
+    """Why flag `int8-attention` leaves `den` as it is, or None: none of its self-attentions is
+    inside the kernel's domain (asked first: no kernel build for nothing), or the kernel cannot
+    run here."""
+    if len(outside) == len(int8_attention.self_attentions(den)):
+        return "no self-attention inside its domain: " + next(iter(outside.values()))
+    return int8_attention.unavailable() if device == "cuda" else f"no CUDA device ({device})"
 
 
 def _add_counts(counts) -> dict[str, int]:

@@ -11,7 +11,7 @@
   dispatcher takes the first backend that accepts each call's shapes/mask, so the kernel is chosen
   per shape (cuDNN for PixArt's unmasked head-dim-72 self-attention; flash refuses the masked
   cross-attention, which falls through to the next accepting backend). Measured on torch 2.11 /
-  H100 (`python -m compiler.attn_probe`): the default dispatch already picks cuDNN everywhere, so
+  H100 (`python -m compiler.bench.attn_probe`): the default dispatch already picks cuDNN everywhere, so
   the list only pins that choice across torch versions; the one shape where another backend wins
   is Latte's 16-token temporal attention (flash 0.60 ms vs cuDNN 0.68 ms), not exploited yet.
 - `fuse_gelu(module)`: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue (custom op).

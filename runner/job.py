@@ -59,7 +59,7 @@ from .prompts import (MAX_LISTED, Constraints, Item, PromptError, Shard, case_co
                       check_prompts, plan_shards)
 from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fallback_settings_id,
                       fingerprint, remove_temp_files, settings_id, start_fresh, write_parquet)
-from .storage import Store, StoreTimeout, case_insensitive, resolve
+from .storage import Store, StoreTimeout, case_insensitive, resolve, uri_of
 from .summary import json_text, summarize, summary_text, work_after
 
 log = logging.getLogger("runner")
@@ -261,15 +261,15 @@ def run(argv: list[str], start_pool: StartPool | None = None,
     job = split(cfg)
     # 2. Prompts and output directory: all checked before any worker or model.
     checked = check_input(job)
-    _check_output_dir(job["output"].job_dir, create=not job["run"].dry_run)
-    check_case_collisions(checked.items, job["output"].job_dir)
+    store = resolve(job["output"].job_dir)    # the job directory: one Store for the whole run
+    _check_output_dir(store, create=not job["run"].dry_run)
+    check_case_collisions(checked.items, store)
     if job["run"].dry_run:
-        return _dry_run(cfg, job, checked.items)
-    store = _store(job["output"].job_dir)
+        return _dry_run(cfg, job, checked.items, store)
     ending = Ending(remote=not store.local)   # once stopping, one deadline (the lock's included)
     try:
         with job_lock(store, release_s=ending.lock_budget):       # one driver per job directory
-            return _run_locked(cfg, job, checked, start_pool or start_ray_pool, clock, ending)
+            return _run_locked(cfg, job, checked, store, start_pool or start_ray_pool, clock, ending)
     finally:
         if ending.abandoned:
             EXIT_AT_ONCE.append("calls on a failed store may still be running")
@@ -304,11 +304,11 @@ def check_warmup(job: dict, limits: Constraints) -> None:
                           f"{limits.max_steps}")
 
 
-def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
+def _run_locked(cfg, job: dict, checked: Checked, store: Store, start_pool: StartPool, clock,
                 ending: Ending) -> dict:
     # 3. Plan: what is already done (made from exactly these parameters), shards of the rest.
     out, items = job["output"], checked.items
-    results = _open_results(cfg, out)
+    results = _open_results(cfg, out, store)
     # image rows: their images' current content
     items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
@@ -317,9 +317,9 @@ def _run_locked(cfg, job: dict, checked: Checked, start_pool: StartPool, clock,
     # int8-attention's kernel alone start no pool (on a cluster without it, every worker would
     # load and compile a model to take nothing): they are remade beside real work
     if items and not shards:
-        return _nothing_to_do(results, items, out, ending, len(plan.fallback))
+        return _nothing_to_do(results, items, ending, len(plan.fallback))
     later = fallback_shards(plan, items, job["run"].shard_size, len(shards))
-    _write_config(cfg, out.job_dir)
+    _write_config(cfg, store)
     log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
              len(items), len(checked.files), len(plan.done), len(shards), out.job_dir)
     _log_plan(plan, out.job_dir)
@@ -425,7 +425,7 @@ class JobRun:
                  head: dict, skipped: int, clock: Callable[[], float], ending: Ending):
         self.results, self.items, self.plan, self.out = results, items, plan, out
         self.head, self.skipped, self.clock, self.ending = head, skipped, clock, ending
-        self.store = _store(out.job_dir)
+        self.store = results.store              # the job directory, opened once by `run`
         self.ids = [it.id for it in items]      # the rows results.parquet keeps, in prompt order
         self.pool: Pool | None = None
         self.slots: list = []                   # the dispatcher's, live: who served, also if stopped
@@ -588,7 +588,7 @@ class JobRun:
     def _snapshot(self) -> None:
         """results.parquet and report.html so far, off the dispatch loop's thread (a full rewrite
         costs seconds at a million rows; the loop only records O(shard) per shard)."""
-        _report(self.out.job_dir, self.results.write_table(self.ids),
+        _report(self.store, self.results.write_table(self.ids),
                 dict(job=self.head["job"], items=len(self.items)), timeline=list(self.timeline),
                 thumb_budget_s=5)
 
@@ -695,7 +695,7 @@ class JobRun:
             return
         try:
             from .report import write_report
-            write_report(self.out.job_dir, table, summary, metrics,
+            write_report(self.store, table, summary, metrics,
                          timeline=self.timeline or None)
             return
         except Exception as e:     # a full disk, a stalled store, a plot that cannot be drawn
@@ -803,25 +803,19 @@ def metrics_name(m: dict) -> str:
     return f"metrics/worker-{m['rank']}.json"
 
 
-def _write_config(cfg, job_dir: str) -> None:
+def _write_config(cfg, store: Store) -> None:
     try:
-        _store(job_dir).write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        store.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     except OSError as e:       # a full disk, a store that refuses writes: before any GPU time
-        raise JobError(f"output.dir: cannot write {job_dir}/config.yaml ({type(e).__name__}: "
+        raise JobError(f"output.dir: cannot write {store.uri('config.yaml')} ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:300]}); free space or fix access, then rerun") from e
 
 
-@functools.lru_cache(maxsize=8)
-def _store(job_dir: str) -> Store:
-    """The job directory as a Store (one per location and process: an S3 client is not free)."""
-    return resolve(job_dir)
-
-
-def _report(job_dir: str, *args, **kw) -> None:
+def _report(store: Store, *args, **kw) -> None:
     """report.html (see report.py): a failure to draw it is logged, never fatal to the job."""
     try:
         from .report import write_report
-        write_report(job_dir, *args, **kw)
+        write_report(store, *args, **kw)
     except Exception as e:
         log.warning("report.html not written: %s: %s", type(e).__name__, e)
 
@@ -842,12 +836,12 @@ def _few(ids: list[str], n: int = 10) -> str:
     return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
 
 
-def _dry_run(cfg, job, items) -> dict:
+def _dry_run(cfg, job, items, store: Store) -> dict:
     """run.dry_run=true: the plan against the job directory; nothing written, no Ray."""
     out, opts, r = job["output"], job["run"], job["ray"]
-    results = Results(_store(out.job_dir), settings_id(cfg), fallback_settings_id(cfg))
+    results = Results(store, settings_id(cfg), fallback_settings_id(cfg))
     if not cfg.output.overwrite:
-        _check_same_config(cfg, out)
+        _check_same_config(cfg, out, store)
         results.load()
     items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
@@ -866,7 +860,7 @@ def _dry_run(cfg, job, items) -> dict:
              *([f"    {without_kernel_line(len(plan.fallback))}"] if plan.fallback else []),
              f"  {len(plan.gone)} no longer in the input (kept){gone}",
              f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
-    held = lock_holder(_store(out.job_dir))
+    held = lock_holder(store)
     if held is not None:
         lines.append(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
                      f"{held.get('host')}, started {held.get('started')}); a run would exit 2")
@@ -881,7 +875,7 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool) -> WorkerConfig:
     """What each worker needs to know (the only part of the config a worker sees)."""
     return WorkerConfig(model=job["model"], generation=job["generation"], limits=limits,
                         on_empty=job["prompts"].on_empty,
-                        job_dir=_store(job["output"].job_dir).uri(),
+                        job_dir=uri_of(job["output"].job_dir),
                         batch_size=job["run"].batch_size, warmup_steps=job["run"].warmup_steps,
                         fps=job["output"].fps, compile=job["compile"],
                         step_cache=job["step_cache"], encode_batch=job["run"].shard_size,
@@ -891,21 +885,22 @@ def worker_config(job: dict, limits: Constraints, on_gpu: bool) -> WorkerConfig:
                         canary_min_psnr_db=job["run"].canary_min_psnr_db)
 
 
-def _open_results(cfg, out) -> Results:
+def _open_results(cfg, out, store: Store) -> Results:
     """Resume what a previous run into this directory finished, if its config is compatible
     (called holding the job's lock: it removes files)."""
     if cfg.output.overwrite:
-        start_fresh(_store(out.job_dir))
+        start_fresh(store)
     else:
-        _check_same_config(cfg, out)
-    removed = remove_temp_files(out.job_dir)
+        _check_same_config(cfg, out, store)
+    removed = remove_temp_files(store)
     if removed:
         log.info("removed %d half-written files left by an earlier run", removed)
-    return Results(_store(out.job_dir), settings_id(cfg), fallback_settings_id(cfg)).load()
+    return Results(store, settings_id(cfg), fallback_settings_id(cfg)).load()
 
 
-def _check_same_config(cfg, out) -> None:
-    store = _store(out.job_dir)
+def _check_same_config(cfg, out, store: Store) -> None:
+    """The job directory's config.yaml (`store`'s) against `cfg`: an error naming what changed
+    where the outputs recorded there were made otherwise (`out.job_dir` as the user gave it)."""
     try:
         old_cfg = store.read_text("config.yaml")
     except OSError as e:       # local: a directory in its place, no access; a store's: its own
@@ -944,13 +939,13 @@ def _damaged_config(store: Store, e: BaseException) -> JobError:
                     f"to regenerate everything")
 
 
-def _nothing_to_do(results: Results, items, out, ending: Ending, without_kernel: int = 0) -> dict:
+def _nothing_to_do(results: Results, items, ending: Ending, without_kernel: int = 0) -> dict:
     """A rerun with every prompt done: say so in one line (and one more for `without_kernel`
     outputs made without int8-attention's kernel, not remade alone); the last real summary stays
     in place. A results table or record that cannot be written (the cause that ended the run
     before, not fixed yet) is exit 3 naming it, as at the end of a run."""
     ids = [it.id for it in items]
-    store = _store(out.job_dir)
+    store = results.store
     table_path = store.uri("results.parquet")
     try:
         import pyarrow.parquet as pq
@@ -1015,12 +1010,11 @@ def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] |
     return int(gen.height), int(gen.width), int(gen.num_frames) if video and "num_frames" in gen else None
 
 
-def _check_output_dir(job_dir: str, create: bool = True) -> None:
+def _check_output_dir(store: Store, create: bool = True) -> None:
     """The job directory can be created and written (created if `create`; else its nearest
     existing parent is probed, so a dry run writes nothing that stays). On an object store: a
     probe object is written and deleted (a dry run only lists)."""
-    if "://" in job_dir and not job_dir.startswith("file://"):
-        store = _store(job_dir)
+    if not store.local:
         try:
             if create:
                 probe = f".probe-{os.getpid()}-{time.time_ns()}"
@@ -1032,10 +1026,10 @@ def _check_output_dir(job_dir: str, create: bool = True) -> None:
                     raise OSError(f"the bucket {bucket!r} does not exist")
                 store.list(RECORDS)
         except (OSError, ValueError) as e:
-            raise JobError(f"output.dir: cannot write {job_dir!r} ({e}); check the bucket and the "
+            raise JobError(f"output.dir: cannot write {store.uri()!r} ({e}); check the bucket and the "
                            f"credentials in the environment (docs/cloud.md)") from e
         return
-    job_dir = _store(job_dir).base
+    job_dir = store.base
     _check_job_subdirs(job_dir)
     p = job_dir
     while not os.path.exists(p):
@@ -1068,7 +1062,7 @@ def _check_job_subdirs(job_dir: str) -> None:
                            f"directory; move or remove it, or use another job.name")
 
 
-def check_case_collisions(items: list[Item], job_dir: str) -> None:
+def check_case_collisions(items: list[Item], store: Store) -> None:
     """Ids that differ only in case ("Fox", "fox") name one media file where output.dir folds
     case (macOS's default, FAT/exFAT, SMB): one output would silently replace the other while
     both rows report ok. An error there, before any model; elsewhere (a case-sensitive directory,
@@ -1077,7 +1071,6 @@ def check_case_collisions(items: list[Item], job_dir: str) -> None:
     pairs = case_collisions(items)
     if not pairs:
         return
-    store = _store(job_dir)
     if not store.local:
         return
     probed = os.path.join(store.base, "media")

@@ -56,11 +56,11 @@ PREVIEW_FRAMES = 16     # frames of a video's animated preview
 ASSETS = "report"       # sub-directory of the job directory for the page's pictures
 
 
-def write_report(job_dir: str, rows: list[dict], summary: dict | None = None,
+def write_report(job_dir: "str | Store", rows: list[dict], summary: dict | None = None,
                  metrics: list[dict] = (), timeline: list | None = None,
                  config_yaml: str | None = None, thumb_budget_s: float | None = None) -> str:
     """Writes `<job_dir>/report.html` (see the module docstring); returns its path (URI)."""
-    store = resolve(job_dir)
+    store = job_dir if isinstance(job_dir, Store) else resolve(job_dir)
     job_dir = store.base if store.local else stage_dir(store)
     assets = os.path.join(job_dir, ASSETS)
     os.makedirs(assets, exist_ok=True)

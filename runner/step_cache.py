@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 # Which methods a model family offers is its record's `step_reuse` (runner/families/). The hook
 # methods need a diffusers `CacheMixin` transformer whose pipeline exposes `_current_timestep`;
 # FasterCache's unconditional-branch skip needs the CFG batch in one denoiser call (Latte's
-# pipeline: torch.cat([latents] * 2)); residual needs the block-pair forward of compiler/block_pairs.py.
+# pipeline: torch.cat([latents] * 2)); residual needs the block-pair forward of compiler/video/block_pairs.py.
 HOOKS = ("fastercache", "pab")   # diffusers' attention hooks (decide in Python, per call)
 DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffusers' defaults
 

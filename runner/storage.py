@@ -12,7 +12,8 @@ Contract
   `gs://bucket[/prefix]`; anything else is a ValueError naming the value and these forms. A Store is
   a `pyarrow.fs.FileSystem` (`.fs`) plus a base path (`.base`); `store.path(rel)` is the path to hand
   to pyarrow APIs (`pq.read_table(store.path(rel), filesystem=store.fs)`), `store.uri(rel)` the URI
-  for messages. Relative names always use "/".
+  for messages. Relative names always use "/". `uri_of(value)` is `resolve(value).uri()` without
+  opening a filesystem.
 - Credentials and endpoints come from the standard environment, nothing from the job config:
   S3: `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, profiles, instance roles (the
   AWS SDK's chain), `AWS_REGION`/`AWS_DEFAULT_REGION`, and `AWS_ENDPOINT_URL_S3`/`AWS_ENDPOINT_URL`
@@ -414,22 +415,36 @@ def is_uri(value: str | os.PathLike) -> bool:
 
 def resolve(value: str | os.PathLike) -> Store:
     """A local path, file:// URI, s3:// or gs:// URI -> Store (see the module docstring)."""
+    scheme, base = _location(value)
+    if scheme == "file":
+        return Store(pafs.LocalFileSystem(), base, "file")
+    fs = _s3(base.split("/", 1)[0]) if scheme == "s3" else _gcs()
+    return Store(fs, base, scheme)
+
+
+def uri_of(value: str | os.PathLike) -> str:
+    """`resolve(value).uri()` without opening a filesystem (an S3 one may ask for the bucket's
+    region): what a process that resolves it again is handed."""
+    scheme, base = _location(value)
+    return Store(None, base, scheme).uri()
+
+
+def _location(value: str | os.PathLike) -> tuple[str, str]:
+    """(scheme, base path) of a storage location; a ValueError naming what is wrong with it."""
     text = os.fspath(value)
     if "://" not in text:
         if not text:
             raise ValueError(f"empty storage location; expected {FORMS}")
-        return Store(pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(text)), "file")
+        return "file", os.path.abspath(os.path.expanduser(text))
     scheme, rest = text.split("://", 1)
     scheme = scheme.lower()
     if scheme == "file":
-        return Store(pafs.LocalFileSystem(), os.path.abspath(urlsplit(text).path or "/"), "file")
+        return "file", os.path.abspath(urlsplit(text).path or "/")
     if scheme not in ("s3", "gs"):
         raise ValueError(f"unsupported storage location {text!r}: scheme {scheme!r}; expected {FORMS}")
-    bucket = rest.split("/", 1)[0]
-    if not bucket:
+    if not rest.split("/", 1)[0]:
         raise ValueError(f"storage location {text!r} names no bucket; expected {FORMS}")
-    fs = _s3(bucket) if scheme == "s3" else _gcs()
-    return Store(fs, rest.strip("/"), scheme)
+    return scheme, rest.strip("/")
 
 
 def _s3(bucket: str) -> pafs.S3FileSystem:

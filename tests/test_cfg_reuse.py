@@ -387,13 +387,22 @@ def test_vs_loop_modes_with_cfg_run_and_compare_as_planned():
 # ---------------------------------------------------------------------------------------------
 # GPU: the full-size Wan 2.1 1.3B under O3 with `residual`
 
+# The full-size test's bound on |residual + cfg_reuse - residual| in the latents (of scale ~5.5):
+# 0.584, 0.604, 0.584 and 0.622 in the recorded gpu runs (benchmarks/data/2026-11-26-int8-attention,
+# -gpu-suite-h100x2, -scaling-h100x4/gpu-suite, 2026-11-27-gpu-suite-ti2v-images-h100), ~1.6x the
+# largest: room for FP8 and kernel noise, while a skipped call that lost its kept difference or
+# its conditional output is off by the whole guidance term.
+CFG_MAX_ABS = 1.0
+
+
 @pytest.mark.gpu
 def test_full_size_wan_o3_residual_with_cfg_reuse():
     """480x832 x 33 frames, 12 steps, random weights, fp16, O3 (FP8, step graphs) + residual
     (compute_ratio 0.5, F1B0) + cfg_reuse: after the worker's warm-up (every call runs: the four
     step graphs captured), a call recompiles nothing, captures no new graph, runs the
     unconditional denoiser call only on the planned steps, makes no host sync in what replaces a
-    skipped call, and its output is finite and differs from residual alone."""
+    skipped call, and its output is finite, differs from residual alone, and by at most
+    `CFG_MAX_ABS` (the error of skipping 6 of 12 unconditional calls, bounded)."""
     import compiler
     from compiler.cudagraph import StepGraph
     steps = 12
@@ -440,3 +449,4 @@ def test_full_size_wan_o3_residual_with_cfg_reuse():
     err = (out - ref).abs().max().item()
     print(f"wan 1.3B O3 residual+cfg vs residual: max abs {err:.3g} (scale "
           f"{ref.abs().max().item():.3g}); uncond calls {sum(runs)} of {steps}")
+    assert err <= CFG_MAX_ABS, err

@@ -39,7 +39,7 @@ def test_compiled_matches_eager_shares_graphs_and_never_recompiles(preset):
     from diffusers.models.attention import BasicTransformerBlock
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
-    from compiler import block_pairs
+    from compiler.video import block_pairs
     torch._dynamo.reset()  # fresh Dynamo caches: other modules' compiles must not leak in
     counters.clear()       # graph counts below are this pipeline's alone
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))

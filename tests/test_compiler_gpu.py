@@ -42,7 +42,7 @@ def test_full_size_lossless_matches_eager(preset, kw, mode):
 
 @pytest.mark.parametrize("n, s, heads, d", [(2048, 16, 16, 72), (64, 5, 4, 64), (32, 33, 2, 40)])
 def test_short_attention_kernel_matches_sdpa(n, s, heads, d):
-    from compiler.short_attention import _reference, short_attention
+    from compiler.kernels.short_attention import _reference, short_attention
     qkv = torch.randn(n, s, 3 * heads * d, device="cuda", dtype=torch.float16)
     ref = _reference(qkv.float(), heads)
     out = short_attention(qkv, heads)
@@ -59,7 +59,7 @@ def test_short_attention_kernel_matches_sdpa(n, s, heads, d):
     (3, 100, 128, 4, 40, True, torch.float16),
 ])
 def test_short_cross_attention_kernel_matches_sdpa(n, sq, skv, heads, d, masked, dtype):
-    from compiler.cross_attention import ShortKVCrossAttnProcessor, _reference, short_cross_attention
+    from compiler.kernels.cross_attention import ShortKVCrossAttnProcessor, _reference, short_cross_attention
     q = torch.randn(n, sq, heads * d, device="cuda", dtype=dtype)
     kv = torch.randn(n, skv, 2 * heads * d, device="cuda", dtype=dtype)
     bias = None
@@ -81,7 +81,7 @@ def test_short_cross_attention_kernel_matches_sdpa(n, sq, skv, heads, d, masked,
     torch.testing.assert_close(short_cross_attention(q[:, ::2], kv2, b1, heads).float(),
                                _reference(q[:, ::2].float(), kv2.float(), b1, heads), atol=tol, rtol=tol)
     if masked:   # the processor takes exactly this call (and no unmasked one, while MASKED_ONLY)
-        from compiler.cross_attention import MASKED_ONLY
+        from compiler.kernels.cross_attention import MASKED_ONLY
         from diffusers.models.attention_processor import Attention
         attn = Attention(heads * d, cross_attention_dim=heads * d, heads=heads, dim_head=d).cuda()
         attn.to_kv = torch.nn.Linear(heads * d, 2 * heads * d)
@@ -97,7 +97,7 @@ def test_short_cross_attention_kernel_matches_sdpa(n, sq, skv, heads, d, masked,
 @pytest.mark.parametrize("m, n", [(8192, 4608), (32768, 4608), (7, 1152), (5, 4096), (3, 100)])
 @pytest.mark.parametrize("num_warps", [None, 4, 16])
 def test_gelu_quant_kernel_matches_reference(m, n, num_warps):
-    from compiler.quant import reference, gelu_quant, launch
+    from compiler.kernels.quant import reference, gelu_quant, launch
     h = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.float16)
     q, s = gelu_quant(h, b) if num_warps is None else launch(h, b, num_warps=num_warps)

@@ -94,7 +94,7 @@ def _tiny_latte(num_layers=4):
 
 
 def test_latte_pair_forward_is_diffusers_forward_in_eager():
-    from compiler.block_pairs import compile_pairs, has_block_pairs
+    from compiler.video.block_pairs import compile_pairs, has_block_pairs
     from compiler.transforms import block_classes
     from diffusers import PixArtTransformer2DModel
     from runner.families.pixart import ALPHA
@@ -117,7 +117,7 @@ def test_latte_pairs_compile_to_one_graph():
     """All (spatial, temporal) pairs share one graph, with the layout changes inside it; the first
     pair's temporal position embedding is an input (zeros for the others), not a second graph."""
     from torch._dynamo.utils import counters
-    from compiler.block_pairs import compile_pairs, has_block_pairs
+    from compiler.video.block_pairs import compile_pairs, has_block_pairs
     den, x, kw = _tiny_latte(num_layers=6)
     with torch.no_grad():
         ref = den(x, **kw)[0]
@@ -133,7 +133,7 @@ def test_latte_pairs_compile_to_one_graph():
 
 
 def test_gelu_quant_dequantizes_to_gelu():
-    from compiler.quant import gelu_quant
+    from compiler.kernels.quant import gelu_quant
     h, b = (torch.randn(6, 300) * 4).to(torch.bfloat16), torch.randn(300).half()
     q, s = gelu_quant(h, b)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (6, 300) and s.shape == (6, 1)
@@ -146,7 +146,7 @@ def test_gelu_quant_dequantizes_to_gelu():
 def test_gelu_quant_row_chunks_cover_the_row_once():
     """The kernel's two power-of-two chunks: the first inside the row, both together covering it,
     and no idle lanes at the DiT widths (4608 = 4096 + 512, 1152 = 1024 + 128)."""
-    from compiler.quant import row_chunks
+    from compiler.kernels.quant import row_chunks
     for n in (*range(1, 70), 1024, 1152, 4096, 4608, 5120):
         b0, b1 = row_chunks(n)
         assert b0 & (b0 - 1) == 0 and b1 & (b1 - 1) == 0 and (b0 < n or n == 1) and n <= b0 + b1 < n + max(b1, 2)
@@ -154,7 +154,7 @@ def test_gelu_quant_row_chunks_cover_the_row_once():
 
 
 def test_fp8_feedforward_matches_fp8_linears_and_traces():
-    from compiler.quant import FP8FeedForward, fp8_feedforward
+    from compiler.kernels.quant import FP8FeedForward, fp8_feedforward
     pipe = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
     den = pipe.transformer
     fuse_qkv(den)
@@ -175,7 +175,7 @@ def test_fp8_feedforward_matches_fp8_linears_and_traces():
 def test_latte_pairs_serve_every_prompt_length_with_one_graph():
     """LattePipeline trims the text embeddings to each prompt's token count: with static shapes
     (dynamic=False, what the presets use) that must still not recompile per length."""
-    from compiler.block_pairs import compile_pairs, has_block_pairs
+    from compiler.video.block_pairs import compile_pairs, has_block_pairs
     den, x, kw = _tiny_latte(num_layers=2)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -192,7 +192,7 @@ def test_short_cross_attention_processor_falls_back_on_cpu_and_matches_sdpa():
     """The cross-attention processor: on CPU (and for anything the kernel does not take) diffusers'
     fused processor, bit for bit; its own path (forced here, the op's CPU reference) reads the
     key-padding bias as the DiT passes it and gives the same output; the op traces whole."""
-    from compiler.cross_attention import (ShortKVCrossAttnProcessor, head_tiles, short_cross_attention,
+    from compiler.kernels.cross_attention import (ShortKVCrossAttnProcessor, head_tiles, short_cross_attention,
                                           use_short_cross_attention)
     pipe = build_pipeline(ModelSpec("pixart_alpha_512", source="tiny"))
     den = pipe.transformer

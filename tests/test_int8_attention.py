@@ -1,4 +1,4 @@
-"""`compiler.int8_attention` (compile flag `int8-attention`, part of O3): the processor's logic on
+"""`compiler.kernels.int8_attention` (compile flag `int8-attention`, part of O3): the processor's logic on
 the CPU (where `attention8` is exact SDPA), the flag's fallback line, the job's output settings;
 the kernel itself at the published shapes on a Hopper GPU (`gpu`)."""
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from compiler import int8_attention as ia
+from compiler.kernels import int8_attention as ia
 from compiler import parse_options
 from compiler.pipeline import _gpu_transforms
 from compiler.transforms import fuse_qkv
@@ -84,6 +84,73 @@ def test_the_flag_falls_back_with_one_line_where_the_kernel_cannot_run(monkeypat
             assert not any(isinstance(b.attn1.processor, ia.LongSelfAttnProcessor) for b in den.blocks)
         else:
             assert report["int8_attention"] == len(den.blocks) and "int8_attention_off" not in report
+
+
+def _strip_qk_norm(attn, which=("norm_q", "norm_k")):
+    """An attention whose q / k are not normalised per token, as a model without qk norm has it
+    (diffusers 0.42 builds Wan's RMS norms whatever the config's `qk_norm` says)."""
+    for name in which:
+        setattr(attn, name, torch.nn.Identity())
+
+
+def test_the_domain_is_read_from_the_attention_q_and_k_normalised_per_token():
+    """`domain_miss`: Wan's RMS norm across heads is inside; so is a per-head norm or a layer
+    norm; no norm on q or on k, or a norm over other channels, is outside, whatever the module's
+    class or the model's family."""
+    den, _ = _tiny_wan()
+    attn = den.blocks[0].attn1
+    assert isinstance(attn.norm_q, torch.nn.RMSNorm) and attn.norm_q.normalized_shape == (128,)
+    assert ia.domain_miss(attn) is None and ia.outside_domain(den) == {}
+    assert list(ia.self_attentions(den)) == ["blocks.0.attn1", "blocks.1.attn1"]   # not attn2
+    attn.norm_q, attn.norm_k = torch.nn.RMSNorm(64), torch.nn.LayerNorm(64)      # per head
+    assert ia.domain_miss(attn) is None
+    from diffusers.models.normalization import RMSNorm
+    attn.norm_q = RMSNorm(128, eps=1e-6)                                          # diffusers' own
+    assert ia.domain_miss(attn) is None
+    attn.norm_k = torch.nn.RMSNorm(32)                                            # other channels
+    assert ia.domain_miss(attn) == "k not normalised per token (norm_k: RMSNorm)"
+    _strip_qk_norm(attn, ("norm_k",))
+    assert ia.domain_miss(attn) == "k not normalised per token (norm_k: Identity)"
+    _strip_qk_norm(attn)
+    assert ia.domain_miss(attn) == "q not normalised per token (norm_q: Identity)"
+    assert ia.outside_domain(den) == {"blocks.0.attn1": "q not normalised per token (norm_q: Identity)"}
+    assert ia.use_int8_attention(den) == 1                                        # block 1 only
+    assert isinstance(den.blocks[1].attn1.processor, ia.LongSelfAttnProcessor)
+    assert not isinstance(den.blocks[0].attn1.processor, ia.LongSelfAttnProcessor)
+
+
+def test_the_flag_keeps_attentions_outside_its_domain_lossless_with_one_line(monkeypatch, caplog):
+    """compile_pipe's CUDA step on a tiny Wan with and without qk norm (the kernel available):
+    with it every self-attention gets the processor; without it on one block, that block keeps
+    diffusers' processor and one line says so; without it anywhere, the flag is off (one line,
+    the reason in the report, no kernel build asked for)."""
+    opts = parse_options("O3")
+    asked = []
+    monkeypatch.setattr(ia, "unavailable", lambda: asked.append(1))   # None: the kernel runs
+    for stripped in ((), (1,), (0, 1)):
+        den, _ = _tiny_wan()
+        fuse_qkv(den)
+        for i in stripped:
+            _strip_qk_norm(den.blocks[i].attn1)
+        report: dict = {}
+        asked.clear()
+        with caplog.at_level(logging.WARNING, logger="compiler"):
+            caplog.clear()
+            _gpu_transforms(den, opts, True, report)
+        lines = [r.getMessage() for r in caplog.records if "int8 attention" in r.getMessage()]
+        on = [isinstance(b.attn1.processor, ia.LongSelfAttnProcessor) for b in den.blocks]
+        if not stripped:
+            assert (report["int8_attention"], on, lines) == (2, [True, True], [])
+            assert "int8_attention_lossless" not in report
+        elif stripped == (1,):
+            assert (report["int8_attention"], report["int8_attention_lossless"], on) == (1, 1, [True, False])
+            assert lines == ["int8 attention: 1 self-attention(s) stay on SDPA (lossless), outside its "
+                             "domain: q not normalised per token (norm_q: Identity) (blocks.1.attn1, ...)"]
+        else:
+            why = "no self-attention inside its domain: q not normalised per token (norm_q: Identity)"
+            assert report["int8_attention_off"] == why and "int8_attention" not in report
+            assert lines == [f"int8 attention off, Wan self-attention stays on SDPA (cuDNN): {why}"]
+            assert on == [False, False] and asked == []
 
 
 def test_unavailable_names_the_reason_without_cuda():
@@ -186,6 +253,119 @@ def test_attention8_against_fp32_attention(shape, outliers):
     assert err <= 0.05, float(err)
 
 
+# The kernel's domain (issue 61; `int8_attention.domain_miss`): perturbations of Gaussian q, k, v
+# at Wan 2.1's 81-frame shape, alone and combined, against fp32 attention. Cosines measured on an
+# H200 (seeds 0-2) are in each list; the bound is the kernel test's (cosine >= 0.999, <= 5 %).
+COS_MIN, ERR_MAX = 0.999, 0.05
+INSIDE = [(),                                           # 0.99923
+          ("k_offsets",), ("q_outliers",), ("sharp",),  # 0.99924, 0.99904-0.99910, 0.99901
+          ("v_outliers",),                              # 0.99925
+          ("k_offsets", "q_outliers", "v_outliers"),    # 0.99913
+          ("k_offsets", "sharp", "v_outliers")]         # 0.99902
+# Outside: key token spikes (why the rule), and Q outliers with a sharp softmax together. With q
+# and k through a per-token norm the spiked ones hold again (where the rest is inside).
+OUTSIDE = {("k_spikes",): 0.99923,                                   # raw 0.9976-0.9980
+           ("k_offsets", "k_spikes", "v_outliers"): 0.99922,         # raw 0.9836-0.9862
+           ("k_offsets", "q_outliers", "sharp", "v_outliers", "k_spikes"): None,   # raw 0.9594
+           ("q_outliers", "sharp"): None}                            # raw 0.9979, normed 0.9977
+
+
+def _perturbed(kinds, gen, b=2, h=12, n=32760, d=128):
+    """q, k, v (B, N, H, D) fp16: Gaussian (q, k of std 1.3), then each kind in `kinds`:
+    k_offsets: 4 channels of K offset by 20-50x the std; q_outliers: 4 channels of Q 20x larger;
+    sharp: the logits x4 (Q x4); v_outliers: 4 channels of V 20x larger; k_spikes: 0.1 % of the
+    key tokens 20-50x larger."""
+    q, k = (torch.randn(b, n, h, d, device="cuda", generator=gen) * 1.3 for _ in range(2))
+    v = torch.randn(b, n, h, d, device="cuda", generator=gen)
+    ch = lambda: torch.randperm(d, device="cuda", generator=gen)[:4]
+    if "k_offsets" in kinds:
+        off = 1.3 * (20 + 30 * torch.rand(h, 4, device="cuda", generator=gen))
+        k[..., ch()] += off * torch.where(torch.rand(h, 4, device="cuda", generator=gen) < 0.5, -1.0, 1.0)
+    if "q_outliers" in kinds:
+        q[..., ch()] *= 20
+    if "sharp" in kinds:
+        q *= 4
+    if "v_outliers" in kinds:
+        v[..., ch()] *= 20
+    if "k_spikes" in kinds:
+        tokens = torch.randperm(n, device="cuda", generator=gen)[:max(1, n // 1000)]
+        k[:, tokens] *= 20 + 30 * torch.rand(len(tokens), 1, 1, device="cuda", generator=gen)
+    return q.half(), k.half(), v.half()
+
+
+def _per_token_norm(x):
+    """An RMS norm of each token over all heads' channels (Wan's `rms_norm_across_heads`) whose
+    weight keeps the tensor's overall RMS: spikes between tokens go, channel structure stays."""
+    x = x.float()
+    return (x * (x.square().mean().sqrt() / x.square().mean((2, 3), keepdim=True).sqrt())).half()
+
+
+def _rows(n, gen, rows=256):
+    return torch.randperm(n, device="cuda", generator=gen)[:rows]
+
+
+def _exact(q, k, v, rows):
+    """fp32 attention of the query rows `rows`: (B, H, len(rows), D)."""
+    qs, kk, vv = (t.float().transpose(1, 2) for t in (q[:, rows], k, v))
+    return torch.softmax(qs @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ vv
+
+
+def _score(out, ref, rows):
+    """(cosine, relative error) of `out` (B, N, H, D) on `rows` against `ref` from `_exact`."""
+    got = out[:, rows].float().transpose(1, 2)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+    return float(cos), float((got - ref).norm() / ref.norm())
+
+
+def _within(score) -> bool:
+    return score[0] >= COS_MIN and score[1] <= ERR_MAX
+
+
+def _against_fp32(q, k, v, gen):
+    rows = _rows(q.shape[1], gen)
+    out = ia.attention8(q, k, v)
+    assert torch.isfinite(out).all()
+    return _score(out, _exact(q, k, v, rows), rows)
+
+
+def _name(kinds):
+    return "+".join(kinds) or "gaussian"
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kinds", INSIDE, ids=_name)
+def test_attention8_holds_inside_its_domain(kinds):
+    """Each perturbation alone and the combinations measured to hold: cosine >= 0.999 and
+    relative error <= 5 % against fp32 attention (issue 61 measured each alone >= 0.999)."""
+    assert ia.unavailable() is None, ia.unavailable()
+    gen = torch.Generator("cuda").manual_seed(0)
+    score = _against_fp32(*_perturbed(kinds, gen), gen)
+    print(f"{_name(kinds)}: cosine {score[0]:.5f}, relative error {score[1]:.4f}")
+    assert _within(score), score
+
+
+@gpu
+@hopper
+@pytest.mark.parametrize("kinds", OUTSIDE, ids=_name)
+def test_attention8_fails_outside_its_domain(kinds):
+    """Where the kernel does not hold, pinned: key token spikes (issue 61: 0.989 with K offsets
+    and V outliers, 0.954 with all five), the reason `int8-attention` takes only attentions
+    whose q and k are normalised per token; and Q outlier channels with a sharp softmax
+    together. The spiked inputs with q and k through a per-token RMS norm, as such attentions
+    have them, hold again where the rest is inside (`OUTSIDE`'s figure: measured normed)."""
+    assert ia.unavailable() is None, ia.unavailable()
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = _perturbed(kinds, gen)
+    raw = _against_fp32(q, k, v, gen)
+    normed = _against_fp32(_per_token_norm(q), _per_token_norm(k), v, gen)
+    print(f"{_name(kinds)}: cosine {raw[0]:.5f} (error {raw[1]:.4f}) as they come; "
+          f"{normed[0]:.5f} ({normed[1]:.4f}) with q and k normalised per token")
+    assert raw[0] < COS_MIN, raw          # if this holds one day, the domain may widen
+    if OUTSIDE[kinds] is not None:
+        assert _within(normed), normed
+
+
 @gpu
 @hopper
 def test_attention8_replays_in_a_cuda_graph_and_is_faster_than_cudnn_at_wan_81_frames():
@@ -215,30 +395,56 @@ def test_attention8_replays_in_a_cuda_graph_and_is_faster_than_cudnn_at_wan_81_f
     assert t16 / t8 >= 1.2   # 1.40 measured on an H100; the bound leaves room for noise
 
 
+class _CheckedAttention:
+    """A Wan self-attention processor for tests: each call's q, k, v as the model makes them
+    (`self_attention_qkv`), each of `attends` scored against fp32 attention on 256 query rows
+    (`scores[name]`, one (cosine, error) per call), and the exact output returned, so every
+    later layer sees the model's own activations."""
+
+    def __init__(self, attends: dict, gen):
+        self.attends, self.gen = attends, gen
+        self.scores = {name: [] for name in attends}
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        q, k, v = ia.self_attention_qkv(attn, hidden_states, rotary_emb)
+        rows = _rows(q.shape[1], self.gen)
+        ref = _exact(q, k, v, rows)
+        for name, attend in self.attends.items():
+            self.scores[name].append(_score(attend(q, k, v), ref, rows))
+        out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2, 3).type_as(q)))
+
+
+BROKEN = {"zeros": lambda q, k, v: torch.zeros_like(q),
+          "mean_v": lambda q, k, v: v.float().mean(1, keepdim=True).expand_as(v)}
+
+
 @gpu
 @hopper
-def test_full_size_wan_o3_step_with_int8_attention_stays_close():
-    """Wan 2.1 1.3B at full size (random weights), 480x832 x 81 frames: compile_pipe's O3 puts every
-    self-attention on attention8 (30), and one compiled denoiser call stays within cosine 0.999 of
-    the same call without the flag."""
-    from compiler import compile_pipe
-    outs = {}
-    for mode in ("cudagraphs:cache-all:max-optimize:low-precision", "O3"):
-        pipe = build_pipeline(ModelSpec("wan21_t2v_1_3b", source="random", device="cuda"))
-        pipe.text_encoder = None
-        compile_pipe(pipe, mode)
-        report = pipe._compile_report
-        assert report.get("int8_attention", 0) == (30 if mode == "O3" else 0), report
-        gen = torch.Generator("cuda").manual_seed(0)
-        x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.float16, generator=gen)
-        ctx = torch.randn(1, 512, 4096, device="cuda", dtype=torch.float16, generator=gen)
-        with torch.no_grad():
-            for _ in range(2):   # the second call replays the captured step
-                out = pipe.transformer(x, torch.tensor([500], device="cuda"), ctx, return_dict=False)[0]
-        outs[mode] = out.float().clone()
-        del pipe
-        torch.cuda.empty_cache()
-    a, b = outs.values()
-    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
-    print(f"O3 step with / without int8 attention: cosine {float(cos):.6f}")
-    assert torch.isfinite(b).all() and cos >= 0.999
+def test_full_size_wan_self_attentions_on_attention8_match_exact_attention_per_layer():
+    """Wan 2.1 1.3B at full size (random weights), 480x832 x 81 frames: all 30 self-attentions
+    are inside the kernel's domain, and on the q, k, v each of them makes in one denoiser call,
+    `attention8`'s output is within the kernel test's bound of fp32 attention (cosine >= 0.999,
+    error <= 5 %; measured on an H200: >= 0.99999, <= 0.5 %), layer by layer. The same check
+    fails a broken attention in every layer: zeros (cosine 0) and mean(V) (0.79-0.95, error
+    30-61 %). (The model's output alone could not tell: with random weights it stays within
+    cosine 0.9993 of the reference with every self-attention returning zeros.)"""
+    pipe = build_pipeline(ModelSpec("wan21_t2v_1_3b", source="random", device="cuda"))
+    den = pipe.transformer
+    assert len(ia.self_attentions(den)) == 30 and ia.outside_domain(den) == {}
+    gen = torch.Generator("cuda").manual_seed(0)
+    check = _CheckedAttention({"attention8": ia.attention8, **BROKEN}, gen)
+    for attn in ia.self_attentions(den).values():
+        attn.set_processor(check)
+    x = torch.randn(1, 16, 21, 60, 104, device="cuda", dtype=torch.float16, generator=gen)
+    ctx = torch.randn(1, 512, 4096, device="cuda", dtype=torch.float16, generator=gen)
+    with torch.no_grad():
+        den(x, torch.tensor([500], device="cuda"), ctx, return_dict=False)
+    for name, scores in check.scores.items():
+        cos, err = min(c for c, _ in scores), max(e for _, e in scores)
+        print(f"{name}: per layer cosine >= {cos:.6f}, error <= {err:.4f} against fp32 attention")
+    assert len(check.scores["attention8"]) == 30
+    assert all(map(_within, check.scores["attention8"])), check.scores["attention8"]
+    for name in BROKEN:
+        assert not any(map(_within, check.scores[name])), (name, check.scores[name])

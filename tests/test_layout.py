@@ -58,6 +58,16 @@ def test_the_compiler_never_imports_the_runner():
     assert bad == []
 
 
+def test_the_library_never_imports_its_probes():
+    """`compiler.bench` holds measurement tools (`python -m compiler.bench.<probe>`): no module
+    outside it imports them, so they stay out of the library's import path."""
+    _, edges = graph()
+    bad = [(n, m) for n, imps in edges.items() if not n.startswith("compiler.bench")
+           for m, names in imps
+           if m.startswith("compiler.bench") or (m == "compiler" and "bench" in names)]
+    assert bad == []
+
+
 def test_no_module_imports_another_modules_private_names():
     mods, edges = graph()
     bad = [(n, m, x) for n, imps in edges.items() for m, names in imps

@@ -192,11 +192,11 @@ def test_flux_gets_pooled_clip_embeddings_and_no_negative_branch():
 
 
 def test_ti2v_vae_decodes_in_compiled_chunks_as_wan21s_does():
-    """Wan 2.2's residual 48-channel VAE (TI2V-5B) gets compiler.video_vae's chunked, compiled
+    """Wan 2.2's residual 48-channel VAE (TI2V-5B) gets compiler.video.video_vae's chunked, compiled
     decode wherever the pipeline's VAE is compiled, as Wan 2.1's does (A14B's Wan 2.1 VAE too);
     `compile_vae: false` keeps diffusers' decode."""
     import compiler
-    from compiler import video_vae
+    from compiler.video import video_vae
     ti2v = build_pipeline(ModelSpec("wan22_ti2v_5b", source="tiny"))
     a14b = build_pipeline(ModelSpec("wan22_t2v_a14b", source="tiny"))
     assert video_vae.supported(ti2v.vae) and video_vae.supported(a14b.vae)

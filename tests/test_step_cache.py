@@ -237,7 +237,7 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     with the hooked attentions as opaque ops: the eager step cache's output, graphs shared by the
     block pairs (never one per pair), no recompiles on later calls."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from compiler import block_pairs
+    from compiler.video import block_pairs
     torch._dynamo.reset()
     ref = run(latte(method), item(1))
     pipe = latte(method, compile_mode="O2")
@@ -252,7 +252,7 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     # Graphs of the pair function: FasterCache also runs the conditional half of the CFG batch
     # alone on some steps (one more batch size). And under inference_mode (as in the worker) pair
     # 0's temporal position (a buffer) and the later pairs' zeros (made in inference mode) differ in
-    # dispatch keys: two graphs per batch size, with or without a step cache (compiler/block_pairs.py,
+    # dispatch keys: two graphs per batch size, with or without a step cache (compiler/video/block_pairs.py,
     # not this module). The hooks themselves add none.
     graphs = len(_debug_get_cache_entry_list(block_pairs._pair.__code__))
     assert graphs == 2 * (2 if method == "fastercache" else 1)

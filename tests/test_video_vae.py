@@ -1,5 +1,5 @@
 """Wan's causal video VAEs (2.1's, and 2.2's residual one of TI2V-5B) decoded in chunks
-(`compiler.video_vae`): the same video as diffusers' one-latent-frame-per-pass decode, on CPU with
+(`compiler.video.video_vae`): the same video as diffusers' one-latent-frame-per-pass decode, on CPU with
 narrow VAEs, and on the GPU at the published sizes compiled as `compile_pipe` installs it.
 
 What could break: a chunk boundary that drops or repeats a frame, or reads the wrong cache (the
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiler import video_vae
+from compiler.video import video_vae
 
 
 def _vae():
@@ -29,6 +29,22 @@ def _vae22():
     from runner.families import PRESETS
     torch.manual_seed(0)
     return PRESETS["wan22_ti2v_5b"].video_vae(True).eval()
+
+
+# `compiler.kernels.winograd_triton`'s custom ops: what the fused residual block (`_fused_resblock`) calls.
+FUSED_OPS = ("compiler::winograd_in", "compiler::winograd_mid", "compiler::winograd_out")
+
+
+def fused_calls(fn):
+    """fn()'s result, and how many times each of FUSED_OPS ran in it, read from the profiler's
+    op events (compiled code calls the ops through the dispatcher too): whether the fused path
+    ran, without a hook in the library. (It falls back quietly where `_fusable` is false, and a
+    test comparing it with the reference would then compare the reference with itself.)"""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    names = [e.name for e in prof.events()]
+    return out, {op: names.count(op) for op in FUSED_OPS}
 
 
 @pytest.mark.parametrize("frames", [1, 2, 6, 9])
@@ -295,7 +311,9 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
         assert counts["resblock"] == 14          # middle 2, up blocks 3 x 4
         out = fast.decode(z).sample.float()
         with torch._dynamo.config.patch(error_on_recompile=True):
-            fast.decode(torch.randn_like(z))
+            _, ran = fused_calls(lambda: fast.decode(torch.randn_like(z)))
+    # time Winograd and its Triton passes are on for CUDA (`WINOGRAD`, `TRITON`): the fused blocks ran
+    assert video_vae.WINOGRAD and video_vae.TRITON and len(set(ran.values())) == 1 and ran[FUSED_OPS[0]] > 0, ran
     err = (out - ref).abs().max().item()
     print(f"Wan VAE {frames} frames, compiled chunked vs diffusers eager: max abs {err:.3g}")
     assert out.shape == ref.shape and torch.isfinite(out).all() and err <= 3e-2
@@ -310,7 +328,7 @@ def test_full_size_compiled_chunked_decode_matches_eager(frames):
     (2, 96, 100, 4, 9, 13, 2, "contiguous"), (3, 100, 96, 8, 7, 5, 4, "contiguous")])
 def test_triton_winograd_resblock_matches_the_reference(bs, ci, co, t, h, w, m, layout,
                                                         monkeypatch):
-    """`resblock(triton=True)` (`compiler.winograd_triton`'s kernels around cuDNN's products) at
+    """`resblock(triton=True)` (`compiler.kernels.winograd_triton`'s kernels around cuDNN's products) at
     the TI2V-5B decoder's residual-block shapes (one and two tiles: the middle kernel takes a
     tile's first frames from the tile before), two videos at the widest (offsets past 2^31),
     and odd sizes with channels that are not powers of two (the two-pass form), batches of 2-3
@@ -338,13 +356,34 @@ def test_triton_winograd_resblock_matches_the_reference(bs, ci, co, t, h, w, m, 
         truth = video_vae.resblock(exact, x, c1, c2)
         monkeypatch.undo()
         ref = video_vae.resblock(half, *args)
-        got = video_vae.resblock(half, *args, triton=True)
+        got, ran = fused_calls(lambda: video_vae.resblock(half, *args, triton=True))
+    assert ran == dict.fromkeys(FUSED_OPS, 1), ran           # the fused path, not the fallback
     for name, tr, r, g in zip(("out", "cache1", "cache2"), truth, ref, got):
         assert g.shape == r.shape and g.is_contiguous(**cl), name
         e_ref, e_got = (r.float() - tr).abs().max().item(), (g.float() - tr).abs().max().item()
         print(f"{bs} x {ci}->{co} x {t} frames {h}x{w} ({layout}) F({m}, 3) {name}: max abs "
               f"vs fp32 direct: triton {e_got:.3g}, pytorch {e_ref:.3g} (of {tr.abs().max().item():.3g})")
         assert e_got <= 1.5 * e_ref + 1e-3, name
+
+
+@pytest.mark.gpu
+def test_the_fused_path_check_sees_a_skipped_fused_path(monkeypatch):
+    """With `_fusable` false (a block the kernels do not compute) `resblock(triton=True)` falls
+    back to the reference path quietly: `fused_calls` reads no fused op, so the tests above that
+    assert the fused path ran fail on such a fallback."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
+    with torch.device("cuda"):
+        block = WanResidualBlock(96, 100).eval().half()
+        x = torch.randn(1, 96, 4, 9, 13, dtype=torch.float16)
+        c1, c2 = torch.randn(1, 96, 2, 9, 13, dtype=torch.float16), torch.randn(1, 100, 2, 9, 13, dtype=torch.float16)
+    for conv in (block.conv1, block.conv2):
+        video_vae.winograd_weights(conv, 2)
+    with torch.no_grad():
+        _, ran = fused_calls(lambda: video_vae.resblock(block, x, c1, c2, triton=True))
+        assert ran == dict.fromkeys(FUSED_OPS, 1), ran
+        monkeypatch.setattr(video_vae, "_fusable", lambda block, m: False)
+        _, ran = fused_calls(lambda: video_vae.resblock(block, x, c1, c2, triton=True))
+    assert ran == dict.fromkeys(FUSED_OPS, 0), ran
 
 
 @pytest.mark.gpu
@@ -394,7 +433,7 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, leas
     of each (the figure is the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b
     frames=121 variants=installed`); `winograd`: with the time-Winograd convolutions off, and
     with F(4, 3) (`video_vae.WINOGRAD` as set for this test); `triton`: their passes as
-    `compiler.winograd_triton`'s kernels (`video_vae.TRITON`); `least`: latent frames a pass
+    `compiler.kernels.winograd_triton`'s kernels (`video_vae.TRITON`); `least`: latent frames a pass
     at least (`video_vae.WINOGRAD_CHUNK`)."""
     import compiler
     from compiler.pipeline import _compile_vae
@@ -415,7 +454,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers(winograd, triton, leas
     assert counts["resblock"] == 14 and counts["upsample"] == 3     # middle 2, up blocks 4 x 3
     ms, out = time_decode(fast, z, iters=1, warmup=1)                # the warm-up call compiles
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
-        fast.decode(torch.randn_like(z))
+        _, ran = fused_calls(lambda: fast.decode(torch.randn_like(z)))
+    # each fused block calls the three ops once; with `triton` off none runs
+    assert len(set(ran.values())) == 1 and (ran[FUSED_OPS[0]] > 0) == triton, ran
     err, psnr = (out.float() - ref.float()).abs().max().item(), psnr_uint8(out, ref)
     # the 3x3x3 convolutions but conv_out (12 channels: `_taps_conv`)
     assert sum(hasattr(m, "winograd4") for m in fast.decoder.modules()) == (29 if winograd else 0)

@@ -10,7 +10,7 @@ spatial compression: Wan 2.1 8, Wan 2.2 TI2V 16): median of `iters` calls after 
 CUDA events. Variants, image VAEs: eager / compiled as `compile_pipe` compiles a VAE decoder (its
 ResnetBlock2Ds, the lossless settings), each contiguous and channels_last, each with
 `torch.backends.cudnn.benchmark` off and on. Wan's causal video VAEs (2.1's, and 2.2's residual
-one): diffusers' decode (one latent frame per pass), then `compiler.video_vae.chunked_decode`:
+one): diffusers' decode (one latent frame per pass), then `compiler.video.video_vae.chunked_decode`:
 `variants=all`, eager and compiled, contiguous and channels_last_3d, cuDNN's search off and on,
 all latent frames in one pass; `variants=installed`, what `compile_pipe` installs (compiled,
 channels_last_3d, `video_vae.SUBPIXEL`), the same with the four-phase upsampling flipped, and at
@@ -61,7 +61,7 @@ def time_decode(vae, z, iters: int, warmup: int = 3) -> tuple[float, torch.Tenso
 
 def video_variants(base, z, iters: int, variants: str, chunks: list[int]) -> list[dict]:
     """Wan's VAE: diffusers' per-frame decode against the chunked decode's variants."""
-    from compiler import video_vae
+    from compiler.video import video_vae
     sp = video_vae.SUBPIXEL
     rows = [dict(name="diffusers (1 latent frame per pass)")]
     wg = video_vae.WINOGRAD                        # as compile_pipe installs it
@@ -105,7 +105,7 @@ def _video_row(base, z, iters: int, v: dict, ref):
     import time
 
     import compiler
-    from compiler import video_vae
+    from compiler.video import video_vae
     vae = copy.deepcopy(base)
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64            # as compile_pipe raises it
@@ -246,7 +246,7 @@ def main(argv: list[str]) -> list[dict]:
 
 
 def _video(a: dict, fam, preset: dict) -> list[dict]:
-    from compiler import video_vae
+    from compiler.video import video_vae
     if a["variants"] not in ("all", "installed", "winograd", "quick"):
         raise SystemExit(f"variants={a['variants']}: choose all, installed, winograd or quick")
     with torch.device("cuda"):

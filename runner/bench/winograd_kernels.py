@@ -1,4 +1,4 @@
-"""The Winograd passes' Triton kernels alone (`compiler.winograd_triton`) at the Wan 2.2 TI2V-5B
+"""The Winograd passes' Triton kernels alone (`compiler.kernels.winograd_triton`) at the Wan 2.2 TI2V-5B
 decoder's residual-block shapes: achieved memory bandwidth per launch setting (CUDA).
 
     python -m runner.bench.winograd_kernels [chunk=2] [iters=50] [shapes=all|i,j] [out=kernels.json]
@@ -56,7 +56,7 @@ def _time(fn, iters: int) -> float:
 def rows_for(ci: int, co: int, h: int, w: int, t: int, iters: int,
              device: str = "cuda") -> list[dict]:
     """One shape's rows: each kernel under each setting, ms and GB/s."""
-    from compiler import winograd_triton as wt
+    from compiler.kernels import winograd_triton as wt
     m = 4 if t % 4 == 0 else 2
     tiles, n, px = t // m, m + 2, h * w
     cl3, cl = dict(memory_format=torch.channels_last_3d), dict(memory_format=torch.channels_last)

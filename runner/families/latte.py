@@ -43,7 +43,7 @@ def call_args(pipe, num_frames: int | None) -> dict:
 
 
 def residual_forward(den, first_blocks: int) -> None:
-    from compiler import block_pairs
+    from compiler.video import block_pairs
     if not block_pairs.has_pair_forward(den):   # eager: the same forward, pairs not compiled
         block_pairs.compile_pairs(den, None)
     block_pairs.set_first_pairs(den, first_blocks)

@@ -73,7 +73,7 @@ class Family:
     # against it before any model is built)
     stack_depth: Callable[[dict], int | None] = lambda cfg: cfg.get("num_layers")
     # or, for a denoiser whose compiled forward has the reuse built in (Latte's block pairs,
-    # `compiler.block_pairs`): (denoiser, first_blocks) -> None, making its forward take
+    # `compiler.video.block_pairs`): (denoiser, first_blocks) -> None, making its forward take
     # `step_reuse=` and `branch=` (unless compile_pipe already installed that forward)
     residual_forward: Callable[[Any, int], None] | None = None
     load_kwargs: dict = field(default_factory=dict)   # extra `from_pretrained` arguments

@@ -15,7 +15,7 @@ channels before a residual encoder), `expand_timesteps` (a timestep per latent p
 frame of an image-to-video row stays clean). Rows without an image run WanPipeline (text-to-video),
 rows with one WanImageToVideoPipeline over the same modules (no CLIP image encoder: the image is
 the first latent frame). UniPC with flow shift 5.0. Published: 704x1280, 121 frames, 24 fps, 50
-steps, guidance 5.0. Its VAE decodes in chunks, compiled, as Wan 2.1's does (`compiler.video_vae`,
+steps, guidance 5.0. Its VAE decodes in chunks, compiled, as Wan 2.1's does (`compiler.video.video_vae`,
 wherever `compile_pipe` compiles the VAE: `compile.compile_vae`).
 
 Sources: the transformer configs, the TI2V VAE config (latents_mean/std) and the schedulers'
@@ -125,7 +125,7 @@ def _a14b(height: int, width: int, gpu_gib: float) -> dict:
 # 34.39 B parameters, 64.0 GiB; TI2V-5B: 11.39 B, 21.2 GiB) plus estimates of what a call at the
 # preset's size adds: the step activations a CUDA-graph pool keeps (A14B 720p ~5, 480p ~2.2 GiB) and
 # diffusers' per-frame VAE decode (5.1 GiB measured at 480x832, scaled by pixels: ~11.7 at 720p).
-# The A14B presets keep the VAE uncompiled (conf/models): compiler.video_vae's chunked decode
+# The A14B presets keep the VAE uncompiled (conf/models): compiler.video.video_vae's chunked decode
 # peaks at 18.6 GiB at 480x832, which one 80 GB GPU does not have left beside two experts.
 WAN22_A14B = Family(
     name="wan22_a14b", kind="video", pipeline="WanPipeline",

@@ -1,7 +1,7 @@
-"""`python -m compiler.quant_probe [out=x.json]` (CUDA): launch settings of the FP8 activation
+"""`python -m compiler.bench.quant_probe [out=x.json]` (CUDA): launch settings of the FP8 activation
 quantisation kernels, side by side in one process, each checked against its fp32 reference.
 
-1. `gelu_quant` (compiler/quant.py) at PixArt-α's and Latte-1's shapes: the kernel before
+1. `gelu_quant` (compiler/kernels/quant.py) at PixArt-α's and Latte-1's shapes: the kernel before
    2026-11-25 (one block of next_power_of_2(N) lanes, kept here verbatim as `_padded_kernel`)
    against the two-chunk kernel at 4 / 8 / 16 warps (at 1722e93 also with GELU by `tanh.approx.f32`:
    40.1 against 40.6 us, 99.88 % of the e4m3 values identical; not kept).
@@ -24,10 +24,10 @@ import sys
 
 import torch
 
-from .cross_attention import graph_time_us
-from .options import FLAGS, parse_options
-from .quant import row_chunks, reference, launch
-from .transforms import FP8_MAX, FP8Linear
+from ..kernels.cross_attention import graph_time_us
+from ..options import FLAGS, parse_options
+from ..kernels.quant import row_chunks, reference, launch
+from ..transforms import FP8_MAX, FP8Linear
 
 HBM = 3.35e12   # H100 SXM bytes/s
 
@@ -149,7 +149,7 @@ def gelu_sweep() -> list[dict]:
 
 def ln_sweep(code_out: str | None) -> list[dict]:
     from torch._inductor.utils import run_and_get_code
-    from . import heuristics
+    from .. import heuristics
     # O3's settings, from the one place they live (options.py); the FX graph cache off, so that
     # Inductor compiles here and `code_out` gets its code
     o3_opts = parse_options("O3")

@@ -10,9 +10,14 @@ Contract:
 - `unavailable() -> str | None`: why the kernel cannot run in this process (no CUDA, a GPU other
   than sm90, no nvcc to build it and no build in `build_dir()`), or None once it is loaded.
 - `use_int8_attention(denoiser, min_tokens=MIN_TOKENS) -> int`: every Wan self-attention
-  (`WanAttention` without cross-attention) gets `LongSelfAttnProcessor`: calls of at least
-  `min_tokens` tokens (per sample) go through `attention8`, all others (shorter sequences, masks,
-  fp32, CPU) through diffusers' own processor. Returns how many attentions got it.
+  (`WanAttention` without cross-attention) inside the kernel's domain gets
+  `LongSelfAttnProcessor`: calls of at least `min_tokens` tokens (per sample) go through
+  `attention8`, all others (shorter sequences, masks, fp32, CPU) through diffusers' own
+  processor. Returns how many attentions got it.
+- The domain (`domain_miss(attn)`, `outside_domain(denoiser)`): attentions whose q and k are
+  each normalised per token (`norm_q`, `norm_k` an RMS or layer norm over the channels, as
+  Wan's), read from the module: the kernel loses accuracy on key tokens much larger than the
+  rest (below), which such a norm rules out. Others keep diffusers' processor (lossless).
 
 Arithmetic (what is lossy, and why it survives outliers):
 - Q and K multiplied by one fixed orthogonal matrix R (a Hadamard matrix with random signs, seed 0,
@@ -25,6 +30,11 @@ Arithmetic (what is lossy, and why it survives outliers):
 - QK^T in INT8 with SageAttention's per-thread scales (2 query rows / 32 key rows per scale), K
   smoothed first (its mean over tokens subtracted: exact under softmax);
 - P V in FP8 (e4m3, V scaled per channel) with FP32 accumulation, output in the input dtype.
+- Where it does not hold: Gaussian inputs, K channel offsets, Q outlier channels, a sharp softmax
+  (logits x4), V outlier channels and K token spikes each alone keep cosine >= 0.999, but key
+  token spikes together with K offsets and V outliers give 0.989, all five 0.954 (H200, fp32
+  reference; issue 61): hence the domain. Q outlier channels (20x) with logits x4 together also
+  fall to 0.998, normalised or not: a limit the rule does not rule out (pinned by a gpu test).
 - Only long sequences pay: the kernel is ~1.3x cuDNN at 32,760 tokens but slower below ~12k
   tokens (H100/H200), hence `MIN_TOKENS`.
 """
@@ -269,19 +279,63 @@ class LongSelfAttnProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+def self_attentions(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Qualified name -> each self-attention of `module` this processor can take (Wan's)."""
+    from diffusers.models.transformers.transformer_wan import WanAttention
+    return {n: m for n, m in module.named_modules()
+            if isinstance(m, WanAttention) and not m.is_cross_attention}
+
+
 def has_long_attention(module: torch.nn.Module) -> bool:
     """Whether `module` has self-attentions this processor takes (Wan's), without building anything."""
-    from diffusers.models.transformers.transformer_wan import WanAttention
-    return any(isinstance(m, WanAttention) and not m.is_cross_attention for m in module.modules())
+    return bool(self_attentions(module))
+
+
+def _token_norm_width(norm) -> int | None:
+    """How many channels `norm` normalises each token over, or None where it is not a per-token
+    norm: torch's RMSNorm and LayerNorm (diffusers' FP32LayerNorm is one) and diffusers' RMSNorm
+    give every token the same RMS over those channels, times weights every token shares."""
+    from diffusers.models.normalization import RMSNorm
+    if isinstance(norm, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+        shape = tuple(norm.normalized_shape)
+    elif isinstance(norm, RMSNorm):
+        shape = tuple(norm.dim)
+    else:
+        return None
+    return shape[0] if len(shape) == 1 else None
+
+
+def domain_miss(attn: torch.nn.Module) -> str | None:
+    """Why `attn` is outside the kernel's domain, or None inside it. Inside: its q and k are each
+    normalised per token (`norm_q`, `norm_k`: an RMS or layer norm over all heads' channels, as
+    Wan's `rms_norm_across_heads`, or over one head's), read from the module itself.
+
+    Why this rule: INT8 QK^T holds with channel outliers in Q or K (rotated away), a sharp softmax
+    and outliers in V, each alone; but a few key tokens many times larger than the rest set their
+    block's INT8 scale (32 key rows share one), and with K offsets and V outliers beside them the
+    output drifts: cosine 0.989 (15 % error), 0.954 with all five perturbations (issue 61;
+    tests/test_int8_attention.py). A per-token norm gives every key the same RMS: no such spike
+    reaches the kernel."""
+    widths = (attn.inner_dim, attn.inner_dim // attn.heads)
+    for name in ("norm_q", "norm_k"):
+        norm = getattr(attn, name, None)
+        if _token_norm_width(norm) not in widths:
+            return f"{name[-1]} not normalised per token ({name}: {type(norm).__name__})"
+    return None
+
+
+def outside_domain(module: torch.nn.Module) -> dict[str, str]:
+    """Qualified name -> why, for each self-attention of `module` the kernel must not take."""
+    return {n: why for n, a in self_attentions(module).items() if (why := domain_miss(a))}
 
 
 def use_int8_attention(module: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> int:
-    """Give every Wan self-attention of `module` the processor (one shared instance, so Dynamo
-    sees the same object in every block)."""
-    from diffusers.models.transformers.transformer_wan import WanAttention
+    """Give every Wan self-attention of `module` inside the kernel's domain (`domain_miss`) the
+    processor (one shared instance, so Dynamo sees the same object in every block); the others
+    keep theirs. Returns how many got it."""
     proc, n = LongSelfAttnProcessor(min_tokens), 0
-    for attn in module.modules():
-        if isinstance(attn, WanAttention) and not attn.is_cross_attention:
+    for attn in self_attentions(module).values():
+        if domain_miss(attn) is None:
             attn.set_processor(proc)
             n += 1
     return n

@@ -44,7 +44,7 @@ takes a third off. Exact in exact arithmetic, rounded differently in fp16 (~5x d
 rounding error for F(4, 3): PSNR 59 dB instead of 60 against diffusers at TI2V-5B's size).
 `triton` (CUDA): a residual block whose convolutions both run as F(m, 3) does its norms, SiLUs,
 transforms, biases and residual in three Triton kernels around the 2-D products
-(`_fused_resblock`, `compiler.winograd_triton`), in fp32 sums.
+(`_fused_resblock`, `compiler.kernels.winograd_triton`), in fp32 sums.
 `taps`: a 3x3x3 convolution to fewer than `NARROW` channels (the output convolution: 3 or 12)
 as one GEMM of every input pixel to its 27 taps' contributions, then their shifted sum in fp32
 (`_taps_conv`): cuDNN's kernels for so few output channels run at a few % of the FLOP rate.
@@ -87,7 +87,7 @@ SUBPIXEL = True
 # Triton passes: 849 -> 481 ms, peak 19.5 -> 10.5 GiB, PSNR 57.7 -> 55.6 dB).
 WINOGRAD = 4
 # What compile_pipe installs with Winograd on CUDA where Triton imports: the residual blocks'
-# norm / SiLU / B^T and A^T / bias / residual passes as `compiler.winograd_triton`'s kernels
+# norm / SiLU / B^T and A^T / bias / residual passes as `compiler.kernels.winograd_triton`'s kernels
 # instead of Inductor's. Measured (same bench, `variants=winograd`, H100, 2 latent frames a
 # pass): 2,532 -> 2,042 ms (GPU kernels 2,500 -> 2,032 ms), peak 26.6 -> 17.7 GiB (no middle
 # activation or concatenated cache written), PSNR 58.8 -> 58.9 dB against diffusers.
@@ -310,7 +310,7 @@ def winograd_weights(conv, largest: int) -> None:
 def resblock(block, x, c1, c2, triton: bool = False):
     """WanResidualBlock: (B, Ci, T, H, W) -> (B, Co, T, H, W) and its two convolutions' caches.
     `triton` (CUDA): where both convolutions run as F(m, 3), the memory passes around them as the
-    kernels of `compiler.winograd_triton` (`_fused_resblock`)."""
+    kernels of `compiler.kernels.winograd_triton` (`_fused_resblock`)."""
     m = _tile(block.conv1, x.shape[2])
     if triton and m and _fusable(block, m):
         return _fused_resblock(block, x, c1, c2, m)
@@ -342,7 +342,7 @@ def _fused_resblock(block, x, c1, c2, m: int):
     activation never written); A^T, bias and the residual (`winograd_out`). The 2-D products
     stay cuDNN's; a 1x1x1 shortcut is a GEMM without its bias, which `winograd_out` adds with
     conv2's (no pass over the shortcut's output to add it)."""
-    from compiler import winograd_triton as wt
+    from ..kernels import winograd_triton as wt
     sc, bias = block.conv_shortcut, block.conv2.bias.float()
     h = x
     if isinstance(sc, torch.nn.Conv3d):
@@ -530,7 +530,7 @@ def chunked_decode(vae, chunk: int | None = None, compile_kwargs: dict | None = 
     2x2 convolutions (where each is a 2x nearest upsampling and a 3x3 convolution). `winograd`:
     the 3x3x3 convolutions over 2 or more frames as F(m, 3) along time, m up to it (0: off, 2
     or 4; `_winograd_conv`). `triton`: the residual blocks' passes around those convolutions as
-    `compiler.winograd_triton`'s kernels (CUDA, Triton; `triton_available`). `taps`: 3x3x3
+    `compiler.kernels.winograd_triton`'s kernels (CUDA, Triton; `triton_available`). `taps`: 3x3x3
     convolutions to fewer than `NARROW` channels (conv_out) as `_taps_conv` (before Winograd).
     The transformed, four-phase and taps kernels are buffers made here from the weights: load
     weights before this."""

@@ -2,7 +2,7 @@
 `FP8Linear` runs) against a plain Triton row-wise-scaled GEMM at a few fixed tile configs (dev tool,
 CUDA, compute capability >= 8.9).
 
-    python -m compiler.gemm_probe
+    python -m compiler.bench.gemm_probe
 
 Each figure is GPU time per call from 20 calls captured in one CUDA graph (no launch overhead, as
 in the compiled step), median of 5 replays. Inductor's own `max_autotune_gemm` ranking is not used

@@ -1,6 +1,6 @@
 """Time every SDPA backend at the attention shapes of PixArt, Latte and SD 2.1 (dev tool, CUDA).
 
-    python -m compiler.attn_probe [out=attn.json]
+    python -m compiler.bench.attn_probe [out=attn.json]
 
 For each shape: which backend the dispatcher picks by default and under `transforms.SDPA_PRIORITY`,
 and the time of each backend forced alone (None where it refuses the inputs). Inputs are made both
@@ -16,7 +16,7 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .transforms import sdpa_backends
+from ..transforms import sdpa_backends
 
 # name: (batch, heads, q_len, kv_len, head_dim, masked)
 SHAPES = {

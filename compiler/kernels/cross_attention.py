@@ -215,7 +215,7 @@ def use_short_cross_attention(module: torch.nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# python -m compiler.cross_attention [out=x.json] [sweep=64x4x0x4x2,...]: the kernel against SDPA (CUDA, dev tool)
+# python -m compiler.kernels.cross_attention [out=x.json] [sweep=64x4x0x4x2,...]: the kernel against SDPA (CUDA, dev tool)
 
 SHAPES = {   # name: (batch incl. CFG, heads, queries, keys, head dim, key-padding mask)
     "dit1024_cross_masked": (2, 16, 4096, 120, 72, True),
@@ -266,7 +266,7 @@ def probe(sweep=SWEEP) -> dict:
     projections' views with the mask as diffusers passes it (N, H, 1, Skv), and the kernel at each
     launch configuration of SWEEP; max abs error of each against fp32 math."""
     from torch.nn.attention import sdpa_kernel
-    from .transforms import sdpa_backends
+    from ..transforms import sdpa_backends
     res = {}
     for name, (b, h, lq, lk, d, masked) in SHAPES.items():
         g = torch.Generator("cuda").manual_seed(0)

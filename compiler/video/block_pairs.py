@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from .step_reuse import residual
+from ..step_reuse import residual
 
 
 def _pair(spatial, temporal, hidden_states, enc_spatial, enc_mask, t_spatial, t_temp, temp_pos, batch_size: int):

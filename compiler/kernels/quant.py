@@ -17,8 +17,8 @@ coordinate descent), ~3-4x the 0.15 ms that reading 302 MB and writing 151 MB ta
 A row is 4608 values: one program keeps it in registers and reads it once, as two power-of-two
 chunks (no lanes past the row): 40.6 us for PixArt's 8192 x 4608 and 151 us for Latte's
 32768 x 4608 on an H100, 1.2x / 1.1x the HBM floor (one padded block of 8192 lanes: 61 / 231 us;
-Inductor's default: 163 / 631 us; BENCHMARKS.md; `python -m compiler.quant` times it,
-`python -m compiler.quant_probe` sweeps its launch settings).
+Inductor's default: 163 / 631 us; BENCHMARKS.md; `python -m compiler.kernels.quant` times it,
+`python -m compiler.bench.quant_probe` sweeps its launch settings).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import functools
 import torch
 from torch import nn
 
-from .transforms import FP8_MAX, FP8Linear
+from ..transforms import FP8_MAX, FP8Linear
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -62,7 +62,7 @@ def _triton_kernel():
               + tl.load(bias + c1, mask=m1, other=0.0).to(tl.float32))   # 0 in masked lanes: GELU(0) = 0
         # 0.5 x (1 + tanh u) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3); the sigmoid form
         # keeps its fp32 digits for negative x, where 1 + tanh u cancels (tanh.approx.f32, one MUFU
-        # op instead of exp + reciprocal, measured no faster: compiler.quant_probe at 1722e93)
+        # op instead of exp + reciprocal, measured no faster: compiler.bench.quant_probe at 1722e93)
         g0 = x0 * tl.sigmoid(x0 * (1.5957691216057308 + 0.07135481627260025 * x0 * x0))
         g1 = x1 * tl.sigmoid(x1 * (1.5957691216057308 + 0.07135481627260025 * x1 * x1))
         s = tl.maximum(tl.maximum(tl.max(tl.abs(g0), axis=0), tl.max(tl.abs(g1), axis=0)), 1e-12) / FP8_MAX
@@ -80,7 +80,7 @@ def row_chunks(n: int) -> tuple[int, int]:
     return b0, 1 << (max(n - b0, 1) - 1).bit_length()
 
 
-NUM_WARPS = 8   # H100, 8192 x 4608: 4 warps 43.9 us, 8: 40.6, 16: 48.3 (compiler.quant_probe)
+NUM_WARPS = 8   # H100, 8192 x 4608: 4 warps 43.9 us, 8: 40.6, 16: 48.3 (compiler.bench.quant_probe)
 
 
 def launch(h: torch.Tensor, bias: torch.Tensor, num_warps: int = NUM_WARPS):
@@ -150,7 +150,7 @@ def fp8_feedforward(module: nn.Module) -> int:
 
 
 def _bench() -> None:
-    """`python -m compiler.quant`: the kernel against Inductor's default code for the same math, timed in
+    """`python -m compiler.kernels.quant`: the kernel against Inductor's default code for the same math, timed in
     CUDA graphs (`cross_attention.graph_time_us`). Launched from Python one call at a time, PixArt's
     8192 rows read 70.5 us against 40.6 in graphs (Latte's 32768: 150.3 and 151.1): that loop timed
     the CPU's dispatch of the op, not the kernel (BENCHMARKS.md, 2026-11-25)."""

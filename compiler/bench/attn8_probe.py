@@ -1,6 +1,6 @@
-"""Time and check `compiler.int8_attention.attention8` against cuDNN SDPA (dev tool, CUDA, sm90).
+"""Time and check `compiler.kernels.int8_attention.attention8` against cuDNN SDPA (dev tool, CUDA, sm90).
 
-    python -m compiler.attn8_probe [shapes=wan21_81f,...] [capture=1] [out=attn8.json]
+    python -m compiler.bench.attn8_probe [shapes=wan21_81f,...] [capture=1] [out=attn8.json]
 
 Per shape (batch, heads, tokens, head dim): the median time of cuDNN SDPA (fp16 and bf16),
 SageAttention's sm90 call alone (`sage`, its quantisation included) and `attention8` (the same with
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .int8_attention import HEAD_DIMS, attention8, unavailable
+from ..kernels.int8_attention import HEAD_DIMS, attention8, unavailable
 
 # name: (batch, heads, tokens, head dim)
 SHAPES = {
@@ -143,7 +143,7 @@ def captured(n_frames=81, blocks=(0, 15, 29)) -> dict[str, tuple]:
     """q, k, v entering three self-attentions of Wan 2.1 1.3B (random weights, full size, one
     forward at 480x832 x `n_frames`, timestep 500, random text embeddings)."""
     from diffusers import WanTransformer3DModel
-    from .int8_attention import self_attention_qkv
+    from ..kernels.int8_attention import self_attention_qkv
     cfg = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, cross_attn_norm=True, eps=1e-6, qk_norm="rms_norm_across_heads",
                num_attention_heads=12, ffn_dim=8960, num_layers=30, rope_max_seq_len=1024)
