@@ -10,7 +10,7 @@ Contract:
   of the denoiser (built on the meta device: no weights read) with matching shapes. A key that
   does not fit, or that diffusers' converter would drop, is an `AdapterError` naming the adapter:
   never a silently ignored key.
-- `fuse(pipe, adapters, dtype)` (worker, before `compile_pipe`): each adapter loaded by diffusers'
+- `fuse(pipe, adapters, local_files_only)` (worker, before `compile_pipe`): each adapter loaded by diffusers'
   `load_lora_weights` (its key conversion and PEFT's scaling), its low-rank factors read from the
   PEFT layers, the layers removed again (`unload_lora_weights`), then W += scale * s * B @ A in
   fp32, cast once, in place: the compiled graphs, CUDA graphs and FP8 weights are what they are
@@ -98,10 +98,11 @@ def _hub_file(a: Adapter, local_files_only: bool) -> str:
 
 def _fetch_uri(a: Adapter, uri: str) -> str:
     """An object-store adapter copied once into ~/.cache/runner/adapters (keyed by URI and size)."""
+    import pyarrow.fs as pafs
+
     from .storage import resolve
     full = uri.rstrip("/") + ("/" + a.weight_name if a.weight_name else "")
     parent, name = full.rsplit("/", 1)
-    import pyarrow.fs as pafs
     try:
         store = resolve(parent)
         info = store.info(name)
@@ -191,7 +192,8 @@ def _convert(spec, a: Adapter, raw: dict) -> dict:
     cls = getattr(diffusers, spec.family.pipeline)
     if not hasattr(cls, "lora_state_dict"):
         raise AdapterError(f"{a.shown}: {cls.__name__} ({spec.preset}) has no LoRA loader in "
-                           f"diffusers; adapters apply to the Wan and FLUX families")
+                           f"diffusers; adapters apply to the families whose pipeline loads LoRA "
+                           f"(Wan, FLUX, SD 2.1)")
     try:
         return cls.lora_state_dict(dict(raw))
     except Exception as e:
@@ -251,9 +253,9 @@ def _check_fit(spec, a: Adapter, converted: dict, denoiser) -> None:
             misfits.append(f"{path}: a bias difference where the Linear has none of that size")
     if misfits:
         raise AdapterError(
-            f"{a.shown}: {len(misfits)} of its {len(pairs) + len(other)} LoRA layers do not fit {spec.preset}'s {a.expert} ({type(denoiser).__name__}; made "
-            f"for another base model?), e.g. {misfits[0]}" + (f"; {misfits[1]}" if len(misfits) > 1
-                                                               else ""))
+            f"{a.shown}: {len(misfits)} of its {len(pairs) + len(other)} LoRA layers do not fit "
+            f"{spec.preset}'s {a.expert} ({type(denoiser).__name__}; made for another base "
+            f"model?), e.g. " + "; ".join(misfits[:2]))
     if not pairs:
         raise AdapterError(f"{a.shown}: holds no LoRA layer for the denoiser")
 

@@ -221,3 +221,19 @@ def test_adapters_are_output_settings_and_absent_when_none():
     assert len({settings_id(base), settings_id(with_a), settings_id(other)}) == 3
     assert settings_id(renamed) == settings_id(with_a)          # the name decides nothing
     assert OmegaConf.select(base, "model.adapters") == []
+
+
+def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monkeypatch):
+    """A real S3 server (moto): the object copied into the local adapter cache once, keyed by its
+    URI and size, then checked as a local file; a missing key names the adapter."""
+    from runner.storage import resolve
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    f = _lora_file(tmp_path)
+    resolve(f"s3://{s3_bucket}/loras").write_file_atomic("style.safetensors", f)
+    spec = _spec(adapters=[{"path": f"s3://{s3_bucket}/loras", "weight_name": "style.safetensors"}])
+    adapters.check(spec)
+    local = adapters.local_file(spec.adapters[0])
+    assert local.startswith(str(tmp_path / "home" / ".cache" / "runner" / "adapters"))
+    assert open(local, "rb").read() == open(f, "rb").read()
+    with pytest.raises(adapters.AdapterError, match=r"model.adapters\['gone'\].*not an object"):
+        adapters.check(_spec(adapters=[{"path": f"s3://{s3_bucket}/loras/gone.safetensors"}]))
