@@ -65,6 +65,21 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def _fuse_into(attn: nn.Module, fused: str, names: tuple[str, ...]) -> None:
+    """`attn.<fused>` computing `names` at once; which rows of it each one is, kept on `attn`
+    (`FUSED_ROWS`: where `set_linear_weight` writes a projection's weight after fusion)."""
+    linears = [getattr(attn, n) for n in names]
+    setattr(attn, fused, _fuse_linears(linears))
+    rows, start = {}, 0
+    for n, lin in zip(names, linears):
+        rows[n] = (fused, start)
+        start += lin.out_features
+    attn.__dict__.setdefault(FUSED_ROWS, {}).update(rows)
+
+
+FUSED_ROWS = "_fused_rows"   # {projection name: (fused linear's name, its first row there)}
+
+
 def fuse_qkv(module: nn.Module) -> int:
     """Fuse the projections of every diffusers `Attention` in `module`, and of the newer attention
     classes whose processor reads `fused_projections` (Wan's). Returns how many were fused."""
@@ -81,9 +96,9 @@ def fuse_qkv(module: nn.Module) -> int:
         if type(attn.processor) is not AttnProcessor2_0:  # only the plain processor has a fused twin
             continue
         if not attn.is_cross_attention:
-            attn.to_qkv = _fuse_linears([attn.to_q, attn.to_k, attn.to_v])
+            _fuse_into(attn, "to_qkv", ("to_q", "to_k", "to_v"))
         else:
-            attn.to_kv = _fuse_linears([attn.to_k, attn.to_v])
+            _fuse_into(attn, "to_kv", ("to_k", "to_v"))
         attn.fused_projections = True
         attn.set_processor(FusedAttnProcessor2_0())
         n += 1
@@ -102,11 +117,11 @@ def _fuse_own(attn: nn.Module) -> bool:
     if getattr(attn, "added_kv_proj_dim", None) is not None and not joint:
         return False
     if not getattr(attn, "is_cross_attention", False):   # FluxAttention has no such attribute
-        attn.to_qkv = _fuse_linears([attn.to_q, attn.to_k, attn.to_v])
+        _fuse_into(attn, "to_qkv", ("to_q", "to_k", "to_v"))
     else:
-        attn.to_kv = _fuse_linears([attn.to_k, attn.to_v])
+        _fuse_into(attn, "to_kv", ("to_k", "to_v"))
     if joint:
-        attn.to_added_qkv = _fuse_linears([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])
+        _fuse_into(attn, "to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
     attn.fused_projections = True
     return True
 
@@ -277,14 +292,28 @@ class FP8Linear(nn.Module):
 
     def __init__(self, lin: nn.Linear, bias_in_gemm: bool = False):
         super().__init__()
-        w = lin.weight.data.float()
-        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX      # (N, 1)
-        self.register_buffer("w8", (w / scale).to(torch.float8_e4m3fn))           # (N, K) row-major
+        w8, scale = self.quantize_weight(lin.weight.data)
+        self.register_buffer("w8", w8)                                            # (N, K) row-major
         self.register_buffer("w_scale", scale.t().contiguous())                   # (1, N)
         self.bias = lin.bias
         self.out_dtype = lin.weight.dtype
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.bias_in_gemm = bias_in_gemm and _rowwise_out_ok(self.out_dtype, w.device.type)
+
+    @staticmethod
+    def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, K) 16-bit weight -> (N, K) e4m3 and (N, 1) fp32 row scales; row by row, so rows
+        written later (`write_rows`) are what quantising the whole weight gives them."""
+        w = w.float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX      # (N, 1)
+        return (w / scale).to(torch.float8_e4m3fn), scale
+
+    def write_rows(self, start: int, weight: torch.Tensor) -> None:
+        """Rows start.. of the weight replaced by `weight` ((n, K), 16 bits), in place: the
+        buffers keep their storage, so compiled graphs and CUDA graphs stay valid."""
+        w8, scale = self.quantize_weight(weight)
+        self.w8[start:start + len(w8)].copy_(w8)
+        self.w_scale[0, start:start + len(w8)].copy_(scale[:, 0])
 
     @staticmethod
     def quantize(x2):
@@ -343,3 +372,20 @@ def _drop_weight(lin: nn.Linear) -> None:
     once that fused linear is FP8, the view alone keeps the 16-bit copy on the GPU (Wan 14B: 5.2 G
     values, 10.5 GB an expert). Nothing reads it (its processor calls the fused linear): emptied."""
     lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+
+
+def set_linear_weight(module: nn.Module, path: str, weight: torch.Tensor) -> None:
+    """The Linear at `path` (named as before any transform: `blocks.0.attn1.to_q`) given `weight`
+    ((out, in), the model's dtype), in place wherever it lives after `fuse_qkv` and `to_fp8`: its
+    own parameter, its rows of a fused QKV/KV linear, or those rows of an FP8Linear, quantised as
+    `to_fp8` quantises. Storage never moves: compiled graphs and CUDA graphs stay valid (an
+    adapter switched between calls: `runner.adapters`)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    fused = parent.__dict__.get(FUSED_ROWS, {}).get(name)
+    target, start = (getattr(parent, fused[0]), fused[1]) if fused else (getattr(parent, name), 0)
+    with torch.no_grad():
+        if isinstance(target, FP8Linear):
+            target.write_rows(start, weight)
+        else:
+            target.weight[start:start + weight.shape[0]].copy_(weight)

@@ -10,6 +10,9 @@ Contract:
   of the denoiser (built on the meta device: no weights read) with matching shapes. A key that
   does not fit, or that diffusers' converter would drop, is an `AdapterError` naming the adapter:
   never a silently ignored key.
+- `Switch(pipe, per-row adapters)` (worker, before `compile_pipe`), then `use(name)` before each
+  batch: a row's own adapter (`per_row: true`, named by its `adapter` column) written into the
+  weights in place where the compiled step reads them; the same bits as a job of that adapter.
 - `fuse(pipe, adapters, local_files_only)` (worker, before `compile_pipe`): each adapter loaded by diffusers'
   `load_lora_weights` (its key conversion and PEFT's scaling), its low-rank factors read from the
   PEFT layers, the layers removed again (`unload_lora_weights`), then W += scale * s * B @ A in
@@ -28,7 +31,8 @@ from pathlib import Path
 
 from .config import Adapter
 
-__all__ = ["Adapter", "AdapterError", "check", "fuse", "load_factors", "apply", "local_file"]
+__all__ = ["Adapter", "AdapterError", "Switch", "check", "fuse", "load_factors", "apply", "fused",
+           "local_file"]
 
 SMALL = 1 << 16        # tensors up to this many values are read on the driver (alphas, norm diffs)
 
@@ -264,9 +268,10 @@ def _check_fit(spec, a: Adapter, converted: dict, denoiser) -> None:
 # The worker: fused before compiling
 
 def fuse(pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False) -> int:
-    """Fuse each adapter into its denoiser's weights, in place; returns the Linears changed."""
+    """Fuse each adapter into its denoiser's weights, in place; returns the Linears changed.
+    Per-row adapters (`per_row`) are left to a `Switch`."""
     n = 0
-    for i, a in enumerate(adapters):
+    for i, a in enumerate(a for a in adapters if not a.per_row):
         factors = load_factors(pipe, a, local_file(a, local_files_only), f"runner_{i}")
         apply(getattr(pipe, a.expert), factors, a.scale)
         n += len(factors)
@@ -295,15 +300,74 @@ def load_factors(pipe, a: Adapter, file: str, name: str) -> dict:
 
 
 def apply(denoiser, factors: dict, scale: float) -> None:
-    """W += scale * s * B @ A (and the bias difference): the sum in fp32, one rounding."""
+    """W += scale * s * B @ A (and the bias difference), in place (`fused`)."""
     import torch
     with torch.no_grad():
-        for path, (A, B, bias, s) in factors.items():
+        for path, f in factors.items():
             lin = denoiser.get_submodule(path)
-            w = lin.weight
-            delta = (B.to(w.device, torch.float32) @ A.to(w.device, torch.float32)) * (s * scale)
-            w.copy_((w.float() + delta).to(w.dtype))
-            if bias is not None:
-                b = lin.bias
-                b.copy_((b.float() + bias.to(b.device, torch.float32) * (s * scale)).to(b.dtype))
+            w, b = fused(lin.weight, lin.bias, f, scale)
+            lin.weight.copy_(w)
+            if b is not None:
+                lin.bias.copy_(b)
 
+
+def fused(w, b, factors: tuple, scale: float) -> tuple:
+    """(W + scale * s * B @ A, b + scale * s * bias) for one Linear: the sums in fp32, rounded
+    once to W's dtype. One function for a job's fixed adapters and a worker's per-row switch, so
+    a row's output is the same bits either way."""
+    import torch
+    A, B, bias, s = factors
+    delta = (B.to(w.device, torch.float32) @ A.to(w.device, torch.float32)) * (s * scale)
+    w = (w.float() + delta).to(w.dtype)
+    if bias is not None:
+        b = (b.float() + bias.to(b.device, torch.float32) * (s * scale)).to(b.dtype)
+    return w, b
+
+
+class Switch:
+    """A worker's per-row adapters (`per_row: true`): their factors loaded before compiling, the
+    base weights of every Linear one of them changes kept on the host (pinned on a GPU worker:
+    for a LoRA on all of a 14B's Linears, 26 GB of host memory), and `use(name)` writing base +
+    that adapter's difference (or the base, for None) into the weights in place, wherever
+    `compile_pipe` put them (`compiler.transforms.set_linear_weight`: fused QKV rows, FP8 rows).
+    The compiled graphs and CUDA graphs read the same storage: no recompile, no re-capture."""
+
+    def __init__(self, pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False):
+        import torch
+        self.pipe, self.current = pipe, None
+        self.adapters = {a.name: (a, load_factors(pipe, a, local_file(a, local_files_only),
+                                                  f"row_{i}")) for i, a in enumerate(adapters)}
+        self.base = {}     # (expert, Linear path) -> its base (weight, bias) on the host
+        for a, factors in self.adapters.values():
+            for path in factors:
+                lin = getattr(pipe, a.expert).get_submodule(path)
+                self.base[a.expert, path] = (_host(lin.weight), _host(lin.bias))
+        self._torch = torch
+
+    def use(self, name: str | None) -> None:
+        """The weights of adapter `name` (a per-row adapter's name, or None: the base)."""
+        if name == self.current:
+            return
+        from compiler.transforms import set_linear_weight
+        a, factors = self.adapters[name] if name is not None else (None, {})
+        with self._torch.no_grad():
+            for (expert, path), (w, b) in self.base.items():
+                den = getattr(self.pipe, expert)
+                device = next(den.parameters()).device
+                w = w.to(device, non_blocking=True)
+                b = None if b is None else b.to(device, non_blocking=True)
+                if a is not None and a.expert == expert and path in factors:
+                    w, b = fused(w, b, factors[path], a.scale)
+                set_linear_weight(den, path, w)
+                if b is not None:
+                    den.get_submodule(path).bias.copy_(b)
+        self.current = name
+
+
+
+def _host(t):
+    """A copy of `t` in host memory (pinned for a CUDA tensor: copied back without a sync)."""
+    if t is None:
+        return None
+    copy = t.detach().to("cpu", copy=True)
+    return copy.pin_memory() if t.is_cuda else copy

@@ -79,7 +79,7 @@ SOURCES = ("pretrained", "random", "tiny")
 DTYPES = ("fp16", "bf16", "fp32")
 
 
-ADAPTER_KEYS = ("path", "weight_name", "scale", "expert", "name")
+ADAPTER_KEYS = ("path", "weight_name", "scale", "expert", "name", "per_row")
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,14 @@ class Adapter:
     weight_name: str | None = None  # the file inside a directory or hub repo
     scale: float = 1.0             # multiplies the adapter's own scaling (alpha / rank)
     expert: str = "transformer"    # the denoiser it goes into (Wan 2.2 A14B: or transformer_2)
-    name: str = ""                 # shown in errors and logs; default: the file's stem
+    name: str = ""                 # shown in errors and logs, named by rows; default: the stem
+    per_row: bool = False          # fused only for rows whose `adapter` column names it
 
     def settings(self) -> dict:
-        """What decides the outputs (the name does not)."""
-        return dict(path=self.path, weight_name=self.weight_name, scale=self.scale,
-                    expert=self.expert)
+        """What decides the outputs (the name does not: a row's `adapter` is its own param)."""
+        out = dict(path=self.path, weight_name=self.weight_name, scale=self.scale,
+                   expert=self.expert)
+        return {**out, "per_row": True} if self.per_row else out
 
     @property
     def shown(self) -> str:
@@ -134,8 +136,11 @@ def parse_adapters(value, experts: tuple[str, ...]) -> tuple[Adapter, ...]:
                               f"{list(experts)}")
         path, weight = str(entry["path"]), entry.get("weight_name")
         name = entry.get("name") or Path(weight or path.rstrip("/")).stem
+        per_row = entry.get("per_row", False)
+        if not isinstance(per_row, bool):
+            raise ConfigError(f"{where}.per_row={per_row!r} must be true or false")
         out.append(Adapter(path=path, weight_name=None if weight is None else str(weight),
-                           scale=float(scale), expert=expert, name=str(name)))
+                           scale=float(scale), expert=expert, name=str(name), per_row=per_row))
     names = [a.name for a in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -160,8 +165,9 @@ class ModelSpec:
     adapters: list = key([], "LoRA adapters fused into the weights before compiling: a list of "
                              "{path (a .safetensors file, a directory, s3://, gs:// or a hub id), "
                              "weight_name (the file in a directory or hub repo), scale (1.0), "
-                             "expert (transformer; Wan 2.2 A14B: or transformer_2), name}; "
-                             "docs/models.md, Adapters")
+                             "expert (transformer; Wan 2.2 A14B: or transformer_2), name, per_row "
+                             "(false; true: only for rows whose `adapter` column names it)}; "
+                             "docs/models.md, Step-distilled models and adapters")
 
     def __post_init__(self):
         from .families import PRESETS

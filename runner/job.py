@@ -997,7 +997,8 @@ def constraints(model) -> Constraints:
     return Constraints(size_factor=info["size_factor"], video_length=video_length(model),
                        frame_step=fam.frame_step, min_steps=info.get("min_steps", fam.min_steps),
                        max_steps=info.get("max_steps", fam.max_steps), image=fam.image,
-                       published=published_setting(model.preset, fam.kind == "video"))
+                       published=published_setting(model.preset, fam.kind == "video"),
+                       adapters=tuple(a.name for a in model.adapters if a.per_row))
 
 
 def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:

@@ -41,7 +41,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -79,6 +79,7 @@ class Constraints:
     image: str | None = None         # image-to-video: "required" | "optional" (`Family.image`)
     # the preset's published (height, width, num_frames or None): a row's work is bounded by it
     published: tuple[int, int, int | None] | None = None
+    adapters: tuple[str, ...] = ()   # the names a row's `adapter` may take (per-row adapters)
 
     @property
     def video(self) -> bool:
@@ -155,6 +156,9 @@ class Item:
     image: str | None = field(default=None, metadata={"column": True})
     image_sha256: str | None = field(default=None, metadata={"param": True})
     image_bytes: bytes | None = field(default=None, repr=False, metadata={"row": False})
+    # the row's own adapter: the name of one of `model.adapters` with `per_row: true`, fused for
+    # this row only (`runner.adapters.Switch`); None: none of them
+    adapter: str | None = field(default=None, metadata={"column": True, "param": True})
 
     @property
     def source(self) -> str:
@@ -429,10 +433,27 @@ def _items_from_table(table: pa.Table, file: str, first_row: int, gen: Generatio
 
 
 def _with_images(table, file, first_row, items, limits: Constraints, bad) -> list[Item]:
+    items = _with_adapters(table, file, first_row, items, limits, bad)
     if "image" not in table.column_names and limits.image != "required":
         return items
     from . import images
     return images.attach(table, file, first_row, items, limits.image, bad)
+
+
+def _with_adapters(table, file, first_row, items, limits: Constraints, bad) -> list[Item]:
+    """The `adapter` column: each cell null or the name of a per-row adapter of the job."""
+    if "adapter" not in table.column_names:
+        return items
+    cells = table.column("adapter").to_pylist()
+    out = []
+    for it in items:
+        name = cells[it.row - first_row]
+        if name is not None and name not in limits.adapters:
+            bad(f"{file}:{it.row}: adapter={name!r} is not a per-row adapter of this job; "
+                f"model.adapters with per_row: true name {list(limits.adapters)} (null: none)")
+            continue
+        out.append(replace(it, adapter=name) if name is not None else it)
+    return out
 
 
 def _fast_items(table: pa.Table, file: str, first_row: int, gen: GenerationDefaults,
@@ -678,15 +699,18 @@ def case_collisions(items: list[Item]) -> list[tuple[Item, Item]]:
 def plan_shards(items: list[Item], shard_size: int, done: set[str] = frozenset()) -> list[Shard]:
     """Shards over runs of consecutive rows still to do (`done` ids are left out: resume), each
     holding its items."""
-    shards: list[Shard] = []
+    runs: list[tuple[Item, ...]] = []
     run: list[Item] = []
     for it in items:
         if it.id in done:
             continue
-        if run and (it.file != run[-1].file or it.row != run[-1].row + 1 or len(run) == shard_size):
-            shards.append(Shard(len(shards), tuple(run)))
+        if run and (it.file != run[-1].file or it.row != run[-1].row + 1 or len(run) == shard_size
+                    or it.adapter != run[-1].adapter):
+            runs.append(tuple(run))
             run = []
         run.append(it)
     if run:
-        shards.append(Shard(len(shards), tuple(run)))
-    return shards
+        runs.append(tuple(run))
+    # shards of one per-row adapter handed out together: a worker switches adapters rarely
+    runs.sort(key=lambda r: r[0].adapter or "")
+    return [Shard(i, r) for i, r in enumerate(runs)]

@@ -247,6 +247,9 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         self.pipe = build_pipeline(self.spec)
         if self.spec.adapters:   # fused before anything is compiled: the graphs never see them
             adapters.fuse(self.pipe, self.spec.adapters, self.spec.local_files_only)
+        per_row = tuple(a for a in self.spec.adapters if a.per_row)
+        self.switch = (adapters.Switch(self.pipe, per_row, self.spec.local_files_only)
+                       if per_row else None)
         self._sync()
         t2 = time.perf_counter()
         self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)
@@ -454,9 +457,10 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         return run
 
     def _batch_key(self, item: Item) -> tuple:
-        """What batch-mates share besides their shape: the text key, and their image (a pipeline
-        call takes one image, repeated over the batch)."""
-        return self.text.key(item) + ((item.image,) if item.image is not None else ())
+        """What batch-mates share besides their shape: the text key, their image (a pipeline
+        call takes one image, repeated over the batch) and their per-row adapter."""
+        return self.text.key(item) + ((item.image,) if item.image is not None else ()) + (
+            (item.adapter,) if item.adapter is not None else ())
 
     def _load_image(self, item: Item) -> tuple:
         """read thread: (fitted image, sha256, None), or (None, sha256 of the bytes if they could be
@@ -560,6 +564,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         g = self.cfg.generation
         items = canary.items(g, self._warmup_frames(), self.cfg.batch_size)
         image = images.placeholder(g.width, g.height) if self.family.image == "required" else None
+        self._use_adapter(None)          # the canary is made from the base weights, always
         with torch.inference_mode():
             x = generate(self.pipe, self.family, items, self.spec.device,
                          mask_feature=self.spec.mask_feature, output_type="pt", image=image)
@@ -590,9 +595,15 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 return [g for item in batch for g in self._generate([item], enc, image)]
             return [Generated(batch, time.perf_counter(), time.time(), error=f"{type(e).__name__}: {e}")]
 
+    def _use_adapter(self, name: str | None) -> None:
+        """gpu thread: the weights of per-row adapter `name` (None: the base), switched in place."""
+        if self.switch is not None:
+            self.switch.use(name)
+
     def _call(self, batch: list[Item], embeds: dict[str, Embeds] | None = None,
               image=None) -> Generated:
         """gpu thread: one pipeline call, conversion and copy queued; returns without waiting."""
+        self._use_adapter(batch[0].adapter)   # batch-mates share it (`_batch_key`)
         t0, started_at = time.perf_counter(), time.time()
         with self._lock:
             idle = t0 - self._gpu_idle_since

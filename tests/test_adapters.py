@@ -123,10 +123,15 @@ def test_an_adapter_that_partly_does_not_apply_is_refused(tmp_path, capsys):
 
 
 def test_resume_with_another_scale_is_refused(tmp_path, capsys):
+    """The real CLI (its own process and Ray) makes the outputs; a rerun with another scale into
+    the same directory is refused before any worker, as another model is."""
+    from test_faults import cli
     f = _lora_file(tmp_path)
-    assert _run(tmp_path, f"model.adapters=[{{path: '{f}', scale: 1.0}}]",
-                "prompts.path=jobs/prompts/sample.parquet", "run.dry_run=false") == 0
-    capsys.readouterr()
+    common = ["job=wan_distill_batch", "model.source=tiny", "generation.height=64",
+              "generation.width=48", "generation.num_frames=5", "ray.cpu_workers=1",
+              "compile.mode=none", f"output.dir={tmp_path / 'out'}", "run.shard_size=8"]
+    code, _, err = cli([*common, f"model.adapters=[{{path: '{f}', scale: 1.0}}]"])
+    assert code == 0, err
     assert _run(tmp_path, f"model.adapters=[{{path: '{f}', scale: 0.5}}]") == 2
     err = capsys.readouterr().err
     assert "different config" in err and "'scale': 0.5" in err
@@ -237,3 +242,121 @@ def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monke
     assert open(local, "rb").read() == open(f, "rb").read()
     with pytest.raises(adapters.AdapterError, match=r"model.adapters\['gone'\].*not an object"):
         adapters.check(_spec(adapters=[{"path": f"s3://{s3_bucket}/loras/gone.safetensors"}]))
+
+
+def _wan16():
+    """A tiny Wan denoiser whose Linears are multiples of 16 wide (what `to_fp8` converts)."""
+    from diffusers import WanTransformer3DModel
+    cfg = dict(_spec().family.denoiser_config(_spec().info, True), num_attention_heads=2,
+               attention_head_dim=16, ffn_dim=64, text_dim=32)
+    torch.manual_seed(0)
+    return WanTransformer3DModel.from_config(cfg).half()
+
+
+def test_a_weight_written_after_fusion_and_fp8_is_what_fusing_it_before_gives():
+    """`set_linear_weight` into a fused QKV's FP8 rows and an FP8 feed-forward: the buffers are
+    what converting the model with that weight from the start gives, bit for bit, in place."""
+    from compiler.kernels.quant import fp8_feedforward
+    from compiler.transforms import FP8Linear, fuse_qkv, set_linear_weight, to_fp8
+    new = {"blocks.0.attn1.to_k": None, "blocks.1.attn2.to_v": None, "blocks.0.ffn.net.2": None}
+    before, after = _wan16(), _wan16()
+    for path in new:
+        w = before.get_submodule(path).weight
+        new[path] = (w.float() * 1.5 + 0.01).half()
+        before.get_submodule(path).weight.data.copy_(new[path])
+    blocks = (type(before.blocks[0]).__name__,)
+    for m in (before, after):
+        fuse_qkv(m)
+        to_fp8(m, blocks)
+        fp8_feedforward(m)
+    storage = {n: b.data_ptr() for n, b in after.named_buffers()}
+    for path, w in new.items():
+        set_linear_weight(after, path, w)
+    assert {n: b.data_ptr() for n, b in after.named_buffers()} == storage   # written in place
+    for (n, b1), (_, b2) in zip(before.named_buffers(), after.named_buffers()):
+        assert torch.equal(b1.float(), b2.float()), n
+    assert isinstance(after.blocks[0].attn1.to_qkv, FP8Linear)
+    # a broken write (rows of the wrong projection) is caught by the same comparison
+    set_linear_weight(after, "blocks.0.attn1.to_q", new["blocks.0.attn1.to_k"])
+    assert not torch.equal(before.blocks[0].attn1.to_qkv.w8.float(),
+                           after.blocks[0].attn1.to_qkv.w8.float())
+
+
+def _worker(tmp_path, name, adapter_entries, mode="max-optimize"):
+    from compiler import parse_options
+    from runner.config import CompileConfig, GenerationDefaults, WorkerConfig
+    from runner.prompts import Constraints
+    from runner.worker import Worker
+    spec = _spec(adapters=adapter_entries)
+    cfg = WorkerConfig(model=spec, generation=GenerationDefaults(
+                           height=64, width=48, num_frames=5, num_inference_steps=2,
+                           guidance_scale=1.0),
+                       limits=Constraints(size_factor=16, frame_step=4,
+                                          adapters=tuple(a.name for a in spec.adapters
+                                                         if a.per_row)),
+                       on_empty="error", job_dir=str(tmp_path / name), warmup_steps=2,
+                       compile=CompileConfig(options=parse_options(mode), mode=mode))
+    w = Worker(0, cfg)
+    w.warmup()
+    return w
+
+
+def _items(rows):
+    from runner.prompts import Item
+    return [Item(id=i, prompt=f"a fox {i}", negative_prompt="", seed=k, height=64, width=48,
+                 num_frames=5, num_inference_steps=2, guidance_scale=1.0, file="p.parquet",
+                 row=k, adapter=a) for k, (i, a) in enumerate(rows)]
+
+
+def _video(w, i):
+    import imageio.v3 as iio
+    return iio.imread(f"{w.cfg.job_dir}/media/{i}.mp4")
+
+
+def test_per_row_adapters_switch_in_place_with_no_recompile_and_equal_single_adapter_jobs(
+        tmp_path):
+    """Rows naming adapter A, B or none, on one compiled worker: 0 recompiles after the warm-up,
+    and each row's video is the one a job with that adapter alone makes."""
+    from torch._dynamo.utils import counters
+    fa, fb = _lora_file(tmp_path, seed=1), _lora_file(tmp_path, seed=2)
+    rows = [("a1", "A"), ("b1", "B"), ("n1", None), ("a2", "A")]
+    per_row = _worker(tmp_path, "rows", [{"path": fa, "name": "A", "per_row": True},
+                                         {"path": fb, "name": "B", "per_row": True}])
+    graphs = dict(counters["stats"])
+    assert graphs.get("unique_graphs", 0) > 0, "nothing was compiled: the check would be empty"
+    out = per_row.run_shard(_items(rows))
+    assert [r["status"] for r in out] == ["ok"] * 4
+    assert dict(counters["stats"]) == graphs, "a graph was compiled again after the warm-up"
+    only_a = _worker(tmp_path, "only_a", [{"path": fa}])
+    only_a.run_shard(_items([("a1", None), ("b1", None), ("n1", None), ("a2", None)]))
+    for i in ("a1", "a2"):
+        assert np.array_equal(_video(per_row, i), _video(only_a, i)), i
+    for i in ("b1", "n1"):    # another adapter, or none: not A's video
+        assert not np.array_equal(_video(per_row, i), _video(only_a, i)), i
+
+
+def test_rows_name_per_row_adapters_checked_on_the_driver_and_sharded_together(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from runner.prompts import plan_shards
+    f = _lora_file(tmp_path)
+    names = ["A", "B", None, "A", "B", "A"]
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": ["a fox"] * 6,
+                             "adapter": names}), tmp_path / "p.parquet")
+    entries = (f"model.adapters=[{{path: '{f}', name: A, per_row: true}}, "
+               f"{{path: '{f}', name: B, scale: 0.5, per_row: true}}]")
+    assert _run(tmp_path, entries, f"prompts.path={tmp_path / 'p.parquet'}",
+                "run.dry_run=true") == 0
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": ["a fox"], "adapter": ["C"]}), bad)
+    capsys.readouterr()
+    assert _run(tmp_path, entries, f"prompts.path={bad}", "run.dry_run=true") == 2
+    err = capsys.readouterr().err
+    assert "adapter='C' is not a per-row adapter" in err and "['A', 'B']" in err
+    # shards never mix adapters, and those of one adapter come one after another
+    items = _items(list(zip([f"r{i}" for i in range(6)], names)))
+    shards = plan_shards(items, shard_size=4)
+    assert [[it.adapter for it in s.items] for s in shards] == \
+        [[None], ["A"], ["A"], ["A"], ["B"], ["B"]]
+    assert [s.index for s in shards] == list(range(6))

@@ -118,6 +118,9 @@ class FP8FeedForward(nn.Module):
         super().__init__()
         self.up = ff.net[0].proj     # FP8Linear (in -> 4 x in)
         self.down = ff.net[2]        # FP8Linear (4 x in -> out)
+        # the same Linears under their original path (`net.0.proj`, `net.2`), unregistered (no
+        # second entry in state_dict or modules()): `transforms.set_linear_weight` finds them
+        self.__dict__["net"] = ff.net
 
     def forward(self, hidden_states):
         shape = hidden_states.shape
