@@ -9,6 +9,8 @@
 #            steps, guidance 1.0: job O3 (adapter fused) on GPU 0 beside diffusers + the adapter
 #            fused (load_lora_weights, fuse_lora) + torch.compile on GPU 1 (vs_loop lanes=2) (e1)
 #   PHASE=3  FastWan TI2V-5B 704x1280x121, 3 steps, job O3 (e4)
+#   PHASE=4  (one H100, nvidia-h100-x1) the 14B LightX2V job arm alone (e5), then the adapter and
+#            int8-attention gpu tests
 # From the checkout root with the bundle:
 #   source .devbundle/install.sh && PHASE=1 bash benchmarks/distill_x2.sh DIR
 # DIR gets <exp>.log, <exp>.json (vs_loop.json) and versions.txt.
@@ -45,6 +47,17 @@ e3() {
       generation.num_inference_steps=4 generation.guidance_scale=1.0
 }
 e4() { run e4 0 job=fastwan_batch $R prompts=3 arms=job modes=O3; }
+e5() {
+  lora /tmp/dx/l14.safetensors preset=wan21_t2v_14b rank=64 layout=original
+  LIMIT=230 run e5 0 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dx/l14.safetensors}]" \
+      prompts=4 arms=job modes=O3
+}
+tests4() {
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 -m pytest -m gpu tests/test_gpu_adapters.py \
+      tests/test_int8_attention.py -v -s -p no:cacheprovider -k "not full_size_wan_self" \
+      > "$Q/tests4.log" 2>&1
+  echo "rc=$?" >> "$Q/tests4.log"
+}
 tests() {
   CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -m pytest -m gpu tests/test_gpu_adapters.py -v -s \
       -p no:cacheprovider > "$Q/tests.log" 2>&1
@@ -54,5 +67,6 @@ case ${PHASE:-1} in
   1) e2 & { tests; LIMIT=$((560 - SECONDS)) e3; } & ;;
   2) e1 & ;;
   3) e4 & ;;
+  4) { e5; tests4; } & ;;
 esac
 wait
