@@ -49,12 +49,12 @@ e3() {
 e4() { run e4 0 job=fastwan_batch $R prompts=3 arms=job modes=O3; }
 e5() {
   lora /tmp/dx/l14.safetensors preset=wan21_t2v_14b rank=64 layout=original
-  LIMIT=230 run e5 0 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dx/l14.safetensors}]" \
+  LIMIT=290 run e5 0 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dx/l14.safetensors}]" \
       prompts=4 arms=job modes=O3
 }
 tests4() {
-  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 -m pytest -m gpu tests/test_gpu_adapters.py \
-      tests/test_int8_attention.py -v -s -p no:cacheprovider -k "not full_size_wan_self" \
+  CUDA_VISIBLE_DEVICES=0 timeout 160 python3 -m pytest -m gpu tests/test_int8_attention.py \
+      tests/test_gpu_adapters.py -v -s -p no:cacheprovider -k "not full_size_wan_self" \
       > "$Q/tests4.log" 2>&1
   echo "rc=$?" >> "$Q/tests4.log"
 }
