@@ -77,22 +77,18 @@ def _hub_file(a: Adapter, local_files_only: bool) -> str:
         raise AdapterError(f"{a.shown}: a hub id needs weight_name (the .safetensors file in the "
                            f"repo, e.g. loras/x.safetensors), or give a local file")
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
-    if local_files_only or constants.HF_HUB_OFFLINE:
+
+    from .models import hub_unreachable
+    offline = local_files_only or constants.HF_HUB_OFFLINE
+    why = "offline" if offline else hub_unreachable()
+    if why is not None:   # the hub's cache only
         found = try_to_load_from_cache(a.path, a.weight_name)
         if isinstance(found, str):
             return found
         raise AdapterError(f"{a.shown}: not a local file or directory, and not in the local hub "
-                           f"cache (offline). Fix: hf download {a.path} {a.weight_name} "
-                           f"--local-dir DIR, then path: DIR")
-    from .models import hub_unreachable
-    why = hub_unreachable()
-    if why is not None:
-        found = try_to_load_from_cache(a.path, a.weight_name)
-        if isinstance(found, str):
-            return found
-        raise AdapterError(f"{a.shown}: not a local file or directory, and the hub cannot be "
-                           f"reached ({why}). Fix: download it where there is network and give "
-                           f"its local path")
+                           f"cache ({why if offline else 'the hub cannot be reached: ' + why}). "
+                           f"Fix: hf download {a.path} {a.weight_name} --local-dir DIR where "
+                           f"there is network, then path: DIR/{a.weight_name}")
     try:
         return hf_hub_download(a.path, a.weight_name)
     except Exception as e:

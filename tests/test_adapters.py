@@ -97,6 +97,10 @@ def test_bad_adapters_exit_2_naming_the_adapter(tmp_path, capsys):
     assert "truncated" in _bad(tmp_path, capsys, tmp_path / "head.safetensors")
     (tmp_path / "text.safetensors").write_text("not a tensor file\n")
     assert "not a readable safetensors" in _bad(tmp_path, capsys, tmp_path / "text.safetensors")
+    assert "needs weight_name" in _bad(tmp_path, capsys, "org/lora")     # a hub id alone
+    assert _run(tmp_path, "model.adapters=[{path: org/lora, weight_name: x.safetensors, "
+                "name: mine}]", "model.local_files_only=true") == 2
+    assert "not in the local hub cache (offline)" in capsys.readouterr().err
     # made for another base model: the 14B's adapter against the 1.3B's Linears
     with torch.device("meta"):
         big = ModelSpec("wan21_t2v_14b", source="random")
