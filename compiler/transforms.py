@@ -298,7 +298,7 @@ class FP8Linear(nn.Module):
         self.bias = lin.bias
         self.out_dtype = lin.weight.dtype
         self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.bias_in_gemm = bias_in_gemm and _rowwise_out_ok(self.out_dtype, w.device.type)
+        self.bias_in_gemm = bias_in_gemm and _rowwise_out_ok(self.out_dtype, w8.device.type)
 
     @staticmethod
     def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
