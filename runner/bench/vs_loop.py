@@ -152,6 +152,8 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
                     setattr(i2v, name, getattr(pipe, name))
     video = spec.family.kind == "video"
     extra = spec.family.call_args(pipe, g.num_frames if video else None)   # as the job calls it
+    if g.guidance_scale <= 1 and "guidance_scale_2" in extra:   # no CFG on either expert, as
+        extra["guidance_scale_2"] = 1.0                         # runner.worker.generate
     if spec.family.image:   # image-to-video: the row's image, fitted as the job fits it
         from .. import images
     os.makedirs(out, exist_ok=True)
