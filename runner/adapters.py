@@ -135,7 +135,7 @@ def check(spec) -> None:
     if not spec.adapters:
         return
     from .checkpoint import safetensors_problem
-    denoisers: dict = {}
+    denoisers = _meta_denoisers(spec, {a.expert for a in spec.adapters})
     for a in spec.adapters:
         file = local_file(a, spec.local_files_only)
         why = safetensors_problem(Path(file), a.shown)
@@ -144,10 +144,7 @@ def check(spec) -> None:
                                f"download it again or give another file")
         raw = _meta_state_dict(file)
         _check_dropped(a, raw)
-        converted = _convert(spec, a, raw)
-        if a.expert not in denoisers:
-            denoisers[a.expert] = _meta_denoiser(spec, a.expert)
-        _check_fit(spec, a, converted, denoisers[a.expert])
+        _check_fit(spec, a, _convert(spec, a, raw), denoisers[a.expert])
 
 
 _DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
@@ -202,20 +199,25 @@ def _convert(spec, a: Adapter, raw: dict) -> dict:
                            f"`lora_unet_*`): {type(e).__name__}: {str(e)[:200]}") from e
 
 
-def _meta_denoiser(spec, expert: str):
-    """The denoiser `expert` with no storage: from the checkpoint's config, or the preset's build."""
+def _meta_denoisers(spec, experts: set[str]) -> dict:
+    """{expert: the denoiser with no storage}: from the checkpoint's config files, or one build
+    of the preset's pipeline (both A14B experts from the same build)."""
     import torch
-    if spec.source == "pretrained":
-        import diffusers
-        from .models import pretrained_file
-        cfg_file = pretrained_file(spec, f"{expert}/config.json")
+    if spec.source != "pretrained":
+        with torch.device("meta"):
+            pipe = spec.family.build(spec.info, spec.source == "tiny")
+        return {e: getattr(pipe, e) for e in experts}
+    import diffusers
+    from .models import pretrained_file
+    out = {}
+    for e in experts:
+        cfg_file = pretrained_file(spec, f"{e}/config.json")
         if cfg_file is None:
-            raise AdapterError(f"model: {expert}/config.json not found in the checkpoint")
+            raise AdapterError(f"model: {e}/config.json not found in the checkpoint")
         cfg = json.loads(Path(cfg_file).read_text())
         with torch.device("meta"):
-            return getattr(diffusers, cfg["_class_name"]).from_config(cfg)
-    with torch.device("meta"):
-        return getattr(spec.family.build(spec.info, spec.source == "tiny"), expert)
+            out[e] = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+    return out
 
 
 def _pairs(converted: dict, prefix: str) -> tuple[dict, list[str]]:
@@ -329,7 +331,6 @@ class Switch:
     The compiled graphs and CUDA graphs read the same storage: no recompile, no re-capture."""
 
     def __init__(self, pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False):
-        import torch
         self.pipe, self.current = pipe, None
         self.adapters = {a.name: (a, load_factors(pipe, a, local_file(a, local_files_only),
                                                   f"row_{i}")) for i, a in enumerate(adapters)}
@@ -338,18 +339,21 @@ class Switch:
             for path in factors:
                 lin = getattr(pipe, a.expert).get_submodule(path)
                 self.base[a.expert, path] = (_host(lin.weight), _host(lin.bias))
-        self._torch = torch
+        # each denoiser's device, read now: after compile_pipe its first parameter may be emptied
+        self.device = {e: next(getattr(pipe, e).parameters()).device
+                       for e in {a.expert for a, _ in self.adapters.values()}}
 
     def use(self, name: str | None) -> None:
         """The weights of adapter `name` (a per-row adapter's name, or None: the base)."""
         if name == self.current:
             return
+        import torch
+
         from compiler.transforms import set_linear_weight
         a, factors = self.adapters[name] if name is not None else (None, {})
-        with self._torch.no_grad():
+        with torch.no_grad():
             for (expert, path), (w, b) in self.base.items():
-                den = getattr(self.pipe, expert)
-                device = next(den.parameters()).device
+                den, device = getattr(self.pipe, expert), self.device[expert]
                 w = w.to(device, non_blocking=True)
                 b = None if b is None else b.to(device, non_blocking=True)
                 if a is not None and a.expert == expert and path in factors:

@@ -83,10 +83,10 @@ def _output_settings(cfg: DictConfig) -> dict:
     # directories made before adapters existed keep their settings id
     adapters = OmegaConf.select(cfg, "model.adapters")
     if adapters:
-        from .config import ModelSpec
-        spec = ModelSpec(preset=cfg.model.preset,
-                         adapters=OmegaConf.to_container(adapters, resolve=True))
-        out["adapters"] = [a.settings() for a in spec.adapters]
+        from .config import parse_adapters
+        from .families import PRESETS
+        out["adapters"] = [a.settings() for a in parse_adapters(
+            OmegaConf.to_container(adapters, resolve=True), PRESETS[cfg.model.preset].experts)]
     # `lossy` alone would give int8-attention by itself (eager-exact Linears; on a model it does
     # not apply to, eager-exact outputs) the id of modes with FP8 Linears (`low-precision`, O3):
     # a rerun would skip outputs made without them. Said only where it is off in a lossy mode, so
