@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 59's H100 tables, one device command each on one H100 (nvidia-h100-x1), chained on the warm
+# machine (its compile caches under /tmp/dh carry over from one command to the next):
+#   PHASE=a  Wan 2.1 T2V 14B LightX2V 480x832x81, 4 steps, guidance 1.0, a random rank-64 adapter in
+#            LightX2V's layout: job O3 (adapter fused; 14 prompts, so the steady figure is a long
+#            run's), then diffusers + the same adapter fused + torch.compile (3 prompts) (h1)
+#   PHASE=b  Wan 2.2 T2V A14B Lightning 720x1280x81, 4 steps (2 + 2), a random rank-64 adapter per
+#            expert: job O3 (FP8 weights), its load and serving memory peaks (h2); AnyFlow 1.3B 4
+#            steps, 16 prompts, job O3: GPU busy (h3)
+# From the checkout root with the bundle:
+#   source .devbundle/install.sh && PHASE=a bash benchmarks/distill_h100.sh DIR
+# DIR gets <exp>.log, <exp>.json (vs_loop.json), <exp>/ (the job's summary and metrics), versions.txt.
+set -u
+Q=${1:?usage: distill_h100.sh DIR}
+mkdir -p "$Q" /tmp/dh
+source "$(dirname "$0")/keep.sh"
+export TORCHINDUCTOR_CACHE_DIR=/tmp/dh/inductor
+R="model.source=random compile.cache_dir=/tmp/dh/cc"
+versions > "$Q/versions.txt" 2>&1
+lora() { python3 -m runner.bench.lora out="$1" "${@:2}" > /dev/null; }
+run() {   # run NAME LIMIT vs_loop-args...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" python3 -m runner.bench.vs_loop "$@" out=/tmp/dh/media-$name > "$Q/$name.log" 2>&1
+  echo "rc=$? in $((SECONDS - t0)) s" >> "$Q/$name.log"
+  cp /tmp/dh/media-$name/vs_loop.json "$Q/$name.json" 2>/dev/null
+  keep_runs /tmp/dh/media-$name "$Q/$name" "*" > /dev/null
+  return 0
+}
+case ${PHASE:-a} in
+  a) lora /tmp/dh/l14.safetensors preset=wan21_t2v_14b rank=64 layout=original
+     A="model.adapters=[{path: /tmp/dh/l14.safetensors}]"
+     run h1job 370 job=wan_distill_batch $R "$A" prompts=14 arms=job modes=O3
+     run h1peer $((575 - SECONDS)) job=wan_distill_batch $R "$A" prompts=3 arms=loop_compile ;;
+  b) lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
+     lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
+         expert=transformer_2 seed=1
+     run h2 330 job=wan22_lightning_batch $R prompts=3 arms=job modes=O3 \
+         "model.adapters=[{path: /tmp/dh/la1.safetensors}, {path: /tmp/dh/la2.safetensors, expert: transformer_2}]"
+     run h3 $((575 - SECONDS)) job=anyflow_batch $R prompts=16 arms=job modes=O3 ;;
+esac
