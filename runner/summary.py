@@ -41,7 +41,7 @@ LEGEND = ("\"ready at X s\", \"all ready at\": seconds since the job started (af
           "and warm up; steady_it_s: denoising steps/s, from the end of step 1 of each call (its "
           "one-off costs excluded); e2e_mean_s, e2e_p95_s: seconds per call (one batch), from its "
           "start to its last file written, mean / 95th percentile; peak_mem_gb: peak GPU memory while "
-          "serving, GiB. Over the serving window (first call to last batch): busy_fraction: share the "
+          "serving, GiB; startup_peak_mem_gb: before it (model load, adapters, FP8, compile). Over the serving window (first call to last batch): busy_fraction: share the "
           "model thread was generating (not waiting for work); gpu_util: NVML's utilisation, what "
           "nvidia-smi shows (it falls when the GPU idles). gpu_ms_text, gpu_ms_denoise, "
           "gpu_ms_decode: GPU milliseconds per item of text encoding (a shard's prompts in one "
@@ -76,7 +76,8 @@ def worker_detail(m: dict) -> dict:
     """A worker's line of the summary: its metrics' headline figures, GPU ms per item flattened."""
     d = {k: m.get(k) for k in ("rank", "host", "node_id", "gpu_name", "items", "failed", "restarts",
                                 "model_load_s", "warmup_s", "steady_it_s", "e2e_mean_s", "e2e_p95_s",
-                                "peak_mem_gb", "busy_fraction", "gpu_util", "serving_s", "time_s",
+                                "peak_mem_gb", "startup_peak_mem_gb", "busy_fraction", "gpu_util",
+                                "serving_s", "time_s",
                                 "stopped")}
     ms = m.get("gpu_ms_per_item") or {}
     d.update(gpu_ms_text=ms.get("text_encode"), gpu_ms_denoise=ms.get("denoise"),

@@ -365,7 +365,8 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         if opts.enabled:
             self._record_compile(cache, t0, t_compile, t_end)
             self.m["compile_times_s"] = compiler.compile_times()   # Dynamo/Inductor's own split
-        if self.cuda:  # peak memory of serving, not of loading/compiling
+        if self.cuda:  # the start-up's peak (load, adapters, FP8, compile) kept; then serving's
+            self.m["startup_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
         self._util = UtilSampler.start(self.cuda)
         self.ready_at = self._gpu_idle_since = self._last_call_end = time.perf_counter()

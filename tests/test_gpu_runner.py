@@ -25,6 +25,7 @@ def test_worker_on_cuda_fp16_reports_gpu_metrics(tmp_path):
     assert [r["status"] for r in rows] == ["ok"] * 3
     m = w.metrics()
     assert m["gpu_name"] and m["peak_mem_gb"] > 0 and m["steady_it_s"] > 0
+    assert m["startup_peak_mem_gb"] > 0      # the load's and warm-up's own peak, kept apart
     # device-side figures: GPU ms per item of each stage (CUDA events), NVML when nvidia-ml-py is there
     assert all(v > 0 for v in m["gpu_ms_per_item"].values()) and "gpu_busy_fraction" not in m
     assert all(m["time_s"][k] > 0 for k in ("text_encode", "denoise", "decode", "to_host", "write"))

@@ -363,6 +363,7 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
                 gpu_util=ms[0].get("gpu_util") if ms else None,
                 it_s=m.get("steady_it_s"),   # denoising steps/s (the worker's steady figure)
                 gpu_ms_per_item=m.get("gpu_ms_per_item"), peak_mem_gb=m.get("peak_mem_gb"),
+                startup_peak_mem_gb=m.get("startup_peak_mem_gb"),
                 time_s=ms[0].get("time_s") if ms else None)
 
 
