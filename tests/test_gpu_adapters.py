@@ -1,7 +1,9 @@
 """LoRA adapters on the full-size Wan 14B denoisers (random weights, fp16, CUDA): the runner's fused
 adapter (`runner.adapters.fuse`) against diffusers' unfused PEFT path, for Wan 2.1 T2V 14B and Wan
 2.2 A14B's second expert (`load_into_transformer_2`), and the fused adapter through O3's FP8
-linears, whose 16-bit weights must leave the GPU. Run on the GPU machine:
+linears, whose 16-bit weights must leave the GPU; and the job's own worker for Wan 2.2 A14B
+Lightning at 720P with an adapter on each expert, its memory peaks within an 80 GB GPU. Run on
+the GPU machine:
 
     pytest -m gpu tests/test_gpu_adapters.py -v
 
@@ -18,6 +20,8 @@ from runner.families.wan import random_adapter
 from runner.config import ModelSpec
 
 pytestmark = pytest.mark.gpu
+
+H100_GIB = 79.2      # an H100 80GB HBM3's torch.cuda total_memory, GiB
 
 # 480x832, 9 frames: latents (1, 16, 3, 60, 104), 4,680 tokens; 512 text tokens of width 4096
 LATENT, TEXT = (1, 16, 3, 60, 104), (1, 512, 4096)
@@ -127,3 +131,50 @@ def test_full_size_a14b_second_expert_fused_adapter_matches_diffusers_unfused(tm
     pipe = _pipe(first.half(), model)
     a = _adapter_file(tmp_path, model, seed=3)
     _check_fused(pipe, model, adapters.Adapter(path=a.path, expert="transformer_2"), _inputs())
+
+
+def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
+    """The job's own worker (`runner.job.worker_config` of `wan22_lightning_batch`: O3, FP8
+    linears, compiled blocks and step graphs) with a random rank-64 adapter in LightX2V's layout
+    fused into each expert, one 720x1280 x 81-frame video in the published 4 steps (2 + 2), no
+    CFG: the start-up's peak (both experts' 16-bit weights are on the GPU before FP8) and the
+    serving peak (a step + the decode) within an 80 GB GPU, the video made."""
+    from runner import job
+    from runner.bench.lora import main as lora
+    from runner.config import load_config, split
+    from runner.prompts import Item
+    from runner.worker import Worker
+    files = [tmp_path / "high.safetensors", tmp_path / "low.safetensors"]
+    for k, (f, expert) in enumerate(zip(files, ("transformer", "transformer_2"))):
+        lora(["preset=wan22_t2v_a14b_lightning", f"out={f}", "rank=64", "layout=original",
+              f"expert={expert}", f"seed={k}"])
+    j = split(load_config([
+        "job=wan22_lightning_batch", "model.source=random", f"output.dir={tmp_path / 'out'}",
+        f"model.adapters=[{{path: {files[0]}}}, {{path: {files[1]}, expert: transformer_2}}]",
+        "run.canary_every_items=0"]))
+    cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
+    assert cfg.compile.mode == "O3" and not cfg.canary
+    w = Worker(0, cfg)
+    try:
+        w.warmup()
+        g = cfg.generation
+        assert (g.height, g.width, g.num_frames, g.num_inference_steps) == (720, 1280, 81, 4)
+        rows = w.run_shard([Item(id="v", prompt="a red fox running in the snow",
+                                 negative_prompt="", seed=0, height=720, width=1280, num_frames=81,
+                                 num_inference_steps=4, guidance_scale=1.0, file="p", row=0)])
+        m = w.metrics()
+        report = w.pipe._compile_report
+    finally:
+        for name, c in list(w.pipe.components.items()):   # 28 GiB of FP8 experts: freed here
+            if isinstance(c, torch.nn.Module):
+                c.to("meta")
+        gc.collect()
+        torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    print(f"A14B Lightning 720x1280x81 O3 + 2 adapters: start-up peak "
+          f"{m['startup_peak_mem_gb']:.1f} GiB, serving peak {m['peak_mem_gb']:.1f} GiB of "
+          f"{total:.1f} GiB; FP8 linears {report.get('fp8_linears')}")
+    assert rows[0]["status"] == "ok", rows[0]["error"]
+    assert report.get("fp8_linears", 0) >= 2 * 40 * 6    # both experts' block Linears in FP8
+    # an H100 80GB's 79.2 GiB (its total_memory) minus what its CUDA context takes
+    assert max(m["startup_peak_mem_gb"], m["peak_mem_gb"]) <= H100_GIB - 0.7
