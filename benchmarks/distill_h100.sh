@@ -7,6 +7,7 @@
 #   PHASE=b  Wan 2.2 T2V A14B Lightning 720x1280x81, 4 steps (2 + 2), a random rank-64 adapter per
 #            expert: job O3 (FP8 weights), its load and serving memory peaks (h2); AnyFlow 1.3B 4
 #            steps, 16 prompts, job O3: GPU busy (h3)
+#   PHASE=c, d  the same on two GPUs of an x4 machine beside the gpu suite (benchmarks/x4.sh)
 # From the checkout root with the bundle:
 #   source .devbundle/install.sh && PHASE=a bash benchmarks/distill_h100.sh DIR
 # DIR gets <exp>.log, <exp>.json (vs_loop.json), <exp>/ (the job's summary and metrics), versions.txt.
@@ -27,7 +28,24 @@ run() {   # run NAME LIMIT vs_loop-args...
   keep_runs /tmp/dh/media-$name "$Q/$name" "*" > /dev/null
   return 0
 }
+l14() { lora "$1" preset=wan21_t2v_14b rank=64 layout=original; }
+a14() {
+  lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
+  lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
+      expert=transformer_2 seed=1
+  run h2 "$1" job=wan22_lightning_batch $R prompts=3 arms=job modes=O3 \
+      "model.adapters=[{path: /tmp/dh/la1.safetensors}, {path: /tmp/dh/la2.safetensors, expert: transformer_2}]"
+}
 case ${PHASE:-a} in
+  # x4, beside the gpu suite on GPUs 0-1 (`benchmarks/x4.sh mixed`): one chain a GPU
+  c) l14 /tmp/dh/l14c.safetensors     # GPU 2: the 14B job, then AnyFlow
+     run h1job 370 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14c.safetensors}]" \
+         prompts=14 arms=job modes=O3
+     run h3 $((575 - SECONDS)) job=anyflow_batch $R prompts=16 arms=job modes=O3 ;;
+  d) l14 /tmp/dh/l14d.safetensors     # GPU 3: the 14B peer, then A14B 720P
+     run h1peer 255 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14d.safetensors}]" \
+         prompts=3 arms=loop_compile
+     a14 $((575 - SECONDS)) ;;
   a) lora /tmp/dh/l14.safetensors preset=wan21_t2v_14b rank=64 layout=original
      A="model.adapters=[{path: /tmp/dh/l14.safetensors}]"
      run h1job 370 job=wan_distill_batch $R "$A" prompts=14 arms=job modes=O3

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One x4 machine (nvidia-h100-x4), two commands:
+#   suite4  the whole gpu suite on the 4 GPUs (benchmarks/gpu_suite.sh)
+#   mixed   the whole gpu suite on GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1: two test processes), and
+#           issue 59's H100 tables on GPUs 2 and 3 (benchmarks/distill_h100.sh PHASE=c, d)
+# From the checkout root with the bundle:  source .devbundle/install.sh && bash benchmarks/x4.sh MODE OUT
+set -u
+mode=${1:?usage: x4.sh suite4|mixed OUT}; OUT=${2:?usage: x4.sh MODE OUT}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpus.txt"
+case $mode in
+  suite4) bash benchmarks/gpu_suite.sh "$OUT/suite4" ;;
+  mixed)
+    CUDA_VISIBLE_DEVICES=2 PHASE=c bash benchmarks/distill_h100.sh "$OUT/c" > "$OUT/c.out" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 PHASE=d bash benchmarks/distill_h100.sh "$OUT/d" > "$OUT/d.out" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0,1 bash benchmarks/gpu_suite.sh "$OUT/suite2"
+    wait ;;
+esac
+for f in "$OUT"/*/*.log; do echo "== $f"; grep -v "^ \|Warning\|torchao\|^\[" "$f" | tail -4; done
