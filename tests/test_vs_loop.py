@@ -93,3 +93,51 @@ def test_a_failing_arm_is_a_row_with_its_error_and_the_next_arm_runs(tmp_path, m
     assert rows[1]["x_peer_calls"] == 2.0 / 2.5      # against the faster peer's pipe-call rate
     saved = json.load(open(tmp_path / "vs_loop.json"))["rows"]
     assert saved[1]["x_peer_calls"] == rows[1]["x_peer_calls"]
+
+
+@pytest.mark.parametrize("first_blocks", [0, 1, 2])
+def test_the_peer_computes_the_jobs_first_blocks_or_cache_dits_floor(tmp_path, first_blocks):
+    """The cachedit arms' DBCache computes the job's `step_cache.first_blocks` leading blocks on
+    every step (FnB0, Fn from the resolved job config), and at least the 1 cache-dit accepts: the
+    label, the config handed to cache-dit, the rows' `first_blocks` and the note under the table
+    say which."""
+    from runner.bench import vs_loop
+    from runner.config import load_config, split
+    job = split(load_config(["job=pixart_batch", "prompts.path=generated",
+                             "step_cache.method=residual",
+                             f"step_cache.first_blocks={first_blocks}"]))
+    sc = job["step_cache"]
+    assert sc.first_blocks == first_blocks
+    fn = max(1, first_blocks)
+    mask = [1, 0, 1, 1]
+    kw = vs_loop.peer_cache_config(sc, mask)
+    assert kw == dict(Fn_compute_blocks=fn, Bn_compute_blocks=0, num_inference_steps=4,
+                      steps_computation_mask=mask, steps_computation_policy="static")
+    assert vs_loop.loop_label("cachedit", sc) == f"cache-dit F{fn}B0 + torch.compile"
+    assert vs_loop.loop_label("cachedit_sage", sc) == f"cache-dit F{fn}B0 + sage attention + torch.compile"
+    assert vs_loop.loop_label("loop", sc) == "eager"
+    assert vs_loop.arm_first_blocks("cachedit", sc) == fn
+    assert vs_loop.arm_first_blocks("job", sc, "O3+residual") == first_blocks
+    assert vs_loop.arm_first_blocks("loop", sc) is None
+    rows = [dict(arm="cachedit", first_blocks=fn), dict(arm="job", first_blocks=first_blocks)]
+    note = vs_loop.first_blocks_note(rows)
+    if first_blocks == 0:       # cache-dit's floor: the peer computes one block more
+        assert "computes 1 block(s) more on each reused step" in note, note
+    else:
+        assert note is None
+    try:
+        from cache_dit import DBCacheConfig
+    except ImportError:
+        return
+    assert DBCacheConfig(**kw).Fn_compute_blocks == fn      # cache-dit takes it as given
+
+
+def test_a_job_arm_without_residual_reuse_has_no_first_blocks():
+    from runner.bench import vs_loop
+    from runner.config import load_config, split
+    sc = split(load_config(["job=pixart_batch", "prompts.path=generated"]))["step_cache"]
+    assert sc.method != "residual"
+    assert vs_loop.arm_first_blocks("job", sc, "O3") is None
+    assert vs_loop.arm_first_blocks("job", sc, "O3+residual") == sc.first_blocks
+    assert vs_loop.first_blocks_note([dict(arm="cachedit", first_blocks=1),
+                                      dict(arm="job", first_blocks=None)]) is None

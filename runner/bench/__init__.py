@@ -6,6 +6,7 @@
 - `scaling`: the same job with 1..N workers (table, JSON, plots);
 - `decode`: the VAE decoder alone, eager vs compiled, contiguous vs channels_last, cudnn.benchmark;
 - `tuning`: what Inductor's kernel tuning costs and buys on one model;
+- `canary`: what the canary costs, one worker through a window of one canary period, on and off;
 - `scale`: the driver's cost on a million-prompt file (dry run, sharding, resume planning);
 - `simulate`: the real job over thousands of simulated workers: does one driver keep up.
 

@@ -8,7 +8,13 @@ The same generated prompts (ids, seeds) go through:
                 or `export_to_video` per prompt, as the diffusers docs write it;
   loop_compile  the same loop after `pipe.<denoiser> = torch.compile(pipe.<denoiser>)`;
   cachedit      the peer stack users pip-install: the loop with cache-dit's DBCache as its docs
-                recommend for speed (first block computed on every step, F1B0; a static
+                recommend for speed, its first `Fn` blocks computed on every step (`FnB0`), Fn =
+                the job's `step_cache.first_blocks`, so that both sides compute the same blocks on
+                a reused step; but at least 1: cache-dit (1.5.3) refuses Fn_compute_blocks=0
+                (`CachedContextManager.Fn_compute_blocks` asserts >= 1), so against the job's
+                usual first_blocks=0 the peer computes one block more on each reused step (the
+                rows' `first_blocks` column: the peer's Fn, the job's reuse arms' first_blocks;
+                the table says so under it); a static
                 step-computation mask with exactly the steps the job's `step_cache` schedule
                 computes, `runner.step_cache.plan`; Wan 2.2 A14B: each expert its slice, the
                 second expert's first step computed, as the job does),
@@ -70,8 +76,10 @@ from ..outputs import format_table, write_json
 from . import parse_args
 
 ARMS = ("loop", "loop_compile", "cachedit", "cachedit_sage", "job")
-LOOPS = {"loop": "eager", "loop_compile": "torch.compile", "cachedit": "cache-dit F1B0 + torch.compile",
-         "cachedit_sage": "cache-dit F1B0 + sage attention + torch.compile"}
+# the loops' `mode` column; {fn}: the peer's Fn_compute_blocks (`peer_first_blocks`)
+LOOPS = {"loop": "eager", "loop_compile": "torch.compile", "cachedit": "cache-dit F{fn}B0 + torch.compile",
+         "cachedit_sage": "cache-dit F{fn}B0 + sage attention + torch.compile"}
+PEER_MIN_FIRST_BLOCKS = 1   # cache-dit asserts Fn_compute_blocks >= 1 (module docstring)
 IMAGES = ("auto", "all", "half", "none")
 
 
@@ -249,10 +257,24 @@ def expert_split(pipe, steps: int) -> int | None:
     return next((i for i, t in enumerate(sched.timesteps) if t < bound), steps)
 
 
+def peer_first_blocks(sc) -> int:
+    """The peer's Fn_compute_blocks: the job's `step_cache.first_blocks` (`sc`: its step_cache
+    section), at least the 1 cache-dit accepts."""
+    return max(PEER_MIN_FIRST_BLOCKS, sc.first_blocks)
+
+
+def peer_cache_config(sc, part: list[int]) -> dict:
+    """The keyword arguments of the peer's `cache_dit.DBCacheConfig` for the steps `part` (1 =
+    computed): FnB0 (`peer_first_blocks`), a static mask."""
+    return dict(Fn_compute_blocks=peer_first_blocks(sc), Bn_compute_blocks=0,
+                num_inference_steps=len(part), steps_computation_mask=part,
+                steps_computation_policy="static")
+
+
 def _cachedit(pipe, sc, steps: int) -> list[int]:
-    """cache-dit's DBCache on `pipe` as its docs recommend for speed: F1B0, a static mask of the
-    steps the job's schedule computes. Returns the mask over the pipeline call's steps (1 =
-    computed). Two experts (Wan 2.2 A14B): cache-dit keeps a context per expert that counts that
+    """cache-dit's DBCache on `pipe` as its docs recommend for speed: FnB0 (`peer_cache_config`),
+    a static mask of the steps the job's schedule computes. Returns the mask over the pipeline
+    call's steps (1 = computed). Two experts (Wan 2.2 A14B): cache-dit keeps a context per expert that counts that
     expert's own calls from 0, so each gets its slice of the mask (`ParamsModifier`), and the
     second's first step is computed, as the job computes it (`runner.step_cache.Scheduled`: an
     expert's first call has nothing of its own to reuse)."""
@@ -262,8 +284,7 @@ def _cachedit(pipe, sc, steps: int) -> list[int]:
     k = expert_split(pipe, steps)
 
     def config(part):
-        return DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, num_inference_steps=len(part),
-                             steps_computation_mask=part, steps_computation_policy="static")
+        return DBCacheConfig(**peer_cache_config(sc, part))
     if k is None or not 0 < k < steps:      # one denoiser runs every step: the whole mask
         cache_dit.enable_cache(pipe, cache_config=config(mask))
     else:
@@ -485,13 +506,15 @@ def main(argv: list[str]) -> list[dict]:
         for row in _two_lanes(argv, opts["out"], arms):
             done(row)
         arms = []
+    sc = job["step_cache"]
     for arm in dict.fromkeys(arms):   # in the order given (a table cut short keeps the first)
         if arm in LOOPS:
-            done(dict(arm=arm, mode=LOOPS[arm], **_arm(
-                run_loop, job, prompts, os.path.join(opts["out"], arm), arm)))
+            done(dict(arm=arm, mode=loop_label(arm, sc), first_blocks=arm_first_blocks(arm, sc),
+                      **_arm(run_loop, job, prompts, os.path.join(opts["out"], arm), arm)))
         for mode in modes if arm == "job" else ():
-            done(dict(arm="job", mode=mode, **_arm(run_job, opts, rest, path, mode),
-                      **mode_calls(job["step_cache"], mode, steps, two_calls)))
+            done(dict(arm="job", mode=mode, first_blocks=arm_first_blocks("job", sc, mode),
+                      **_arm(run_job, opts, rest, path, mode),
+                      **mode_calls(sc, mode, steps, two_calls)))
     base = {r["arm"]: r["items_per_s"] for r in rows if r["arm"] != "job"}
     for r in rows:
         for arm, rate in base.items():
@@ -509,10 +532,43 @@ def main(argv: list[str]) -> list[dict]:
     write_json(os.path.join(opts["out"], "vs_loop.json"),
                dict(argv=argv, config=OmegaConf.to_container(cfg), rows=rows))
     print(format_table(rows, ["arm", "mode", "items", "items_per_s", "ends_items_per_s", "call_items_per_s", "it_s", "ready_s", "recompiles",
-                              "gpu_util", "computed_steps", "computed_calls",
+                              "gpu_util", "computed_steps", "computed_calls", "first_blocks",
                               *[f"x_{a}" for a in base],
                               "x_same_mode", "x_peer_calls", "psnr_ref", "psnr_median_db", "psnr_min_db", "peak_mem_gb", "error"]))
+    note = first_blocks_note(rows)
+    if note:
+        print(note)
     return rows
+
+
+def loop_label(arm: str, sc) -> str:
+    """A loop arm's `mode` column: LOOPS's, the peer's Fn filled in."""
+    return LOOPS[arm].format(fn=peer_first_blocks(sc))
+
+
+def arm_first_blocks(arm: str, sc, mode: str = "") -> int | None:
+    """The blocks an arm computes on every step, reused ones included: the peer's Fn for the
+    cachedit arms, the job's `step_cache.first_blocks` for a job arm that reuses steps with the
+    residual method (`+residual`, or `step_cache.method=residual` given); None for the others."""
+    if arm.startswith("cachedit"):
+        return peer_first_blocks(sc)
+    if arm == "job" and ("residual" in mode.split("+")[1:] or sc.method == "residual"):
+        return sc.first_blocks
+    return None
+
+
+def first_blocks_note(rows: list[dict]) -> str | None:
+    """A line under the table where the peer computes more leading blocks on a reused step than
+    the job's reuse arms (cache-dit's floor of 1 against first_blocks=0), else None."""
+    peer = {r["first_blocks"] for r in rows if r["arm"].startswith("cachedit")
+            and r.get("first_blocks") is not None}
+    job = {r["first_blocks"] for r in rows if r["arm"] == "job" and r.get("first_blocks") is not None}
+    if not peer or not job or peer == job:
+        return None
+    return (f"first_blocks: the peer computes its first {'/'.join(map(str, sorted(peer)))} blocks on "
+            f"every step, the job's reuse arms {'/'.join(map(str, sorted(job)))}: cache-dit refuses "
+            f"Fn_compute_blocks < {PEER_MIN_FIRST_BLOCKS}, so the peer computes "
+            f"{max(peer) - min(job)} block(s) more on each reused step")
 
 
 if __name__ == "__main__":
