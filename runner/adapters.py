@@ -7,17 +7,19 @@ Contract:
   or directory, `s3://` / `gs://`, or a hub id with `weight_name`), is a whole safetensors file, its
   keys convert with diffusers' own `lora_state_dict` (diffusers/PEFT, original Wan
   `diffusion_model.*`, kohya/musubi `lora_unet_*` layouts), and every converted pair fits a Linear
-  of the denoiser (built on the meta device: no weights read) with matching shapes. A key that
-  does not fit, or that diffusers' converter would drop, is an `AdapterError` naming the adapter:
-  never a silently ignored key.
+  of the denoiser (built on the meta device: no weights read) with matching shapes. Wan's full
+  differences (`.diff`, `.diff_b`, `diff_m` of the original layout: LightX2V's extracted LoRAs;
+  `split`) are taken out before diffusers' conversion, which would drop most of them, and each
+  must name a parameter of the denoiser of its shape. A key that does not fit, or that diffusers'
+  converter would drop, is an `AdapterError` naming the adapter: never a silently ignored key.
 - `Switch(pipe, per-row adapters)` (worker, before `compile_pipe`), then `use(name)` before each
   batch: a row's own adapter (`per_row: true`, named by its `adapter` column) written into the
   weights in place where the compiled step reads them; the same bits as a job of that adapter.
 - `fuse(pipe, adapters, local_files_only)` (worker, before `compile_pipe`): each adapter loaded by diffusers'
   `load_lora_weights` (its key conversion and PEFT's scaling), its low-rank factors read from the
-  PEFT layers, the layers removed again (`unload_lora_weights`), then W += scale * s * B @ A in
-  fp32, cast once, in place: the compiled graphs, CUDA graphs and FP8 weights are what they are
-  without adapters (no runtime cost, no recompile).
+  PEFT layers, the layers removed again (`unload_lora_weights`), then W += scale * (s * B @ A + D)
+  (D: the parameter's full difference, if any) in fp32, cast once, in place: the compiled graphs,
+  CUDA graphs and FP8 weights are what they are without adapters (no runtime cost, no recompile).
 
 The adapters' paths, weight names, scales and experts are output settings (`runner.results`).
 """
@@ -28,13 +30,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from .config import Adapter
 
-__all__ = ["Adapter", "AdapterError", "Switch", "check", "fuse", "load_factors", "apply", "fused",
-           "local_file"]
+__all__ = ["Adapter", "AdapterError", "Change", "Switch", "check", "fuse", "load", "apply", "fused",
+           "local_file", "split", "wan_parameter"]
 
-SMALL = 1 << 16        # tensors up to this many values are read on the driver (alphas, norm diffs)
+SMALL = 1 << 16        # tensors up to this many values are read on the driver (alphas, vectors)
 
 
 class AdapterError(ValueError):
@@ -126,6 +129,135 @@ def _fetch_uri(a: Adapter, uri: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Wan's full differences: LightX2V's extracted LoRAs (driver and worker alike)
+#
+# LightX2V's LoRA extractor (tools/extract/lora_extractor.py) writes a weight matrix of at least
+# 1e6 values as a LoRA pair (`lora_down` / `lora_up`, no alpha) and every other parameter's
+# difference as it is: `<module>.diff` (a weight), `<module>.diff_b` (a bias), `blocks.N.diff_m` /
+# `head.diff_m` (the modulation tables); its loader adds them times the strength. diffusers' Wan
+# converter turns a Linear's `.diff_b` into a `lora_B` bias and `head.head.diff` into a LoRA with an
+# identity `lora_B` (only when `head.head.diff_b` is there too), drops norm differences (a debug
+# log: "just zeroed values"), drops every other `.diff`, `.diff_b` and `diff_m` (an info log), and
+# fails on a small Linear's `.diff` where it expects a pair (text/time embeddings). All of them are
+# taken out here and added to their parameters in the fuse step instead: one path for every kind.
+
+# Original Wan names -> WanTransformer3DModel's, replaced in this order: diffusers'
+# scripts/convert_wan_to_diffusers.py, TRANSFORMER_KEYS_RENAME_DICT
+_WAN_RENAME = (
+    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+    ("time_projection.1", "condition_embedder.time_proj"),
+    ("head.modulation", "scale_shift_table"),
+    ("head.head", "proj_out"),
+    ("modulation", "scale_shift_table"),
+    ("ffn.0", "ffn.net.0.proj"),
+    ("ffn.2", "ffn.net.2"),
+    ("norm2", "norm__placeholder"),        # the original block's norms run norm1, norm3, norm2
+    ("norm3", "norm2"),
+    ("norm__placeholder", "norm3"),
+    ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
+    ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+    ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
+    ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
+    ("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
+    ("self_attn.q", "attn1.to_q"),
+    ("self_attn.k", "attn1.to_k"),
+    ("self_attn.v", "attn1.to_v"),
+    ("self_attn.o", "attn1.to_out.0"),
+    ("self_attn.norm_q", "attn1.norm_q"),
+    ("self_attn.norm_k", "attn1.norm_k"),
+    ("cross_attn.q", "attn2.to_q"),
+    ("cross_attn.k", "attn2.to_k"),
+    ("cross_attn.v", "attn2.to_v"),
+    ("cross_attn.o", "attn2.to_out.0"),
+    ("cross_attn.norm_q", "attn2.norm_q"),
+    ("cross_attn.norm_k", "attn2.norm_k"),
+    ("attn2.to_k_img", "attn2.add_k_proj"),
+    ("attn2.to_v_img", "attn2.add_v_proj"),
+    ("attn2.norm_k_img", "attn2.norm_added_k"),
+)
+_DIFF_KINDS = ((".diff_b", ".bias"), (".diff_m", ".modulation"), (".diff", ".weight"))
+
+
+def wan_parameter(key: str) -> str | None:
+    """The WanTransformer3DModel parameter a full difference of the original layout is for
+    (`diffusion_model.blocks.0.norm3.diff` -> `blocks.0.norm2.weight`, `...blocks.0.diff_m` ->
+    `blocks.0.scale_shift_table`, `...head.diff_m` -> `scale_shift_table`), or None for a key of
+    another kind or layout."""
+    if not key.startswith("diffusion_model."):
+        return None
+    for suffix, attr in _DIFF_KINDS:
+        if key.endswith(suffix):
+            name = key[len("diffusion_model."):-len(suffix)] + attr
+            for old, new in _WAN_RENAME:
+                name = name.replace(old, new)
+            return name
+    return None
+
+
+def split(raw: dict) -> tuple[dict, dict]:
+    """(the keys left to diffusers' LoRA loader, {key: (parameter, difference)} of the full
+    differences of a Wan adapter in the original layout)."""
+    lora, deltas = {}, {}
+    for k, t in raw.items():
+        name = wan_parameter(k)
+        if name is None:
+            lora[k] = t
+        else:
+            deltas[k] = (name, t)
+    return lora, deltas
+
+
+def _of_linear(denoiser, name: str) -> bool:
+    """Whether parameter `name` is a Linear's weight or bias (what a per-row switch writes)."""
+    import torch
+    path, _, attr = name.rpartition(".")
+    m = denoiser.get_submodule(path) if path else denoiser
+    return isinstance(m, torch.nn.Linear) and attr in ("weight", "bias")
+
+
+def _check_unknown(a: Adapter, lora: dict) -> None:
+    """What diffusers' Wan converter would still drop of the keys left to it (`split`): a
+    `.diff`-like key of no kind applied here (its leftover check lets through any key holding
+    `.diff`), and `time_projection` keys without a `time_projection` weight pair."""
+    orig = [k for k in lora if k.startswith("diffusion_model.")]
+    dropped = [k for k in orig if ".diff" in k]
+    if not any(k.startswith("diffusion_model.time_projection") and k.endswith(".weight")
+               for k in orig):
+        dropped += [k for k in orig if "time_projection" in k]
+    if dropped:
+        raise AdapterError(f"{a.shown}: {len(dropped)} keys of an unknown kind diffusers' loader "
+                           f"would ignore, e.g. {dropped[:3]}; applied are LoRA pairs and the "
+                           f"full differences .diff, .diff_b, diff_m")
+
+
+def _check_deltas(spec, a: Adapter, deltas: dict, denoiser) -> None:
+    """Every full difference names a parameter of the denoiser and has its shape; a per-row
+    adapter's are of Linears only (the weights a `Switch` writes)."""
+    params = dict(denoiser.named_parameters())
+    misfits = []
+    for key, (name, t) in deltas.items():
+        p = params.get(name)
+        if p is None:
+            misfits.append(f"{key}: no parameter {name} in the model")
+        elif tuple(t.shape) != tuple(p.shape):
+            misfits.append(f"{key}: a difference of shape {list(t.shape)} for {name} of shape "
+                           f"{list(p.shape)}")
+    if misfits:
+        raise AdapterError(
+            f"{a.shown}: {len(misfits)} of its {len(deltas)} full differences (.diff, .diff_b, "
+            f"diff_m) do not fit {spec.preset}'s {a.expert} ({type(denoiser).__name__}; made for "
+            f"another base model?), e.g. " + "; ".join(misfits[:2]))
+    other = [k for k, (name, _) in deltas.items() if not _of_linear(denoiser, name)]
+    if a.per_row and other:
+        raise AdapterError(f"{a.shown}: a per-row adapter switches Linear weights only; its "
+                           f"{len(other)} full differences of other weights (e.g. {other[0]}) "
+                           f"apply to every row: give it without per_row")
+
+
+# ---------------------------------------------------------------------------------------------
 # The driver's check: the file, its layout, and every key against the denoiser on the meta device
 
 def check(spec) -> None:
@@ -136,6 +268,7 @@ def check(spec) -> None:
         return
     from .checkpoint import safetensors_problem
     denoisers = _meta_denoisers(spec, {a.expert for a in spec.adapters})
+    wan = _wan_loader(_pipeline_class(spec))
     for a in spec.adapters:
         file = local_file(a, spec.local_files_only)
         why = safetensors_problem(Path(file), a.shown)
@@ -143,8 +276,14 @@ def check(spec) -> None:
             raise AdapterError(f"{why}: not an adapter file (a LoRA in safetensors format); "
                                f"download it again or give another file")
         raw = _meta_state_dict(file)
-        _check_dropped(a, raw)
-        _check_fit(spec, a, _convert(spec, a, raw), denoisers[a.expert])
+        if wan:
+            raw, deltas = split(raw)
+            _check_unknown(a, raw)
+            _check_deltas(spec, a, deltas, denoisers[a.expert])
+        else:
+            _check_dropped(a, raw)
+            deltas = {}
+        _check_fit(spec, a, _convert(spec, a, raw) if raw else {}, denoisers[a.expert], deltas)
 
 
 _DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
@@ -170,8 +309,8 @@ def _meta_state_dict(file: str) -> dict:
 
 
 def _check_dropped(a: Adapter, raw: dict) -> None:
-    """Keys diffusers' Wan converter drops without an error: full-weight differences (`.diff` of a
-    Linear: it logs them at info level) and norm differences it assumes are zero."""
+    """Another family's (not Wan's) full differences, which its converter may drop without an
+    error: `.diff` of a Linear, non-zero norm differences. Wan's are applied (`split`)."""
     dropped = [k for k in raw if k.endswith(".diff") and "norm" not in k
                and not k.endswith("head.head.diff")]
     nonzero = [k for k in raw if k.endswith((".diff", ".diff_b")) and "norm" in k
@@ -183,10 +322,20 @@ def _check_dropped(a: Adapter, raw: dict) -> None:
                            f"{keys}; this adapter cannot be applied as made")
 
 
+def _pipeline_class(spec):
+    import diffusers
+    return getattr(diffusers, spec.family.pipeline)
+
+
+def _wan_loader(cls) -> bool:
+    """Whether pipeline class `cls` loads LoRA with diffusers' Wan loader (original Wan keys)."""
+    from diffusers.loaders import WanLoraLoaderMixin
+    return isinstance(cls, type) and issubclass(cls, WanLoraLoaderMixin)
+
+
 def _convert(spec, a: Adapter, raw: dict) -> dict:
     """diffusers' own conversion of the file's layout to its own (`transformer.<module>.lora_A/B`)."""
-    import diffusers
-    cls = getattr(diffusers, spec.family.pipeline)
+    cls = _pipeline_class(spec)
     if not hasattr(cls, "lora_state_dict"):
         raise AdapterError(f"{a.shown}: {cls.__name__} ({spec.preset}) has no LoRA loader in "
                            f"diffusers; adapters apply to the families whose pipeline loads LoRA "
@@ -237,7 +386,7 @@ def _pairs(converted: dict, prefix: str) -> tuple[dict, list[str]]:
     return pairs, other
 
 
-def _check_fit(spec, a: Adapter, converted: dict, denoiser) -> None:
+def _check_fit(spec, a: Adapter, converted: dict, denoiser, deltas: dict) -> None:
     import torch
     pairs, other = _pairs(converted, "unet" if a.expert == "unet" else "transformer")
     misfits = [f"{k}: not a LoRA factor of the denoiser" for k in other]
@@ -258,7 +407,7 @@ def _check_fit(spec, a: Adapter, converted: dict, denoiser) -> None:
             f"{a.shown}: {len(misfits)} of its {len(pairs) + len(other)} LoRA layers do not fit "
             f"{spec.preset}'s {a.expert} ({type(denoiser).__name__}; made for another base "
             f"model?), e.g. " + "; ".join(misfits[:2]))
-    if not pairs:
+    if not pairs and not deltas:
         raise AdapterError(f"{a.shown}: holds no LoRA layer for the denoiser")
 
 
@@ -266,20 +415,56 @@ def _check_fit(spec, a: Adapter, converted: dict, denoiser) -> None:
 # The worker: fused before compiling
 
 def fuse(pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False) -> int:
-    """Fuse each adapter into its denoiser's weights, in place; returns the Linears changed.
-    Per-row adapters (`per_row`) are left to a `Switch`."""
+    """Fuse each adapter into its denoiser's weights, in place; returns the Linears and other
+    parameters changed. Per-row adapters (`per_row`) are left to a `Switch`."""
     n = 0
     for i, a in enumerate(a for a in adapters if not a.per_row):
-        factors = load_factors(pipe, a, local_file(a, local_files_only), f"runner_{i}")
-        apply(getattr(pipe, a.expert), factors, a.scale)
-        n += len(factors)
+        linears, params = load(pipe, a, local_file(a, local_files_only), f"runner_{i}")
+        apply(getattr(pipe, a.expert), linears, params, a.scale)
+        n += len(linears) + len(params)
     return n
 
 
-def load_factors(pipe, a: Adapter, file: str, name: str) -> dict:
-    """{module path: (A (r, in), B (out, r), bias (out,) or None, scaling)} as diffusers'
-    `load_lora_weights` sets the adapter up (its key conversion, PEFT's alpha / rank), read off
-    the PEFT layers, which are then removed: the pipeline is as it was."""
+class Change(NamedTuple):
+    """What an adapter adds to one Linear: W += scale * (s * B @ A + dw), b += scale * (s * bias +
+    db); A (r, in) and B (out, r) from diffusers' PEFT layers (None: no LoRA pair on it), dw / db
+    full differences (`.diff`, `.diff_b`)."""
+    A: Any = None
+    B: Any = None
+    bias: Any = None
+    s: float = 1.0
+    dw: Any = None
+    db: Any = None
+
+
+def load(pipe, a: Adapter, file: str, name: str) -> tuple[dict, dict]:
+    """({Linear path: Change}, {other parameter: its full difference}) of adapter `a`: the LoRA
+    pairs as diffusers' `load_lora_weights` sets them up (its key conversion, PEFT's alpha / rank),
+    read off the PEFT layers, which are then removed (the pipeline is as it was); a Wan adapter's
+    full differences (`split`) beside them."""
+    source, deltas = file, {}      # what diffusers loads: the file, or its keys but the deltas
+    if _wan_loader(type(pipe)):
+        from safetensors import safe_open
+        with safe_open(file, "pt") as f:
+            if any(wan_parameter(k) for k in f.keys()):
+                source, deltas = split({k: f.get_tensor(k) for k in f.keys()})
+    den = getattr(pipe, a.expert)
+    linears = {} if not source else {
+        path: Change(*f) for path, f in _lora_factors(pipe, a, source, name).items()}
+    params = {}
+    for key, (pname, t) in deltas.items():
+        if not _of_linear(den, pname):
+            params[pname] = t
+            continue
+        path, _, attr = pname.rpartition(".")
+        field = "dw" if attr == "weight" else "db"
+        linears[path] = linears.get(path, Change())._replace(**{field: t})
+    return linears, params
+
+
+def _lora_factors(pipe, a: Adapter, file, name: str) -> dict:
+    """{module path: (A, B, bias or None, scaling)} as `load_lora_weights` sets the adapter up from
+    `file` (a path, or a state dict), read off the PEFT layers, which are then removed."""
     from peft.tuners.lora import LoraLayer
     extra = {"load_into_transformer_2": True} if a.expert == "transformer_2" else {}
     pipe.load_lora_weights(file, adapter_name=name, **extra)
@@ -297,46 +482,67 @@ def load_factors(pipe, a: Adapter, file: str, name: str) -> dict:
     return out
 
 
-def apply(denoiser, factors: dict, scale: float) -> None:
-    """W += scale * s * B @ A (and the bias difference), in place (`fused`)."""
+def apply(denoiser, linears: dict, params: dict, scale: float) -> None:
+    """Each Linear's `Change` (`fused`) and W += scale * D for the other parameters, in fp32,
+    rounded once to the parameter's dtype, in place."""
     import torch
     with torch.no_grad():
-        for path, f in factors.items():
+        for path, change in linears.items():
             lin = denoiser.get_submodule(path)
-            w, b = fused(lin.weight, lin.bias, f, scale)
+            w, b = fused(lin.weight, lin.bias, change, scale)
             lin.weight.copy_(w)
             if b is not None:
                 lin.bias.copy_(b)
+        for name, d in params.items():
+            p = denoiser.get_parameter(name)
+            p.copy_((p.float() + d.to(p.device, torch.float32) * scale).to(p.dtype))
 
 
-def fused(w, b, factors: tuple, scale: float) -> tuple:
-    """(W + scale * s * B @ A, b + scale * s * bias) for one Linear: the sums in fp32, rounded
-    once to W's dtype. One function for a job's fixed adapters and a worker's per-row switch, so
-    a row's output is the same bits either way."""
+def fused(w, b, change: Change, scale: float) -> tuple:
+    """(W + scale * (s * B @ A + dw), b + scale * (s * bias + db)) for one Linear: the sums in
+    fp32, rounded once to W's dtype. One function for a job's fixed adapters and a worker's per-row
+    switch, so a row's output is the same bits either way."""
     import torch
-    A, B, bias, s = factors
-    delta = (B.to(w.device, torch.float32) @ A.to(w.device, torch.float32)) * (s * scale)
-    w = (w.float() + delta).to(w.dtype)
-    if bias is not None:
-        b = (b.float() + bias.to(b.device, torch.float32) * (s * scale)).to(b.dtype)
+    A, B, bias, s, dw, db = change
+    w32 = w.float()
+    if A is not None:
+        w32 = w32 + (B.to(w.device, torch.float32) @ A.to(w.device, torch.float32)) * (s * scale)
+    if dw is not None:
+        w32 = w32 + dw.to(w.device, torch.float32) * scale
+    w = w32.to(w.dtype)
+    if b is not None and (bias is not None or db is not None):
+        b32 = b.float()
+        if bias is not None:
+            b32 = b32 + bias.to(b.device, torch.float32) * (s * scale)
+        if db is not None:
+            b32 = b32 + db.to(b.device, torch.float32) * scale
+        b = b32.to(b.dtype)
     return w, b
 
 
 class Switch:
-    """A worker's per-row adapters (`per_row: true`): their factors loaded before compiling, the
+    """A worker's per-row adapters (`per_row: true`): their changes loaded before compiling, the
     base weights of every Linear one of them changes kept on the host (pinned on a GPU worker:
     for a LoRA on all of a 14B's Linears, 26 GB of host memory), and `use(name)` writing base +
     that adapter's difference (or the base, for None) into the weights in place, wherever
     `compile_pipe` put them (`compiler.transforms.set_linear_weight`: fused QKV rows, FP8 rows).
-    The compiled graphs and CUDA graphs read the same storage: no recompile, no re-capture."""
+    The compiled graphs and CUDA graphs read the same storage: no recompile, no re-capture.
+    Full differences of other weights (norms, modulation) are refused here, as on the driver."""
 
     def __init__(self, pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False):
         self.pipe, self.current = pipe, None
-        self.adapters = {a.name: (a, load_factors(pipe, a, local_file(a, local_files_only),
-                                                  f"row_{i}")) for i, a in enumerate(adapters)}
+        self.adapters = {}
+        for i, a in enumerate(adapters):
+            linears, params = load(pipe, a, local_file(a, local_files_only), f"row_{i}")
+            if params:
+                raise AdapterError(f"{a.shown}: a per-row adapter switches Linear weights only; "
+                                   f"its {len(params)} full differences of other weights (e.g. "
+                                   f"{next(iter(params))}) apply to every row: give it without "
+                                   f"per_row")
+            self.adapters[a.name] = (a, linears)
         self.base = {}     # (expert, Linear path) -> its base (weight, bias) on the host
-        for a, factors in self.adapters.values():
-            for path in factors:
+        for a, linears in self.adapters.values():
+            for path in linears:
                 lin = getattr(pipe, a.expert).get_submodule(path)
                 self.base[a.expert, path] = (_host(lin.weight), _host(lin.bias))
         # each denoiser's device, read now: after compile_pipe its first parameter may be emptied
@@ -350,19 +556,18 @@ class Switch:
         import torch
 
         from compiler.transforms import set_linear_weight
-        a, factors = self.adapters[name] if name is not None else (None, {})
+        a, linears = self.adapters[name] if name is not None else (None, {})
         with torch.no_grad():
             for (expert, path), (w, b) in self.base.items():
                 den, device = getattr(self.pipe, expert), self.device[expert]
                 w = w.to(device, non_blocking=True)
                 b = None if b is None else b.to(device, non_blocking=True)
-                if a is not None and a.expert == expert and path in factors:
-                    w, b = fused(w, b, factors[path], a.scale)
+                if a is not None and a.expert == expert and path in linears:
+                    w, b = fused(w, b, linears[path], a.scale)
                 set_linear_weight(den, path, w)
                 if b is not None:
                     den.get_submodule(path).bias.copy_(b)
         self.current = name
-
 
 
 def _host(t):

@@ -1,5 +1,6 @@
 """LoRA adapters (`runner.adapters`) and the step-distilled presets, on tiny Wan models on the CPU:
-the fused adapter in each published key layout against diffusers' unfused path; the driver's
+the fused adapter in each published key layout against diffusers' unfused path; LightX2V's full
+differences (`.diff`, `.diff_b`, `diff_m`) against the base weights plus them by hand; the driver's
 refusals (exit 2 before any worker, naming the adapter); resume with another scale refused; the
 distilled samplers' timesteps and per-row noise; one denoiser call a step at guidance 1.0; step
 reuse refused where it cannot apply; O3's FP8 linears leave no 16-bit fused weight behind."""
@@ -10,6 +11,7 @@ from safetensors.torch import save_file
 
 from runner import adapters, job
 from runner.config import ModelSpec
+from runner.families.wan import LORA_NAMES
 from runner.models import build_pipeline
 
 TINY = dict(height=64, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
@@ -26,9 +28,9 @@ def _denoiser(preset="wan21_t2v_1_3b", expert="transformer"):
 
 
 def _lora_file(tmp_path, layout="original", preset="wan21_t2v_1_3b", expert="transformer", seed=0,
-               rank=4, extra=None):
+               rank=4, extra=None, **kw):
     model = _denoiser(preset, expert)
-    tensors = model_family(preset).random_adapter(model, layout, rank=rank, seed=seed)
+    tensors = model_family(preset).random_adapter(model, layout, rank=rank, seed=seed, **kw)
     tensors.update(extra or {})
     f = tmp_path / f"{layout}{seed}.safetensors"
     save_file(tensors, str(f))
@@ -121,9 +123,139 @@ def test_an_adapter_that_partly_does_not_apply_is_refused(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "part.safetensors"))
     err = _bad(tmp_path, capsys, tmp_path / "part.safetensors")
     assert "1 of its 21 LoRA layers" in err and "blocks.2.attn1.to_q" in err
-    # a full-weight difference diffusers' converter would drop without an error
-    f = _lora_file(tmp_path, extra={"diffusion_model.blocks.0.ffn.0.diff": torch.ones(32, 24)})
-    assert "would be ignored" in _bad(tmp_path, capsys, f)
+    # full differences (applied: test_full_differences_...) of a block the model lacks, of another
+    # shape, or of an unknown kind (diffusers' loader would drop `.diff`-like keys with a log)
+    f = _lora_file(tmp_path, extra={"diffusion_model.blocks.2.norm3.diff": torch.ones(24)})
+    err = _bad(tmp_path, capsys, f)
+    assert "1 of its 1 full differences" in err and "blocks.2.norm3.diff: no parameter " \
+        "blocks.2.norm2.weight" in err
+    f = _lora_file(tmp_path, extra={"diffusion_model.head.diff_m": torch.ones(1, 6, 24)})
+    assert "a difference of shape [1, 6, 24] for scale_shift_table of shape [1, 2, 24]" in \
+        _bad(tmp_path, capsys, f)
+    f = _lora_file(tmp_path, extra={"diffusion_model.blocks.0.norm3.diff_w": torch.ones(24)})
+    err = _bad(tmp_path, capsys, f)
+    assert "unknown kind" in err and "blocks.0.norm3.diff_w" in err
+    # another family's full differences (its converter may drop them): still refused
+    save_file({"diffusion_model.double_blocks.0.img_attn.qkv.diff": torch.ones(8, 8)},
+              str(tmp_path / "flux.safetensors"))
+    with pytest.raises(adapters.AdapterError, match=r"model.adapters\['flux'\].*would be ignored"):
+        adapters.check(_spec("flux1_dev", adapters=[{"path": str(tmp_path / "flux.safetensors")}]))
+
+
+# LightX2V's extracted LoRAs (`random_adapter(diffs=True)`): each full difference's parameter, by
+# hand from diffusers' scripts/convert_wan_to_diffusers.py (not `runner.adapters`' own table)
+_BY_HAND = {**{orig: sub for sub, orig in LORA_NAMES.items()},
+            "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
+            "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
+            "norm3": "norm2", "head.head": "proj_out", "patch_embedding": "patch_embedding",
+            "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+            "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+            "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+            "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+            "time_projection.1": "condition_embedder.time_proj"}
+
+
+def _kind(key: str) -> str | None:
+    """A full difference's kind (what the test leaves out one at a time), None for LoRA keys."""
+    if key.endswith("diff_m"):
+        return "modulation diff_m"
+    if not key.endswith((".diff", ".diff_b")):
+        return None
+    what = "patch_embedding" if "patch_embedding" in key else "norm" if "norm" in key else "Linear"
+    return f"{what} {key.rsplit('.', 1)[1]}"
+
+
+def _by_hand(key: str) -> str:
+    name = key.removeprefix("diffusion_model.")
+    if name.endswith("diff_m"):
+        return "scale_shift_table" if name == "head.diff_m" else \
+            name.replace("diff_m", "scale_shift_table")
+    module, kind = name.rsplit(".", 1)
+    block = ""
+    if module.startswith("blocks."):
+        _, i, module = module.split(".", 2)
+        block = f"blocks.{i}."
+    return block + _BY_HAND[module] + (".weight" if kind == "diff" else ".bias")
+
+
+def _reference(pipe, tensors: dict, scale: float, without: str | None = None):
+    """`pipe`'s frames with the file's full differences added to the base weights by hand (but
+    those of kind `without`) and its LoRA pairs through diffusers' unfused PEFT path; `pipe` is
+    left as it was."""
+    base = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+    with torch.no_grad():
+        for k, t in tensors.items():
+            if _kind(k) not in (None, without):
+                pipe.transformer.get_parameter(_by_hand(k)).add_(t.float() * scale)
+    pipe.load_lora_weights({k: t for k, t in tensors.items() if _kind(k) is None},
+                           adapter_name="x")
+    pipe.set_adapters(["x"], [scale])
+    frames = _frames(pipe)
+    pipe.unload_lora_weights()
+    with torch.no_grad():
+        for n, p in pipe.transformer.named_parameters():
+            p.copy_(base[n])
+    return frames
+
+
+def test_full_differences_are_fused_as_base_weights_plus_them(tmp_path):
+    """Every kind of LightX2V's full differences (a Linear's `.diff` and `.diff_b`, a norm's,
+    the patch embedding's, the modulation tables' `diff_m`) with the LoRA pairs: the fused
+    pipeline's frames are the base weights plus scale x each difference by hand, then diffusers'
+    unfused LoRA; each kind left out moves the frames far past that tolerance."""
+    f = _lora_file(tmp_path, diffs=True, strength=0.2)
+    from safetensors.torch import load_file
+    tensors = load_file(f)
+    kinds = {_kind(k) for k in tensors} - {None}
+    assert kinds == {"Linear diff", "Linear diff_b", "norm diff", "norm diff_b",
+                     "patch_embedding diff", "patch_embedding diff_b", "modulation diff_m"}
+    assert all(adapters.wan_parameter(k) == _by_hand(k) for k in tensors if _kind(k))
+    spec = _spec(adapters=[{"path": f, "scale": 0.7}])
+    adapters.check(spec)                                     # the driver accepts it
+    ours, ref = build_pipeline(spec), build_pipeline(spec)
+    base = dict(ref.transformer.named_parameters())
+    # 20 block Linears (LoRA + .diff_b), 6 other Linears (.diff + .diff_b), 17 other parameters
+    assert adapters.fuse(ours, spec.adapters) == 43
+    fused = dict(ours.transformer.named_parameters())
+    for k, t in tensors.items():           # each difference is in its parameter
+        if _kind(k):
+            name = _by_hand(k)
+            want = base[name] + t.float() * 0.7
+            assert torch.allclose(fused[name], want, rtol=0, atol=1e-6), k
+            assert (want - base[name]).abs().max() > 1e-3, k
+    a, b = _frames(ours), _reference(ref, tensors, 0.7)
+    err = np.abs(a - b).max()
+    assert err < 1e-4                                          # fp32 here: rounding only
+    for kind in sorted(kinds):             # a skipped kind would fail the comparison above
+        moved = np.abs(_reference(ref, tensors, 0.7, without=kind) - a).max()
+        assert moved > 1e-3 and moved > 100 * err, f"{kind}: {moved} against {err}"
+    assert not any("lora" in type(m).__module__ for m in ours.transformer.modules())
+
+
+def test_per_row_adapters_switch_full_differences_of_linears_and_refuse_others(tmp_path):
+    """A per-row adapter's `.diff` / `.diff_b` of Linears are written by the `Switch` as a job's
+    fused adapter writes them (the same bits); its norms' or modulation's are refused on the
+    driver, naming the adapter (a switch writes Linear weights only)."""
+    from safetensors.torch import load_file
+    full = _lora_file(tmp_path, diffs=True, seed=5)
+    with pytest.raises(adapters.AdapterError, match=r"model.adapters\['A'\].*per-row adapter "
+                                                    r"switches Linear weights only"):
+        adapters.check(_spec(adapters=[{"path": full, "name": "A", "per_row": True}]))
+    linear = {k: t for k, t in load_file(full).items() if _kind(k) in (None, "Linear diff",
+                                                                       "Linear diff_b")}
+    f = tmp_path / "linear.safetensors"
+    save_file(linear, str(f))
+    rows = _spec(adapters=[{"path": str(f), "name": "A", "per_row": True, "scale": 0.6}])
+    adapters.check(rows)
+    job_wide = _spec(adapters=[{"path": str(f), "scale": 0.6}])
+    pipe, fixed, base = build_pipeline(rows), build_pipeline(job_wide), build_pipeline(rows)
+    adapters.fuse(fixed, job_wide.adapters)
+    switch = adapters.Switch(pipe, rows.adapters)
+    for name, want in (("A", fixed), (None, base), ("A", fixed)):
+        switch.use(name)
+        for (n, p), (_, q) in zip(pipe.transformer.named_parameters(),
+                                  want.transformer.named_parameters()):
+            assert torch.equal(p, q), (name, n)
 
 
 def test_resume_with_another_scale_is_refused(tmp_path, capsys):

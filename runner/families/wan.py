@@ -73,15 +73,27 @@ LORA_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.t
 
 
 def random_adapter(denoiser, layout: str = "original", rank: int = 64, seed: int = 0,
-                   strength: float = 0.05, alpha: float | None = None) -> dict:
+                   strength: float = 0.05, alpha: float | None = None, diffs: bool = False) -> dict:
     """A random LoRA of every block's attention and feed-forward Linears (A (r, in), B (out, r);
     B @ A * alpha / r about `strength` of a weight's typical entry), bf16, in a published layout:
     `original` (LightX2V's: `diffusion_model.blocks.N.self_attn.q.lora_down.weight`,
     `lora_up.weight`, `.alpha`), `kohya` (musubi-tuner's `lora_unet_blocks_N_self_attn_q...`) or
-    `diffusers` (`transformer.blocks.N.attn1.to_q.lora_A.weight`, PEFT's scaling 1)."""
+    `diffusers` (`transformer.blocks.N.attn1.to_q.lora_A.weight`, PEFT's scaling 1).
+
+    `diffs` (original layout only): also every other parameter of the denoiser as LightX2V's LoRA
+    extractor writes it (its distilled LoRAs' layout): a weight matrix of at least 1e6 values as a
+    pair without alpha (the embeddings' Linears of a 14B), any other weight as `<module>.diff`
+    (head.head, patch_embedding, norms, a small model's embeddings), a bias as `<module>.diff_b`,
+    the modulation tables as `blocks.N.diff_m` / `head.diff_m`; each difference about `strength`
+    over the square root of its fan-in."""
+    import math
+
     import torch
     g = torch.Generator().manual_seed(seed)
     alpha = rank / 2 if alpha is None else alpha
+    if diffs and layout != "original":
+        raise ValueError(f"diffs: full differences are published in the original layout only, "
+                         f"not {layout!r}")
     out = {}
     for i, blk in enumerate(denoiser.blocks):
         for sub, orig in LORA_NAMES.items():
@@ -98,6 +110,56 @@ def random_adapter(denoiser, layout: str = "original", rank: int = 64, seed: int
             out[f"{key}.lora_down.weight"] = a.bfloat16()
             out[f"{key}.lora_up.weight"] = b.bfloat16()
             out[f"{key}.alpha"] = torch.tensor(float(alpha))
+    if not diffs:
+        return out
+
+    def _small(shape, g, strength):     # a difference about strength / sqrt(fan-in), bf16
+        fan_in = math.prod(shape[1:]) if len(shape) > 1 and shape[0] > 1 else shape[-1]
+        return (torch.randn(tuple(shape), generator=g) * strength / fan_in ** 0.5).bfloat16()
+
+    # the original Wan names of the denoiser's other modules (diffusers' -> LightX2V's keys;
+    # diffusers' scripts/convert_wan_to_diffusers.py maps them the other way)
+    block_names = dict(LORA_NAMES, **{
+        "attn1.norm_q": "self_attn.norm_q", "attn1.norm_k": "self_attn.norm_k",
+        "attn2.norm_q": "cross_attn.norm_q", "attn2.norm_k": "cross_attn.norm_k", "norm2": "norm3",
+        "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+        "attn2.norm_added_k": "cross_attn.norm_k_img"})
+    top_names = {
+        "patch_embedding": "patch_embedding", "proj_out": "head.head",
+        "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+        "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+        "condition_embedder.time_proj": "time_projection.1",
+        "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+        "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+        "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+        "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+        "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+        "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
+    for pname, p in denoiser.named_parameters():
+        module, _, attr = pname.rpartition(".")
+        parts = module.split(".", 2)
+        block, sub = (parts[1], parts[2] if len(parts) > 2 else "") if parts[0] == "blocks" else \
+            (None, module)
+        if attr == "scale_shift_table":     # the modulation tables
+            out[f"diffusion_model.{'head' if block is None else f'blocks.{block}'}.diff_m"] = \
+                _small(p.shape, g, strength)
+            continue
+        orig = (block_names if block is not None else top_names).get(sub)
+        if orig is None or attr not in ("weight", "bias"):
+            raise ValueError(f"{pname}: no original Wan name known for it")
+        key = f"diffusion_model.{orig if block is None else f'blocks.{block}.{orig}'}"
+        if attr == "bias":
+            out[f"{key}.diff_b"] = _small(p.shape, g, strength)
+        elif block is not None and sub in LORA_NAMES:
+            continue                        # the LoRA pair above
+        elif p.dim() == 2 and p.numel() >= 1_000_000:    # the extractor's pair, no alpha
+            r = min(rank, *p.shape)
+            out[f"{key}.lora_down.weight"] = (
+                torch.randn(r, p.shape[1], generator=g) / p.shape[1] ** 0.5).bfloat16()
+            out[f"{key}.lora_up.weight"] = (
+                torch.randn(p.shape[0], r, generator=g) * strength / r ** 0.5).bfloat16()
+        else:
+            out[f"{key}.diff"] = _small(p.shape, g, strength)
     return out
 
 
