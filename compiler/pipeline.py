@@ -175,8 +175,8 @@ def _gpu_transforms(den, opts: CompileOptions, fused: bool, report: dict) -> Non
 
 
 def _int8_attention(den, opts: CompileOptions, device: str, report: dict) -> None:
-    """Flag `int8-attention` on one denoiser: its Wan self-attentions inside the kernel's domain
-    (q and k normalised per token: `int8_attention.domain_miss`) on the kernel (the count in
+    """Flag `int8-attention` on one denoiser: its Wan (and AnyFlow) self-attentions inside the
+    kernel's domain (q and k normalised per token: `int8_attention.domain_miss`) on the kernel (the count in
     `report["int8_attention"]`; those outside stay lossless, one log line and their count in
     `report["int8_attention_lossless"]`), or, where none is inside or the kernel cannot run
     (`device` not CUDA, another GPU, no nvcc), `report["int8_attention_off"]` says why and the

@@ -81,12 +81,26 @@ FUSED_ROWS = "_fused_rows"   # {projection name: (fused linear's name, its first
 
 
 def fuse_qkv(module: nn.Module) -> int:
-    """Fuse the projections of every diffusers `Attention` in `module`, and of the newer attention
-    classes whose processor reads `fused_projections` (Wan's). Returns how many were fused."""
+    """Fuse the projections of every diffusers `Attention` in `module`, of the newer attention
+    classes whose processor reads `fused_projections` (Wan's), and of AnyFlow's self-attentions
+    (`int8_attention.FusedAnyFlowAttnProcessor` reads them). Returns how many were fused."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0, FusedAttnProcessor2_0
-    n = 0
+    from diffusers.models.transformers.transformer_anyflow import AnyFlowAttention, AnyFlowAttnProcessor
+    n, shared = 0, None
     for attn in module.modules():
         if getattr(attn, "fused_projections", False):
+            continue
+        if isinstance(attn, AnyFlowAttention):
+            # its processors never read fused projections: a self-attention (AnyFlow's own
+            # processor) gets ours, which does (one instance for every block); cross-attention,
+            # whose processor reads to_q/k/v, and FAR's causal one are left as they are
+            if type(attn.processor) is AnyFlowAttnProcessor:
+                from .kernels.int8_attention import FusedAnyFlowAttnProcessor
+                shared = shared or FusedAnyFlowAttnProcessor()
+                _fuse_into(attn, "to_qkv", ("to_q", "to_k", "to_v"))
+                attn.fused_projections = True
+                attn.set_processor(shared)
+                n += 1
             continue
         if not isinstance(attn, Attention) and _fuse_own(attn):
             n += 1

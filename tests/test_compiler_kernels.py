@@ -225,3 +225,71 @@ def test_short_cross_attention_processor_falls_back_on_cpu_and_matches_sdpa():
     torch.testing.assert_close(f(q, kv, bias), want * 2, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(f(q, kv, None), short_cross_attention(q, kv, None, 4) * 2)
     assert [head_tiles(d) for d in (72, 64, 128, 40, 96)] == [(64, 16), (64, 0), (128, 0), (32, 16), (64, 32)]
+
+
+def _anyflow16(dtype=torch.float16):
+    """The family's tiny AnyFlow denoiser with Linears 16 wide or more (what `to_fp8` converts)."""
+    from diffusers import AnyFlowTransformer3DModel
+    from runner.families.anyflow import denoiser_config
+    torch.manual_seed(0)
+    cfg = dict(denoiser_config({}, True), num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32)
+    return AnyFlowTransformer3DModel.from_config(cfg).to(dtype).eval()
+
+
+def test_anyflow_fp8_after_fusion_converts_every_used_projection_and_drops_the_views():
+    """AnyFlow after `fuse_qkv` + `to_fp8`: the self-attention's `to_qkv` (read by our fused
+    processor) is FP8 and its q/k/v views emptied; the cross-attention, whose processor reads
+    to_q/k/v, keeps them (FP8), not a fused copy nothing reads."""
+    from compiler.kernels.int8_attention import FusedAnyFlowAttnProcessor
+    den = _anyflow16()
+    assert fuse_qkv(den) == len(den.blocks)
+    # a block: to_qkv, to_out (self); to_q, to_k, to_v, to_out (cross); the two feed-forward linears
+    assert to_fp8(den, (type(den.blocks[0]).__name__,)) == 8 * len(den.blocks)
+    for b in den.blocks:
+        assert isinstance(b.attn1.processor, FusedAnyFlowAttnProcessor) and isinstance(b.attn1.to_qkv, FP8Linear)
+        assert all(getattr(b.attn1, n).weight.numel() == 0 for n in ("to_q", "to_k", "to_v"))
+        assert not hasattr(b.attn2, "to_qkv") and not b.attn2.fused_projections
+        assert all(isinstance(getattr(b.attn2, n), FP8Linear) for n in ("to_q", "to_k", "to_v"))
+
+
+def test_anyflow_weight_written_after_fusion_is_what_fusing_it_before_gives():
+    """The per-row adapter path (`set_linear_weight`, named as before any transform) on AnyFlow:
+    a fused self-attention's to_q/to_k/to_v is written into its rows of `to_qkv`, in place; in
+    fp32 the model then computes what the model given those weights before fusing computes, and
+    after FP8 its buffers are those of converting that model, bit for bit (as Wan's in
+    tests/test_adapters.py). A write into the wrong rows is caught by the same comparisons."""
+    from compiler.kernels.quant import fp8_feedforward
+    from compiler.transforms import set_linear_weight
+    frames = 2
+    args = (torch.randn(1, frames, 16, 8, 8), torch.full((1, frames), 500.0), torch.full((1, frames), 250.0),
+            torch.randn(1, 5, 32))
+    paths = ("blocks.0.attn1.to_q", "blocks.1.attn1.to_v", "blocks.1.attn2.to_k", "blocks.0.ffn.net.2")
+    for dtype in (torch.float32, torch.float16):
+        before, after = _anyflow16(dtype), _anyflow16(dtype)
+        new = {}
+        for path in paths:
+            w = before.get_submodule(path).weight
+            new[path] = (w.float() * 1.5 + 0.01).to(dtype)
+            before.get_submodule(path).weight.data.copy_(new[path])
+        for m in (before, after):
+            fuse_qkv(m)
+            if dtype == torch.float16:
+                to_fp8(m, (type(m.blocks[0]).__name__,))
+                fp8_feedforward(m)
+        fused = after.blocks[0].attn1.to_qkv
+        storage = {n: t.data_ptr() for n, t in [*after.named_parameters(), *after.named_buffers()]}
+        for path, w in new.items():
+            set_linear_weight(after, path, w)
+        assert {n: t.data_ptr() for n, t in [*after.named_parameters(), *after.named_buffers()]} == storage
+        if dtype == torch.float32:
+            torch.testing.assert_close(fused.weight[:32], new["blocks.0.attn1.to_q"], rtol=0, atol=0)
+            with torch.no_grad():
+                torch.testing.assert_close(after(*args).sample, before(*args).sample, rtol=1e-5, atol=1e-6)
+                set_linear_weight(after, "blocks.0.attn1.to_k", new["blocks.0.attn1.to_q"])   # wrong rows
+                assert (after(*args).sample - before(*args).sample).abs().max() > 1e-3
+        else:
+            assert isinstance(fused, FP8Linear)
+            for (n, b1), (_, b2) in zip(before.named_buffers(), after.named_buffers()):
+                assert torch.equal(b1.float(), b2.float()), n
+            set_linear_weight(after, "blocks.0.attn1.to_q", new["blocks.1.attn1.to_v"][:32])
+            assert not torch.equal(before.blocks[0].attn1.to_qkv.w8.float(), fused.w8.float())

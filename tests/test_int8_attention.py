@@ -56,6 +56,105 @@ def test_wan_processor_equals_diffusers_where_it_takes_over_and_where_it_falls_b
             ia.attention8 = real
 
 
+def _tiny_anyflow():
+    """The family's tiny AnyFlow denoiser (2 blocks, 2 heads) at head dim 64, one of the
+    kernel's (the family's tiny model has 12), in fp32; its inputs: 3 frames of 8x8 latents."""
+    from diffusers import AnyFlowTransformer3DModel
+    from runner.families.anyflow import denoiser_config
+    torch.manual_seed(0)
+    den = AnyFlowTransformer3DModel.from_config({**denoiser_config({}, True), "attention_head_dim": 64})
+    frames = 3
+    x = torch.randn(1, frames, den.config.in_channels, 8, 8)
+    ctx = torch.randn(1, 7, den.config.text_dim)
+    return den.eval(), (x, torch.full((1, frames), 500.0), torch.full((1, frames), 250.0), ctx)
+
+
+def _rel(out, ref) -> float:
+    return float((out - ref).norm() / ref.norm())
+
+
+def _on_cpu_in_fp32(monkeypatch):
+    """`attention8` takes fp32 too (on the CPU it is exact SDPA), and records its calls."""
+    monkeypatch.setattr(ia, "DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    calls, real = [], ia.attention8
+    monkeypatch.setattr(ia, "attention8", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+def test_anyflow_self_attention_fused_and_on_the_processor_equals_the_untouched_model(monkeypatch):
+    """AnyFlow's self-attention (diffusers' `AnyFlowAttention`, its own processor): `fuse_qkv`
+    gives it one `to_qkv` GEMM (to_q/k/v never called; cross-attention left alone) and
+    `use_int8_attention` the processor in every block, whose q, k, v reach `attention8` (exact
+    SDPA on the CPU) and whose fallback (short sequences) is AnyFlow's fused processor: the
+    denoiser's output is the untouched model's within fp32 rounding either way."""
+    calls = _on_cpu_in_fp32(monkeypatch)
+    den, args = _tiny_anyflow()
+    with torch.no_grad():
+        ref = den(*args).sample
+        assert list(ia.self_attentions(den)) == ["blocks.0.attn1", "blocks.1.attn1"]   # not attn2
+        assert ia.outside_domain(den) == {}       # diffusers' RMSNorm over all heads' channels
+        assert fuse_qkv(den) == len(den.blocks)
+        assert all(hasattr(b.attn1, "to_qkv") and not hasattr(b.attn2, "to_qkv") for b in den.blocks)
+        used = {n: 0 for n in ("to_q", "to_k", "to_v", "to_qkv")}
+        for b in den.blocks:
+            for n in used:
+                getattr(b.attn1, n).register_forward_hook(lambda *_, n=n: used.__setitem__(n, used[n] + 1))
+        assert _rel(den(*args).sample, ref) <= 1e-5
+        assert used == {"to_q": 0, "to_k": 0, "to_v": 0, "to_qkv": len(den.blocks)}   # one GEMM
+        assert ia.use_int8_attention(den, min_tokens=1) == len(den.blocks)
+        assert all(isinstance(b.attn1.processor, ia.LongSelfAttnProcessor) for b in den.blocks)
+        assert not any(isinstance(b.attn2.processor, ia.LongSelfAttnProcessor) for b in den.blocks)
+        assert _rel(den(*args).sample, ref) <= 1e-5
+        assert len(calls) == len(den.blocks) and calls[0][0].shape == (1, 3 * 4 * 4, 2, 64)
+        assert used["to_q"] == 0 and used["to_qkv"] == 2 * len(den.blocks)
+        den.blocks[0].attn1.processor.min_tokens = 10 ** 6   # shared: every block falls back
+        calls.clear()
+        assert _rel(den(*args).sample, ref) <= 1e-5 and calls == []
+
+
+def _no_rotary(attn, hidden_states, rotary_emb):
+    return ia.self_attention_qkv(attn, hidden_states, None)
+
+
+def _kv_swapped(attn, hidden_states, rotary_emb):
+    q, k, v = ia.self_attention_qkv(attn, hidden_states, rotary_emb)
+    return q, v, k
+
+
+@pytest.mark.parametrize("broken", [_no_rotary, _kv_swapped], ids=lambda f: f.__name__[1:])
+def test_the_anyflow_check_fails_a_processor_with_broken_q_k_v(monkeypatch, broken):
+    """The comparison above is not blind: the same processor making q, k, v wrongly (rotary
+    embedding skipped: 0.7 % error; k and v swapped: 5 %) is far outside fp32 rounding."""
+    _on_cpu_in_fp32(monkeypatch)
+    den, args = _tiny_anyflow()
+    with torch.no_grad():
+        ref = den(*args).sample
+        fuse_qkv(den)
+        ia.use_int8_attention(den, min_tokens=1)
+        den.blocks[0].attn1.processor.qkv = broken    # shared by every block
+        assert _rel(den(*args).sample, ref) > 1e-3
+
+
+def test_o3_on_the_cpu_takes_anyflow_self_attentions_as_the_kernel_candidates(caplog):
+    """compile_pipe("O3") on the family's tiny AnyFlow pipeline on the CPU: its self-attentions
+    are fused and are int8-attention's (one per block, all inside the domain), and the flag is
+    off for want of CUDA, said as for Wan (the report's `int8_attention_off`, one line)."""
+    from compiler import compile_pipe
+    pipe = build_pipeline(ModelSpec("anyflow_wan21_t2v_1_3b", source="tiny"))
+    den = pipe.transformer
+    assert ia.has_long_attention(den) and ia.outside_domain(den) == {}
+    assert list(ia.self_attentions(den)) == [f"blocks.{i}.attn1" for i in range(len(den.blocks))]
+    with caplog.at_level(logging.WARNING, logger="compiler"):
+        compile_pipe(pipe, "O3")
+    report = pipe._compile_report
+    why = "no CUDA device (cpu)"
+    assert report["int8_attention_off"] == why and "int8_attention" not in report
+    assert report["fused_attention"] == len(den.blocks)
+    assert [r.getMessage() for r in caplog.records if "int8 attention off" in r.getMessage()] == \
+        [f"int8 attention off, Wan self-attention stays on SDPA (cuDNN): {why}"]
+    assert all(isinstance(b.attn1.processor, ia.FusedAnyFlowAttnProcessor) for b in den.blocks)
+
+
 def test_signed_hadamard_is_orthogonal_and_exact_in_half_precision():
     for d in (64, 128):
         h = ia.signed_hadamard(d, "cpu", torch.float16)
@@ -164,6 +263,7 @@ def test_output_settings_carry_the_flag_only_where_it_changes_outputs():
     from omegaconf import OmegaConf
     from runner.results import settings_id, int8_attention
     assert int8_attention("O3", "wan21_t2v_1_3b") and int8_attention("O3", "wan22_ti2v_5b")
+    assert int8_attention("O3", "anyflow_wan21_t2v_1_3b")           # Wan 2.1's DiT, its own class
     assert not int8_attention("O3", "pixart_alpha_1024")            # short sequences: unchanged
     assert not int8_attention("O2", "wan21_t2v_1_3b")
     cfg = lambda preset, mode: OmegaConf.create({"model": {"preset": preset, "source": "random", "path": None,
@@ -448,3 +548,51 @@ def test_full_size_wan_self_attentions_on_attention8_match_exact_attention_per_l
     assert all(map(_within, check.scores["attention8"])), check.scores["attention8"]
     for name in BROKEN:
         assert not any(map(_within, check.scores[name])), (name, check.scores[name])
+
+
+@gpu
+@hopper
+def test_full_size_anyflow_self_attention_on_the_int8_processor_matches_exact_attention():
+    """One self-attention of AnyFlow's Wan 2.1 1.3B at full size (12 heads x 128, random
+    weights) on 480x832 x 81 frames (32,760 tokens) in fp16, fused and on the processor as
+    `int8-attention` installs it: `attention8` gets the q, k, v AnyFlow's own processor makes
+    (to_q/k/v, RMS norms across heads, its rotary embedding: computed here apart), and its output
+    is within the Wan per-layer test's bound of fp32 attention on them (cosine >= 0.999, error
+    <= 5 %) where the broken attentions (zeros, mean(V)) are not; the processor's output is
+    AnyFlow's own processor's (cuDNN) to cosine >= 0.999. A few seconds once the kernel is built."""
+    from diffusers.models.transformers.transformer_anyflow import (
+        AnyFlowAttention, AnyFlowAttnProcessor, AnyFlowRotaryPosEmbed, apply_rotary_emb)
+    assert ia.unavailable() is None, ia.unavailable()
+    torch.manual_seed(0)
+    heads, d, (f, h, w) = 12, 128, (21, 30, 52)
+    attn = AnyFlowAttention(heads * d, heads, d, processor=AnyFlowAttnProcessor()).to("cuda", torch.float16)
+    rotary = AnyFlowRotaryPosEmbed(d, (1, 2, 2), 1024)(
+        {"total_frames": f, "full_frame_shape": (h, w), "full_token_per_frame": h * w}, torch.device("cuda"))
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(1, f * h * w, heads * d, device="cuda", dtype=torch.float16, generator=gen)
+    seen = []
+    with torch.no_grad():
+        q, k, v = (t.unflatten(2, (heads, -1)).transpose(1, 2)      # AnyFlow's layout: (B, H, N, D)
+                   for t in (attn.norm_q(attn.to_q(x)), attn.norm_k(attn.to_k(x)), attn.to_v(x)))
+        q, k = apply_rotary_emb(q, rotary["query"]), apply_rotary_emb(k, rotary["key"])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))             # (B, N, H, D)
+        expected = attn(hidden_states=x, rotary_emb=rotary, attention_mask=None)
+        assert fuse_qkv(attn) == 1 and ia.outside_domain(attn) == {} and ia.use_int8_attention(attn) == 1
+        real = ia.attention8
+        ia.attention8 = lambda *a: seen.append((a, real(*a))) or seen[-1][1]
+        try:
+            out = attn(hidden_states=x, rotary_emb=rotary, attention_mask=None)
+        finally:
+            ia.attention8 = real
+    assert len(seen) == 1
+    (q8, k8, v8), o8 = seen[0]
+    for name, got, want in zip("qkv", (q8, k8, v8), (q, k, v)):    # one fused GEMM vs three: rounding
+        assert got.shape == want.shape and _rel(got.float(), want.float()) <= 1e-3, name
+    rows = _rows(q.shape[1], gen)
+    ref = _exact(q, k, v, rows)
+    scores = {"attention8": _score(o8, ref, rows), **{n: _score(b(q, k, v), ref, rows) for n, b in BROKEN.items()}}
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), expected.float().flatten(), dim=0)
+    print(f"{scores} against fp32 attention; processor output cosine {float(cos):.6f} against AnyFlow's")
+    assert _within(scores["attention8"]), scores
+    assert not any(_within(scores[n]) for n in BROKEN), scores
+    assert cos >= 0.999, float(cos)

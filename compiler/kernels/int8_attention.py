@@ -10,10 +10,12 @@ Contract:
 - `unavailable() -> str | None`: why the kernel cannot run in this process (no CUDA, a GPU other
   than sm90, no nvcc to build it and no build in `build_dir()`), or None once it is loaded.
 - `use_int8_attention(denoiser, min_tokens=MIN_TOKENS) -> int`: every Wan self-attention
-  (`WanAttention` without cross-attention) inside the kernel's domain gets
+  (`WanAttention` without cross-attention) and AnyFlow self-attention (`AnyFlowAttention` with
+  AnyFlow's self-attention processor; `_kinds`) inside the kernel's domain gets
   `LongSelfAttnProcessor`: calls of at least `min_tokens` tokens (per sample) go through
-  `attention8`, all others (shorter sequences, masks, fp32, CPU) through diffusers' own
-  processor. Returns how many attentions got it.
+  `attention8`, all others (shorter sequences, masks, fp32, CPU) through the class's own
+  processor (diffusers' `WanAttnProcessor`; `FusedAnyFlowAttnProcessor`, AnyFlow's reading the
+  fused `to_qkv`). Returns how many attentions got it.
 - The domain (`domain_miss(attn)`, `outside_domain(denoiser)`): attentions whose q and k are
   each normalised per token (`norm_q`, `norm_k` an RMS or layer norm over the channels, as
   Wan's), read from the module: the kernel loses accuracy on key tokens much larger than the
@@ -53,6 +55,7 @@ import torch.nn.functional as F
 MIN_TOKENS = 16384     # below this cuDNN's BF16/FP16 kernel is faster (H100, head dim 128)
 SRC = Path(__file__).parent / "csrc" / "sage_sm90"
 HEAD_DIMS = (64, 128)   # the kernel's; Wan's is 128
+DTYPES = (torch.float16, torch.bfloat16)   # the kernel's (the CPU tests add fp32: exact SDPA there)
 
 
 def _digest() -> str:
@@ -245,9 +248,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return out.type_as(x)
 
 
-def self_attention_qkv(attn, hidden_states: torch.Tensor, rotary_emb=None):
+def _qkv_cos_sin_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
     """Wan self-attention's q, k, v, each (B, N, H, D), as diffusers' WanAttnProcessor makes them:
-    the (fused) projection, RMS norms across heads, the rotary embedding."""
+    the (fused) projection, RMS norms across heads, the rotary embedding ((cos, sin))."""
     from diffusers.models.transformers.transformer_wan import _get_qkv_projections
     q, k, v = _get_qkv_projections(attn, hidden_states, None)       # 3 x (B, N, H*D)
     q, k = attn.norm_q(q), attn.norm_k(k)
@@ -257,37 +260,106 @@ def self_attention_qkv(attn, hidden_states: torch.Tensor, rotary_emb=None):
     return q, k, v
 
 
-class LongSelfAttnProcessor:
-    """Wan self-attention of >= `min_tokens` tokens through `attention8`; every other call goes to
-    diffusers' `WanAttnProcessor` unchanged. The choice is made per call shape (static under
-    Dynamo: one graph per shape)."""
+def _qkv_complex_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
+    """AnyFlow self-attention's q, k, v, each (B, N, H, D), as diffusers' AnyFlowAttnProcessor
+    makes them: `to_qkv` where `transforms.fuse_qkv` made one (one GEMM), else to_q/k/v; RMS
+    norms across heads; the rotary embedding ({"query", "key"}: complex (1, 1, N, D/2)) by its
+    module's own `apply_rotary_emb`, its frequencies laid out for (B, N, H, D)."""
+    from diffusers.models.transformers.transformer_anyflow import apply_rotary_emb
+    if getattr(attn, "fused_projections", False):
+        q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    else:
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))   # 3 x (B, N, H, D)
+    if rotary_emb is not None:
+        q = apply_rotary_emb(q, rotary_emb["query"].transpose(1, 2))
+        k = apply_rotary_emb(k, rotary_emb["key"].transpose(1, 2))
+    return q, k, v
 
-    def __init__(self, min_tokens: int = MIN_TOKENS):
-        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-        self.fallback = WanAttnProcessor()
+
+class FusedAnyFlowAttnProcessor:
+    """diffusers' AnyFlowAttnProcessor reading the fused `to_qkv` (one GEMM; `transforms.fuse_qkv`
+    installs it on AnyFlow's self-attentions, whose own processor never reads fused projections):
+    the same q, k, v, the same `dispatch_attention_fn` call. Cross-attention calls go to
+    diffusers' processor (unfused modules only)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        if encoder_hidden_states is not None:
+            from diffusers.models.transformers.transformer_anyflow import AnyFlowAttnProcessor
+            return AnyFlowAttnProcessor()(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                          rotary_emb)
+        q, k, v = _qkv_complex_rope(attn, hidden_states, rotary_emb)
+        out = dispatch_attention_fn(q, k, v, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend, parallel_config=self._parallel_config)
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(q)))
+
+
+@functools.cache
+def _kinds() -> dict:
+    """The attentions `LongSelfAttnProcessor` takes: attention class -> (the processor class its
+    calls outside the kernel go to, the function making its q, k, v, whether a module of it is a
+    self-attention: Wan's says so itself, AnyFlow's by its processor, cross and causal ones
+    having others)."""
+    from diffusers.models.transformers.transformer_anyflow import AnyFlowAttention, AnyFlowAttnProcessor
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
+    self_procs = (AnyFlowAttnProcessor, FusedAnyFlowAttnProcessor, LongSelfAttnProcessor)
+    return {WanAttention: (WanAttnProcessor, _qkv_cos_sin_rope, lambda m: not m.is_cross_attention),
+            AnyFlowAttention: (FusedAnyFlowAttnProcessor, _qkv_complex_rope,
+                               lambda m: isinstance(m.processor, self_procs))}
+
+
+def _kind(attn) -> type | None:
+    """The `_kinds` class `attn` is a self-attention of, or None."""
+    return next((cls for cls, (_, _, is_self) in _kinds().items()
+                 if isinstance(attn, cls) and is_self(attn)), None)
+
+
+def self_attention_qkv(attn, hidden_states: torch.Tensor, rotary_emb=None):
+    """A self-attention's q, k, v, each (B, N, H, D), as its own processor makes them (Wan's,
+    AnyFlow's: the (fused) projection, RMS norms across heads, the rotary embedding), whatever
+    processor it has now."""
+    qkv = next(qkv for cls, (_, qkv, _) in _kinds().items() if isinstance(attn, cls))
+    return qkv(attn, hidden_states, rotary_emb)
+
+
+class LongSelfAttnProcessor:
+    """Self-attention of >= `min_tokens` tokens through `attention8`; every other call goes to the
+    attention class's own processor (`_kinds`: diffusers' `WanAttnProcessor`, or
+    `FusedAnyFlowAttnProcessor`) unchanged. The choice is made per call shape (static under
+    Dynamo: one graph per shape). `attn_cls`: the `_kinds` class it serves (Wan's by default)."""
+
+    def __init__(self, min_tokens: int = MIN_TOKENS, attn_cls: type | None = None):
+        from diffusers.models.transformers.transformer_wan import WanAttention
+        fallback, self.qkv, _ = _kinds()[attn_cls or WanAttention]
+        self.fallback = fallback()
         self.min_tokens = min_tokens
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None):
         if (encoder_hidden_states is not None or attention_mask is not None
                 or hidden_states.shape[1] < self.min_tokens
-                or hidden_states.dtype not in (torch.float16, torch.bfloat16)
+                or hidden_states.dtype not in DTYPES
                 or attn.inner_dim // attn.heads not in HEAD_DIMS):
             return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        q, k, v = self_attention_qkv(attn, hidden_states, rotary_emb)
+        q, k, v = self.qkv(attn, hidden_states, rotary_emb)
         out = attention8(q, k, v).flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 
 
 def self_attentions(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Qualified name -> each self-attention of `module` this processor can take (Wan's)."""
-    from diffusers.models.transformers.transformer_wan import WanAttention
-    return {n: m for n, m in module.named_modules()
-            if isinstance(m, WanAttention) and not m.is_cross_attention}
+    """Qualified name -> each self-attention of `module` this processor can take (`_kinds`: Wan's,
+    not cross-attention; AnyFlow's, with its self-attention processor)."""
+    return {n: m for n, m in module.named_modules() if _kind(m) is not None}
 
 
 def has_long_attention(module: torch.nn.Module) -> bool:
-    """Whether `module` has self-attentions this processor takes (Wan's), without building anything."""
+    """Whether `module` has self-attentions this processor takes, without building anything."""
     return bool(self_attentions(module))
 
 
@@ -330,12 +402,16 @@ def outside_domain(module: torch.nn.Module) -> dict[str, str]:
 
 
 def use_int8_attention(module: torch.nn.Module, min_tokens: int = MIN_TOKENS) -> int:
-    """Give every Wan self-attention of `module` inside the kernel's domain (`domain_miss`) the
-    processor (one shared instance, so Dynamo sees the same object in every block); the others
-    keep theirs. Returns how many got it."""
-    proc, n = LongSelfAttnProcessor(min_tokens), 0
+    """Give every Wan or AnyFlow self-attention of `module` inside the kernel's domain
+    (`domain_miss`) the processor (one shared instance per attention class, so Dynamo sees the
+    same object in every block); the others keep theirs. Returns how many got it."""
+    procs: dict[type, LongSelfAttnProcessor] = {}
+    n = 0
     for attn in self_attentions(module).values():
         if domain_miss(attn) is None:
-            attn.set_processor(proc)
+            cls = _kind(attn)
+            if cls not in procs:
+                procs[cls] = LongSelfAttnProcessor(min_tokens, cls)
+            attn.set_processor(procs[cls])
             n += 1
     return n

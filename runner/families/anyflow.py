@@ -51,4 +51,5 @@ ANYFLOW = Family(
                                             size_factor=16, max_tokens=512, height=480,
                                             width=832)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
-    frame_step=4, max_steps=train_timesteps(SCHEDULER), random_adapter=random_adapter)
+    frame_step=4, max_steps=train_timesteps(SCHEDULER), random_adapter=random_adapter,
+    long_attention=True)
