@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from .config import Adapter
 
 __all__ = ["Adapter", "AdapterError", "Change", "Switch", "check", "fuse", "load", "apply", "fused",
-           "local_file", "split", "wan_parameter"]
+           "local_file", "split"]
 
 SMALL = 1 << 16        # tensors up to this many values are read on the driver (alphas, vectors)
 
@@ -141,68 +141,13 @@ def _fetch_uri(a: Adapter, uri: str) -> str:
 # fails on a small Linear's `.diff` where it expects a pair (text/time embeddings). All of them are
 # taken out here and added to their parameters in the fuse step instead: one path for every kind.
 
-# Original Wan names -> WanTransformer3DModel's, replaced in this order: diffusers'
-# scripts/convert_wan_to_diffusers.py, TRANSFORMER_KEYS_RENAME_DICT
-_WAN_RENAME = (
-    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
-    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
-    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
-    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
-    ("time_projection.1", "condition_embedder.time_proj"),
-    ("head.modulation", "scale_shift_table"),
-    ("head.head", "proj_out"),
-    ("modulation", "scale_shift_table"),
-    ("ffn.0", "ffn.net.0.proj"),
-    ("ffn.2", "ffn.net.2"),
-    ("norm2", "norm__placeholder"),        # the original block's norms run norm1, norm3, norm2
-    ("norm3", "norm2"),
-    ("norm__placeholder", "norm3"),
-    ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
-    ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
-    ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
-    ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
-    ("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
-    ("self_attn.q", "attn1.to_q"),
-    ("self_attn.k", "attn1.to_k"),
-    ("self_attn.v", "attn1.to_v"),
-    ("self_attn.o", "attn1.to_out.0"),
-    ("self_attn.norm_q", "attn1.norm_q"),
-    ("self_attn.norm_k", "attn1.norm_k"),
-    ("cross_attn.q", "attn2.to_q"),
-    ("cross_attn.k", "attn2.to_k"),
-    ("cross_attn.v", "attn2.to_v"),
-    ("cross_attn.o", "attn2.to_out.0"),
-    ("cross_attn.norm_q", "attn2.norm_q"),
-    ("cross_attn.norm_k", "attn2.norm_k"),
-    ("attn2.to_k_img", "attn2.add_k_proj"),
-    ("attn2.to_v_img", "attn2.add_v_proj"),
-    ("attn2.norm_k_img", "attn2.norm_added_k"),
-)
-_DIFF_KINDS = ((".diff_b", ".bias"), (".diff_m", ".modulation"), (".diff", ".weight"))
-
-
-def wan_parameter(key: str) -> str | None:
-    """The WanTransformer3DModel parameter a full difference of the original layout is for
-    (`diffusion_model.blocks.0.norm3.diff` -> `blocks.0.norm2.weight`, `...blocks.0.diff_m` ->
-    `blocks.0.scale_shift_table`, `...head.diff_m` -> `scale_shift_table`), or None for a key of
-    another kind or layout."""
-    if not key.startswith("diffusion_model."):
-        return None
-    for suffix, attr in _DIFF_KINDS:
-        if key.endswith(suffix):
-            name = key[len("diffusion_model."):-len(suffix)] + attr
-            for old, new in _WAN_RENAME:
-                name = name.replace(old, new)
-            return name
-    return None
-
-
-def split(raw: dict) -> tuple[dict, dict]:
+def split(raw: dict, diffs) -> tuple[dict, dict]:
     """(the keys left to diffusers' LoRA loader, {key: (parameter, difference)} of the full
-    differences of a Wan adapter in the original layout)."""
+    differences: `diffs` (the family's `lora_diffs`) names each one's parameter, None for a key
+    of another kind)."""
     lora, deltas = {}, {}
     for k, t in raw.items():
-        name = wan_parameter(k)
+        name = diffs(k)
         if name is None:
             lora[k] = t
         else:
@@ -268,7 +213,7 @@ def check(spec) -> None:
         return
     from .checkpoint import safetensors_problem
     denoisers = _meta_denoisers(spec, {a.expert for a in spec.adapters})
-    wan = _wan_loader(_pipeline_class(spec))
+    diffs = spec.family.lora_diffs     # the family's full differences, where it has them
     for a in spec.adapters:
         file = local_file(a, spec.local_files_only)
         why = safetensors_problem(Path(file), a.shown)
@@ -276,8 +221,8 @@ def check(spec) -> None:
             raise AdapterError(f"{why}: not an adapter file (a LoRA in safetensors format); "
                                f"download it again or give another file")
         raw = _meta_state_dict(file)
-        if wan:
-            raw, deltas = split(raw)
+        if diffs:
+            raw, deltas = split(raw, diffs)
             _check_unknown(a, raw)
             _check_deltas(spec, a, deltas, denoisers[a.expert])
         else:
@@ -325,12 +270,6 @@ def _check_dropped(a: Adapter, raw: dict) -> None:
 def _pipeline_class(spec):
     import diffusers
     return getattr(diffusers, spec.family.pipeline)
-
-
-def _wan_loader(cls) -> bool:
-    """Whether pipeline class `cls` loads LoRA with diffusers' Wan loader (original Wan keys)."""
-    from diffusers.loaders import WanLoraLoaderMixin
-    return isinstance(cls, type) and issubclass(cls, WanLoraLoaderMixin)
 
 
 def _convert(spec, a: Adapter, raw: dict) -> dict:
@@ -414,12 +353,14 @@ def _check_fit(spec, a: Adapter, converted: dict, denoiser, deltas: dict) -> Non
 # ---------------------------------------------------------------------------------------------
 # The worker: fused before compiling
 
-def fuse(pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False) -> int:
+def fuse(pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False,
+         diffs=None) -> int:
     """Fuse each adapter into its denoiser's weights, in place; returns the Linears and other
-    parameters changed. Per-row adapters (`per_row`) are left to a `Switch`."""
+    parameters changed. Per-row adapters (`per_row`) are left to a `Switch`. `diffs`: the
+    family's `lora_diffs` (None: it has no full differences)."""
     n = 0
     for i, a in enumerate(a for a in adapters if not a.per_row):
-        linears, params = load(pipe, a, local_file(a, local_files_only), f"runner_{i}")
+        linears, params = load(pipe, a, local_file(a, local_files_only), f"runner_{i}", diffs)
         apply(getattr(pipe, a.expert), linears, params, a.scale)
         n += len(linears) + len(params)
     return n
@@ -437,17 +378,17 @@ class Change(NamedTuple):
     db: Any = None
 
 
-def load(pipe, a: Adapter, file: str, name: str) -> tuple[dict, dict]:
+def load(pipe, a: Adapter, file: str, name: str, diffs=None) -> tuple[dict, dict]:
     """({Linear path: Change}, {other parameter: its full difference}) of adapter `a`: the LoRA
     pairs as diffusers' `load_lora_weights` sets them up (its key conversion, PEFT's alpha / rank),
     read off the PEFT layers, which are then removed (the pipeline is as it was); a Wan adapter's
     full differences (`split`) beside them."""
     source, deltas = file, {}      # what diffusers loads: the file, or its keys but the deltas
-    if _wan_loader(type(pipe)):
+    if diffs:
         from safetensors import safe_open
         with safe_open(file, "pt") as f:
-            if any(wan_parameter(k) for k in f.keys()):
-                source, deltas = split({k: f.get_tensor(k) for k in f.keys()})
+            if any(diffs(k) for k in f.keys()):
+                source, deltas = split({k: f.get_tensor(k) for k in f.keys()}, diffs)
     den = getattr(pipe, a.expert)
     linears = {} if not source else {
         path: Change(*f) for path, f in _lora_factors(pipe, a, source, name).items()}
@@ -529,11 +470,12 @@ class Switch:
     The compiled graphs and CUDA graphs read the same storage: no recompile, no re-capture.
     Full differences of other weights (norms, modulation) are refused here, as on the driver."""
 
-    def __init__(self, pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False):
+    def __init__(self, pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False,
+                 diffs=None):
         self.pipe, self.current = pipe, None
         self.adapters = {}
         for i, a in enumerate(adapters):
-            linears, params = load(pipe, a, local_file(a, local_files_only), f"row_{i}")
+            linears, params = load(pipe, a, local_file(a, local_files_only), f"row_{i}", diffs)
             if params:
                 raise AdapterError(f"{a.shown}: a per-row adapter switches Linear weights only; "
                                    f"its {len(params)} full differences of other weights (e.g. "

@@ -246,10 +246,11 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         t1 = time.perf_counter()
         self.pipe = build_pipeline(self.spec)
         if self.spec.adapters:   # fused before anything is compiled: the graphs never see them
-            adapters.fuse(self.pipe, self.spec.adapters, self.spec.local_files_only)
+            adapters.fuse(self.pipe, self.spec.adapters, self.spec.local_files_only,
+                          self.spec.family.lora_diffs)
         per_row = tuple(a for a in self.spec.adapters if a.per_row)
-        self.switch = (adapters.Switch(self.pipe, per_row, self.spec.local_files_only)
-                       if per_row else None)
+        self.switch = (adapters.Switch(self.pipe, per_row, self.spec.local_files_only,
+                                       self.spec.family.lora_diffs) if per_row else None)
         self._sync()
         t2 = time.perf_counter()
         self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from runner import adapters, job
 from runner.config import ModelSpec
-from runner.families.wan import LORA_NAMES
+from runner.families.wan import LORA_NAMES, diff_parameter
 from runner.models import build_pipeline
 
 TINY = dict(height=64, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
@@ -209,13 +209,13 @@ def test_full_differences_are_fused_as_base_weights_plus_them(tmp_path):
     kinds = {_kind(k) for k in tensors} - {None}
     assert kinds == {"Linear diff", "Linear diff_b", "norm diff", "norm diff_b",
                      "patch_embedding diff", "patch_embedding diff_b", "modulation diff_m"}
-    assert all(adapters.wan_parameter(k) == _by_hand(k) for k in tensors if _kind(k))
+    assert all(diff_parameter(k) == _by_hand(k) for k in tensors if _kind(k))
     spec = _spec(adapters=[{"path": f, "scale": 0.7}])
     adapters.check(spec)                                     # the driver accepts it
     ours, ref = build_pipeline(spec), build_pipeline(spec)
     base = dict(ref.transformer.named_parameters())
     # 20 block Linears (LoRA + .diff_b), 6 other Linears (.diff + .diff_b), 17 other parameters
-    assert adapters.fuse(ours, spec.adapters) == 43
+    assert adapters.fuse(ours, spec.adapters, diffs=diff_parameter) == 43
     fused = dict(ours.transformer.named_parameters())
     for k, t in tensors.items():           # each difference is in its parameter
         if _kind(k):
@@ -249,8 +249,8 @@ def test_per_row_adapters_switch_full_differences_of_linears_and_refuse_others(t
     adapters.check(rows)
     job_wide = _spec(adapters=[{"path": str(f), "scale": 0.6}])
     pipe, fixed, base = build_pipeline(rows), build_pipeline(job_wide), build_pipeline(rows)
-    adapters.fuse(fixed, job_wide.adapters)
-    switch = adapters.Switch(pipe, rows.adapters)
+    adapters.fuse(fixed, job_wide.adapters, diffs=diff_parameter)
+    switch = adapters.Switch(pipe, rows.adapters, diffs=diff_parameter)
     for name, want in (("A", fixed), (None, base), ("A", fixed)):
         switch.use(name)
         for (n, p), (_, q) in zip(pipe.transformer.named_parameters(),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .parts import scheduler, t5_encoder, train_timesteps
 from .record import Family
-from .wan import TRANSFORMERS, UMT5_XXL, call_args, encode, random_adapter, vae
+from .wan import TRANSFORMERS, UMT5_XXL, call_args, diff_parameter, encode, random_adapter, vae
 
 SCHEDULER = dict(num_train_timesteps=1000, shift=5.0)
 TINY = dict(num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=16, ffn_dim=32,
@@ -51,5 +51,5 @@ ANYFLOW = Family(
                                             size_factor=16, max_tokens=512, height=480,
                                             width=832)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
-    frame_step=4, max_steps=train_timesteps(SCHEDULER), random_adapter=random_adapter,
+    frame_step=4, max_steps=train_timesteps(SCHEDULER), random_adapter=random_adapter, lora_diffs=diff_parameter,
     long_attention=True)

@@ -105,6 +105,10 @@ class Family:
     # (denoiser, layout, rank, seed) -> a random LoRA adapter's tensors in one of the family's
     # published key layouts (`runner.bench.lora`, tests: no adapter can be downloaded here)
     random_adapter: Callable[..., dict] | None = None
+    # (an adapter file's key) -> the denoiser parameter a full difference of the family's layout
+    # adds to (`.diff`, `.diff_b`, `diff_m`), None for other keys; None: the family has none
+    # (`runner.adapters` refuses them then)
+    lora_diffs: Callable[[str], str | None] | None = None
     # video with a causal video VAE (Wan's `AutoencoderKLWan`): (tiny) -> that VAE alone, random
     # weights, at full size (tiny=False; under the caller's device) or small; `runner.bench.decode`
     video_vae: Callable[[bool], Any] | None = None

@@ -72,6 +72,64 @@ LORA_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.t
               "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
 
 
+# LoRA files' full differences (`runner.adapters`, LightX2V's extractor): original Wan names ->
+# WanTransformer3DModel's, replaced in this order: diffusers'
+# scripts/convert_wan_to_diffusers.py, TRANSFORMER_KEYS_RENAME_DICT
+_RENAME = (
+    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+    ("time_projection.1", "condition_embedder.time_proj"),
+    ("head.modulation", "scale_shift_table"),
+    ("head.head", "proj_out"),
+    ("modulation", "scale_shift_table"),
+    ("ffn.0", "ffn.net.0.proj"),
+    ("ffn.2", "ffn.net.2"),
+    ("norm2", "norm__placeholder"),        # the original block's norms run norm1, norm3, norm2
+    ("norm3", "norm2"),
+    ("norm__placeholder", "norm3"),
+    ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
+    ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+    ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
+    ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
+    ("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
+    ("self_attn.q", "attn1.to_q"),
+    ("self_attn.k", "attn1.to_k"),
+    ("self_attn.v", "attn1.to_v"),
+    ("self_attn.o", "attn1.to_out.0"),
+    ("self_attn.norm_q", "attn1.norm_q"),
+    ("self_attn.norm_k", "attn1.norm_k"),
+    ("cross_attn.q", "attn2.to_q"),
+    ("cross_attn.k", "attn2.to_k"),
+    ("cross_attn.v", "attn2.to_v"),
+    ("cross_attn.o", "attn2.to_out.0"),
+    ("cross_attn.norm_q", "attn2.norm_q"),
+    ("cross_attn.norm_k", "attn2.norm_k"),
+    ("attn2.to_k_img", "attn2.add_k_proj"),
+    ("attn2.to_v_img", "attn2.add_v_proj"),
+    ("attn2.norm_k_img", "attn2.norm_added_k"),
+)
+_DIFF_KINDS = ((".diff_b", ".bias"), (".diff_m", ".modulation"), (".diff", ".weight"))
+
+
+def diff_parameter(key: str) -> str | None:
+    """The WanTransformer3DModel parameter a full difference of the original layout is for
+    (`diffusion_model.blocks.0.norm3.diff` -> `blocks.0.norm2.weight`, `...blocks.0.diff_m` ->
+    `blocks.0.scale_shift_table`, `...head.diff_m` -> `scale_shift_table`), or None for a key of
+    another kind or layout."""
+    if not key.startswith("diffusion_model."):
+        return None
+    for suffix, attr in _DIFF_KINDS:
+        if key.endswith(suffix):
+            name = key[len("diffusion_model."):-len(suffix)] + attr
+            for old, new in _RENAME:
+                name = name.replace(old, new)
+            return name
+    return None
+
+
+
 def random_adapter(denoiser, layout: str = "original", rank: int = 64, seed: int = 0,
                    strength: float = 0.05, alpha: float | None = None, diffs: bool = False) -> dict:
     """A random LoRA of every block's attention and feed-forward Linears (A (r, in), B (out, r);
@@ -179,5 +237,5 @@ WAN21 = Family(
              "wan21_t2v_14b_lightx2v": dict(_preset("14b", "14B"), sampler=LIGHTX2V)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    max_steps=train_timesteps(SCHEDULER), video_vae=vae, random_adapter=random_adapter,
+    max_steps=train_timesteps(SCHEDULER), video_vae=vae, random_adapter=random_adapter, lora_diffs=diff_parameter,
     checkpoint={"transformer_2": False, "boundary_ratio": False, "expand_timesteps": False})

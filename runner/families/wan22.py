@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from .parts import scheduler, t5_encoder, train_timesteps, unipc_flow_first_step
 from .record import Family
-from .wan import (SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, encode,
-                  random_adapter, vae as wan21_vae)
+from .wan import (SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, diff_parameter,
+                  encode, random_adapter, vae as wan21_vae)
 
 BOUNDARY_RATIO = 0.875      # A14B: transformer for t >= 875, transformer_2 below
 GUIDANCE_2 = 3.0            # A14B: the low-noise expert's guidance scale (the row's is the first's)
@@ -142,7 +142,7 @@ WAN22_A14B = Family(
                                               sampler=dict(shift=5.0, stochastic=False))},
     build=build_a14b, encode=encode, call_args=a14b_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True, long_attention=True,
-    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae, random_adapter=random_adapter,
+    max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae, random_adapter=random_adapter, lora_diffs=diff_parameter,
     experts=("transformer", "transformer_2"),
     checkpoint={"transformer_2": True, "boundary_ratio": True})
 
@@ -162,7 +162,7 @@ WAN22_TI2V = Family(
     build=build_ti2v, encode=encode, call_args=wan_call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
     long_attention=True, image="optional", image_pipeline=image_pipeline, video_vae=ti2v_vae,
-    random_adapter=random_adapter,
+    random_adapter=random_adapter, lora_diffs=diff_parameter,
     # 200: its image rows' WanImageToVideoPipeline at shift 5.0 (text rows would run 1000); one
     # bound for all its rows, 4x the published 50, rather than a second one for text rows
     max_steps=unipc_flow_first_step(TI2V_SCHEDULER),

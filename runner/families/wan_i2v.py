@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from .parts import scheduler, t5_encoder, unipc_flow_first_step
 from .record import Family
-from .wan import SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args, random_adapter, vae as wan21_vae
+from .wan import (SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args, diff_parameter, random_adapter,
+                  vae as wan21_vae)
 
 TRANSFORMER = dict(TRANSFORMERS["14b"], in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
 CLIP_VISION_H14 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
@@ -96,7 +97,7 @@ WAN21_I2V = Family(
              "wan21_i2v_14b_720p": _preset("720P", 720, 1280, 60.0)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, step_reuse=("residual",), step_blocks="blocks", cfg_calls=True,
-    long_attention=True, image="required", video_vae=wan21_vae, random_adapter=random_adapter,
+    long_attention=True, image="required", video_vae=wan21_vae, random_adapter=random_adapter, lora_diffs=diff_parameter,
     max_steps=unipc_flow_first_step(SCHEDULER),   # 333 (WanImageToVideoPipeline, shift 3.0)
     # Wan 2.2 I2V-A14B is a WanImageToVideoPipeline too: two experts, no CLIP image encoder
     checkpoint={"image_encoder": True, "transformer_2": False})
