@@ -28,7 +28,7 @@ run() {   # run NAME LIMIT vs_loop-args...
   keep_runs /tmp/dh/media-$name "$Q/$name" "*" > /dev/null
   return 0
 }
-l14() { lora "$1" preset=wan21_t2v_14b rank=64 layout=original; }
+l14() { lora "$1" preset=wan21_t2v_14b rank=64 layout=original diffs=true; }
 a14() {
   lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
   lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
@@ -42,6 +42,14 @@ case ${PHASE:-a} in
      run h1job 370 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14c.safetensors}]" \
          prompts=14 arms=job modes=O3
      run h3 $((575 - SECONDS)) job=anyflow_batch $R prompts=16 arms=job modes=O3 ;;
+  # x2 (`benchmarks/x4.sh pair`): GPU 0 the 14B job alone, GPU 1 the 14B peer then AnyFlow
+  e) l14 /tmp/dh/l14e.safetensors
+     run h1job 400 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14e.safetensors}]" \
+         prompts=14 arms=job modes=O3 ;;
+  f) l14 /tmp/dh/l14f.safetensors
+     run h1peer 255 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14f.safetensors}]" \
+         prompts=3 arms=loop_compile
+     run h3 $((400 - SECONDS)) job=anyflow_batch $R prompts=16 arms=job modes=O3 ;;
   d) l14 /tmp/dh/l14d.safetensors     # GPU 3: the 14B peer, then A14B 720P
      run h1peer 255 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14d.safetensors}]" \
          prompts=3 arms=loop_compile

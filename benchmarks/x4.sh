@@ -3,6 +3,7 @@
 #   suite4  the whole gpu suite on the 4 GPUs (benchmarks/gpu_suite.sh)
 #   mixed   the whole gpu suite on GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1: two test processes), and
 #           issue 59's H100 tables on GPUs 2 and 3 (benchmarks/distill_h100.sh PHASE=c, d)
+#   pair    (x2) the 14B job on GPU 0 beside its peer, then AnyFlow, on GPU 1 (PHASE=e, f)
 # From the checkout root with the bundle:  source .devbundle/install.sh && bash benchmarks/x4.sh MODE OUT
 set -u
 mode=${1:?usage: x4.sh suite4|mixed OUT}; OUT=${2:?usage: x4.sh MODE OUT}
@@ -14,6 +15,10 @@ case $mode in
     CUDA_VISIBLE_DEVICES=2 PHASE=c bash benchmarks/distill_h100.sh "$OUT/c" > "$OUT/c.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=3 PHASE=d bash benchmarks/distill_h100.sh "$OUT/d" > "$OUT/d.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=0,1 bash benchmarks/gpu_suite.sh "$OUT/suite2"
+    wait ;;
+  pair)   # x2: issue 59's 14B table side by side, then AnyFlow
+    CUDA_VISIBLE_DEVICES=0 PHASE=e bash benchmarks/distill_h100.sh "$OUT/e" > "$OUT/e.out" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 PHASE=f bash benchmarks/distill_h100.sh "$OUT/f" > "$OUT/f.out" 2>&1 &
     wait ;;
 esac
 for f in "$OUT"/*/*.log; do echo "== $f"; grep -v "^ \|Warning\|torchao\|^\[" "$f" | tail -4; done
