@@ -31,29 +31,26 @@ import subprocess
 import pytest
 
 # gpu tests, longest first (a substring of the test id each; the rest keep their order after
-# these): the per-test seconds of the 2026-11-27 run on 4 H100s (benchmarks/2026-11-27-gpu-suite-
-# ti2v-images-h100.md) and the adapters' of 2026-11-28, the new ones estimated from what each
-# builds and compiles; the summary prints each test's seconds: reorder from a measured run.
+# these): the seconds of each in the 2026-11-28 run on 4 H200s (benchmarks/2026-11-28-distill-
+# h100-gpu-suite.md); the summary prints each test's seconds: reorder from a measured run.
 SLOW_FIRST = (
-    "test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu",
-    "test_full_size_wan22_chunked_decode",
-    "test_full_size_lossless_matches_eager[O2-sd21",
-    "test_full_size_14b_fused_adapter",
-    "test_full_size_compiled_chunked_decode",
-    "test_full_size_o2_item_alone_and_in_a_shard",
-    "test_full_size_step_reuse_under_compiled_modes[wan21",
-    "test_full_size_a14b_second_expert",
-    "test_step_cuda_graph_matches_eager_across_shapes_on_gpu",
-    "test_full_size_latte_step_reuse_under_compiled_modes",
-    "test_published_blocks_step_reuse_under_o2_and_o3",
+    "test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu",          # 309 s
+    "test_full_size_wan22_chunked_decode",                               # 173
+    "test_full_size_14b_fused_adapters",                                 # 122 + 79 (two tests then)
+    "test_full_size_lossless_matches_eager[O2-sd21",                     # 104
+    "test_full_size_step_reuse_under_compiled_modes[wan21",              # 93
+    "test_full_size_compiled_chunked_decode",                            # 65
+    "test_full_size_o2_item_alone_and_in_a_shard",                       # 62
+    "test_full_size_latte_step_reuse_under_compiled_modes",              # 39
+    "test_published_blocks_step_reuse_under_o2_and_o3",                  # 28-37
     "test_full_size_o2_matches_eager_without_recompiles[wan22_t2v_a14b_480p]",
     "test_full_size_o2_matches_eager_without_recompiles[wan21_i2v_14b_480p]",
-    "test_full_size_o3_close_to_eager_with_decode",
-    "test_full_size_wan_self_attentions",
-    "test_step_cache_with_compiled_modes_on_gpu[fastercache-O2",
-    "test_full_size_o2_matches_eager_without_recompiles",
-    "test_full_size_step_reuse_under_compiled_modes",
-    "test_full_size_lossless_matches_eager",
+    "test_step_cuda_graph_matches_eager_across_shapes_on_gpu",           # 31
+    "test_step_cache_with_compiled_modes_on_gpu[fastercache-O3",         # 29
+    "test_full_size_o3_close_to_eager_with_decode",                      # 28
+    "test_step_cache_with_compiled_modes_on_gpu[fastercache-O2",         # 21
+    "test_full_size_lossless_matches_eager[O2-latte1",                   # 18
+    "test_full_size_o2_matches_eager_without_recompiles",                # 12-17
 )
 
 ENV = "RUNNER_TEST_GPUS"     # the run's GPUs, [[id, name], ...] as JSON, handed to the workers
