@@ -7,7 +7,11 @@
 #   PHASE=b  Wan 2.2 T2V A14B Lightning 720x1280x81, 4 steps (2 + 2), a random rank-64 adapter per
 #            expert: job O3 (FP8 weights), its load and serving memory peaks (h2); AnyFlow 1.3B 4
 #            steps, 16 prompts, job O3: GPU busy (h3)
-#   PHASE=c, d  the same on two GPUs of an x4 machine beside the gpu suite (benchmarks/x4.sh)
+#   PHASE=c, d  on two GPUs of an x4 machine beside the gpu suite on the other two
+#            (benchmarks/x4.sh mixed): GPU 2 the 14B job, AnyFlow, FastWan; GPU 3 the 14B peer,
+#            A14B 720P
+#   PHASE=e, f  the 14B job beside its peer, then AnyFlow, on an x2 (benchmarks/x4.sh pair)
+# (2026-11-28: PHASE=a's job took 338 s, its peer ~210 s on an H200; the calls' limit is 600 s.)
 # From the checkout root with the bundle:
 #   source .devbundle/install.sh && PHASE=a bash benchmarks/distill_h100.sh DIR
 # DIR gets <exp>.log, <exp>.json (vs_loop.json), <exp>/ (the job's summary and metrics), versions.txt.
@@ -38,10 +42,11 @@ a14() {
 }
 case ${PHASE:-a} in
   # x4, beside the gpu suite on GPUs 0-1 (`benchmarks/x4.sh mixed`): one chain a GPU
-  c) l14 /tmp/dh/l14c.safetensors     # GPU 2: the 14B job, then AnyFlow
+  c) l14 /tmp/dh/l14c.safetensors     # GPU 2: the 14B job, then AnyFlow, then FastWan
      run h1job 370 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14c.safetensors}]" \
          prompts=14 arms=job modes=O3
-     run h3 $((575 - SECONDS)) job=anyflow_batch $R prompts=16 arms=job modes=O3 ;;
+     run h3 120 job=anyflow_batch $R prompts=16 arms=job modes=O3
+     run h4 $((575 - SECONDS)) job=fastwan_batch $R prompts=3 arms=job modes=O3 ;;
   # x2 (`benchmarks/x4.sh pair`): GPU 0 the 14B job alone, GPU 1 the 14B peer then AnyFlow
   e) l14 /tmp/dh/l14e.safetensors
      run h1job 400 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14e.safetensors}]" \
@@ -54,10 +59,10 @@ case ${PHASE:-a} in
      run h1peer 255 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14d.safetensors}]" \
          prompts=3 arms=loop_compile
      a14 $((575 - SECONDS)) ;;
-  a) lora /tmp/dh/l14.safetensors preset=wan21_t2v_14b rank=64 layout=original
+  a) l14 /tmp/dh/l14.safetensors      # 14 + 3 videos one after the other: ~580 s on an H100
      A="model.adapters=[{path: /tmp/dh/l14.safetensors}]"
-     run h1job 370 job=wan_distill_batch $R "$A" prompts=14 arms=job modes=O3
-     run h1peer $((575 - SECONDS)) job=wan_distill_batch $R "$A" prompts=3 arms=loop_compile ;;
+     run h1job 360 job=wan_distill_batch $R "$A" prompts=14 arms=job modes=O3
+     run h1peer $((590 - SECONDS)) job=wan_distill_batch $R "$A" prompts=3 arms=loop_compile ;;
   b) lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
      lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
          expert=transformer_2 seed=1
