@@ -323,6 +323,43 @@ def test_guidance_1_runs_one_denoiser_call_a_step_and_no_negative_prompt(monkeyp
     assert len(calls) == 4 + 8 and set(encoded) == {"blurry"}   # with CFG: two calls a step
 
 
+def test_i2v_a14b_lightning_runs_two_steps_on_each_expert_from_the_rows_image(tmp_path):
+    """Wan 2.2 I2V A14B Lightning (tiny): an adapter per expert accepted on the driver and fused;
+    a row with its image runs the published 4 steps as 2 on the high-noise expert (t >= 900) and
+    2 on the low-noise one, one call a step (guidance 1.0: no CFG on either), and the video
+    depends on the image."""
+    from runner.images import placeholder
+    from runner.prompts import Item
+    from runner.worker import generate
+    preset = "wan22_i2v_a14b_lightning"
+    files = [_lora_file(tmp_path, preset=preset, expert=e, seed=k)
+             for k, e in enumerate(("transformer", "transformer_2"))]
+    spec = _spec(preset, adapters=[{"path": files[0]},
+                                   {"path": files[1], "expert": "transformer_2"}])
+    adapters.check(spec)
+    pipe = build_pipeline(spec)
+    assert adapters.fuse(pipe, spec.adapters) == 2 * 20        # each expert: 2 blocks x 10
+    assert pipe.image_encoder is None and pipe.config.boundary_ratio == 0.9
+    calls = {"transformer": [], "transformer_2": []}
+    for name, seen in calls.items():
+        getattr(pipe, name).register_forward_pre_hook(
+            lambda m, a, k, seen=seen: seen.append(float(k["timestep"].flatten()[0])),
+            with_kwargs=True)
+    it = Item(id="a", prompt="a fox", negative_prompt="blurry", seed=0, height=64, width=48,
+              num_frames=5, num_inference_steps=4, guidance_scale=1.0, file="p", row=0, image="x")
+    out = generate(pipe, spec.family, [it], "cpu", image=placeholder(48, 64))
+    assert calls["transformer"] == pytest.approx([1000, 937.5], abs=0.01)
+    assert calls["transformer_2"] == pytest.approx([833.333, 625], abs=0.01)
+    from PIL import Image
+    red = Image.new("RGB", (48, 64), (200, 30, 30))
+    other = generate(pipe, spec.family, [it], "cpu", image=red)
+    assert out.shape == other.shape and not np.allclose(out, other)
+    # with CFG both experts guide at the row's scale (the published 3.5, 3.5; T2V A14B: 4.0, 3.0)
+    generate(pipe, spec.family, [Item(**{**it.__dict__, "guidance_scale": 3.5})], "cpu",
+             image=red)
+    assert pipe._guidance_scale == pipe._guidance_scale_2 == 3.5
+
+
 def test_step_reuse_refused_on_distilled_presets_and_cfg_reuse_without_guidance(tmp_path, capsys):
     f = _lora_file(tmp_path)
     assert _run(tmp_path, "step_cache.method=residual", f"model.adapters=[{{path: '{f}'}}]") == 2

@@ -12,7 +12,8 @@ from .record import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (latte.LATTE, pixart.ALPHA, pixart.SIGMA,
                                                      sd21.SD21, wan.WAN21, wan22.WAN22_A14B,
-                                                     wan22.WAN22_TI2V, wan_i2v.WAN21_I2V,
+                                                     wan22.WAN22_TI2V, wan22.WAN22_I2V_A14B,
+                                                     wan_i2v.WAN21_I2V,
                                                      flux.FLUX1_DEV, anyflow.ANYFLOW)}
 PRESETS: dict[str, Family] = {p: f for f in FAMILIES.values() for p in f.presets}
 DEFAULT_PRESET = "pixart_alpha_1024"   # model.preset when neither job nor command line sets one

@@ -1,4 +1,5 @@
-"""Wan 2.2: text-to-video A14B (two 14B experts) and text/image-to-video TI2V-5B.
+"""Wan 2.2: text-to-video A14B (two 14B experts), image-to-video A14B and text/image-to-video
+TI2V-5B.
 
 T2V-A14B (Wan-AI/Wan2.2-T2V-A14B-Diffusers): WanPipeline with `transformer` (the high-noise
 expert) and `transformer_2` (the low-noise expert), each a Wan 2.1 14B-shaped DiT (40 blocks, 40
@@ -8,6 +9,15 @@ guidance_scale_2 3.0). Both experts are loaded once per worker and compiled (one
 class, shared: `compiler.compile_pipe`); step reuse runs on both (`runner.step_cache`), the second
 expert's first call always computed. UMT5-XXL, the Wan 2.1 VAE (16 channels, 8x space, 4x time).
 Published: 720x1280 (and 480x832), 81 frames, 16 fps, 40 UniPC steps.
+
+I2V-A14B (Wan-AI/Wan2.2-I2V-A14B-Diffusers): WanImageToVideoPipeline over the same two experts'
+blocks on 36 input channels (16 noise + 16 of the image's latents as the first frame of a
+conditioning video + a 4-channel first-frame mask), switched at boundary_ratio 0.9, no CLIP image
+encoder (the pipeline skips it where boundary_ratio is set). Published (Wan-Video/Wan2.2
+`wan/configs/wan_i2v_A14B.py`): 81 frames, 16 fps, 40 steps, boundary 0.900, guidance (3.5, 3.5),
+sample_shift 5.0; 720x1280. The diffusers checkpoint is what diffusers' conversion script writes
+for "Wan2.2-I2V-14B-720p" (in_channels 36, no image encoder, boundary_ratio 0.9, and UniPC at its
+flow_shift 3.0, which the random builds here use too; a pretrained one loads the hub's).
 
 TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers): one 30-block DiT (24 heads x 128, ffn 14336) on the
 48-channel latents of Wan 2.2's VAE (16x space, 4x time: `patch_size` 2 folds 2x2 pixels into
@@ -32,12 +42,17 @@ from .parts import scheduler, t5_encoder, train_timesteps, unipc_flow_first_step
 from .record import Family
 from .wan import (SCHEDULER, TRANSFORMERS, UMT5_XXL, call_args as wan_call_args, diff_parameter,
                   encode, random_adapter, vae as wan21_vae)
+from .wan_i2v import encode as i2v_encode
 
 BOUNDARY_RATIO = 0.875      # A14B: transformer for t >= 875, transformer_2 below
 GUIDANCE_2 = 3.0            # A14B: the low-noise expert's guidance scale (the row's is the first's)
 A14B_SCHEDULER = dict(SCHEDULER, flow_shift=3.0)
 TI2V_SCHEDULER = dict(SCHEDULER, flow_shift=5.0)
 
+# I2V-A14B's experts: Wan 2.1 14B's blocks on 36 input channels (16 noise + 16 latents of the
+# conditioning video + a 4-channel first-frame mask), no image projections (no CLIP encoder)
+I2V_TRANSFORMER = dict(TRANSFORMERS["14b"], in_channels=36)
+I2V_BOUNDARY_RATIO = 0.9    # I2V-A14B: transformer for t >= 900, transformer_2 below
 TI2V_TRANSFORMER = dict(TRANSFORMERS["14b"], num_attention_heads=24, ffn_dim=14336, num_layers=30,
                         in_channels=48, out_channels=48)
 # Wan 2.2's VAE (convert_wan_to_diffusers.py: vae22_diffusers_config; its `clip_output: False` is a
@@ -61,7 +76,8 @@ TINY = dict(num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=
 
 
 def denoiser_config(preset: dict, tiny: bool) -> dict:
-    cfg = dict(TI2V_TRANSFORMER if preset["size"] == "5b" else TRANSFORMERS["14b"])
+    cfg = dict({"5b": TI2V_TRANSFORMER, "i2v": I2V_TRANSFORMER}.get(preset["size"],
+                                                                  TRANSFORMERS["14b"]))
     return {**cfg, **TINY} if tiny else cfg
 
 
@@ -88,6 +104,15 @@ def build_a14b(preset: dict, tiny: bool):
     # the low-noise expert: the same architecture, its own weights
     return WanPipeline(**parts, vae=wan21_vae(tiny), boundary_ratio=BOUNDARY_RATIO,
                        transformer_2=WanTransformer3DModel.from_config(cfg))
+
+
+def build_i2v_a14b(preset: dict, tiny: bool):
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    parts, cfg = _parts(preset, tiny, A14B_SCHEDULER)
+    # no image encoder: with boundary_ratio set the pipeline conditions on the image's latents only
+    return WanImageToVideoPipeline(**parts, vae=wan21_vae(tiny), image_encoder=None,
+                                   image_processor=None, boundary_ratio=I2V_BOUNDARY_RATIO,
+                                   transformer_2=WanTransformer3DModel.from_config(cfg))
 
 
 def build_ti2v(preset: dict, tiny: bool):
@@ -129,7 +154,9 @@ def _a14b(height: int, width: int, gpu_gib: float) -> dict:
 # peaks at 18.6 GiB at 480x832, which one 80 GB GPU does not have left beside two experts.
 WAN22_A14B = Family(
     name="wan22_a14b", kind="video", pipeline="WanPipeline",
-    presets={"wan22_t2v_a14b": _a14b(720, 1280, 81.0),
+    # 720p with O3's FP8 linears: the Lightning preset's measured need (gpu_gib_fp8, below): the
+    # same weights, and a step's memory is the same at any step count (CFG's two calls run apart)
+    presets={"wan22_t2v_a14b": dict(_a14b(720, 1280, 81.0), gpu_gib_fp8=68.0),
              "wan22_t2v_a14b_480p": _a14b(480, 832, 72.0),
              # Wan2.2-Lightning (lightx2v/Wan2.2-Lightning, T2V-A14B 4 steps): the base checkpoint
              # with a LoRA per expert (conf/models/), 4 Euler steps at shift 5 (its
@@ -148,6 +175,29 @@ WAN22_A14B = Family(
     max_steps=train_timesteps(A14B_SCHEDULER), video_vae=wan21_vae, random_adapter=random_adapter, lora_diffs=diff_parameter,
     experts=("transformer", "transformer_2"),
     checkpoint={"transformer_2": True, "boundary_ratio": True})
+
+# I2V-A14B (Wan-AI/Wan2.2-I2V-A14B-Diffusers): every row animates its `image`, A14B's two experts
+# (boundary 900) on the image's latents; 720x1280 (or 480x832) x 81 frames at 16 fps, 40 steps,
+# guidance 3.5 on both experts. gpu_gib as T2V-A14B's (the same 34.4 B parameters but 4 x 20
+# input weights; the image's VAE encode is one frame)
+WAN22_I2V_A14B = Family(
+    name="wan22_i2v_a14b", kind="video", pipeline="WanImageToVideoPipeline",
+    presets={"wan22_i2v_a14b": dict(_a14b(720, 1280, 81.0), size="i2v", gpu_gib_fp8=68.0,
+                                    hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
+             # Wan2.2-Lightning's I2V LoRAs (lightx2v/Wan2.2-Lightning, I2V-A14B 4 steps): the
+             # T2V preset's sampler (1000, 937.5 | 833.3, 625: two on each side of 900 too)
+             "wan22_i2v_a14b_lightning": dict(_a14b(720, 1280, 81.0), size="i2v",
+                                              hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+                                              gpu_gib_fp8=68.0,
+                                              sampler=dict(shift=5.0, stochastic=False))},
+    # no guidance_scale_2: the pipeline gives the low-noise expert the row's guidance (3.5 both)
+    build=build_i2v_a14b, encode=i2v_encode, call_args=wan_call_args,
+    denoiser_config=denoiser_config, frame_step=4, step_reuse=("residual",), step_blocks="blocks",
+    cfg_calls=True, long_attention=True, image="required", video_vae=wan21_vae,
+    random_adapter=random_adapter, lora_diffs=diff_parameter,
+    experts=("transformer", "transformer_2"),
+    max_steps=unipc_flow_first_step(A14B_SCHEDULER),   # WanImageToVideoPipeline, shift 3.0
+    checkpoint={"transformer_2": True, "boundary_ratio": True, "image_encoder": False})
 
 WAN22_TI2V = Family(
     name="wan22_ti2v", kind="video", pipeline="WanPipeline",
