@@ -45,6 +45,7 @@ SLOW_FIRST = (
     "test_published_blocks_step_reuse_under_o2_and_o3",                  # 28-37
     "test_full_size_o2_matches_eager_without_recompiles[wan22_t2v_a14b_480p]",
     "test_full_size_o2_matches_eager_without_recompiles[wan21_i2v_14b_480p]",
+    "test_full_size_o2_matches_eager_without_recompiles[wan22_i2v_a14b_480p]",  # new, ~ A14B's
     "test_step_cuda_graph_matches_eager_across_shapes_on_gpu",           # 31
     "test_step_cache_with_compiled_modes_on_gpu[fastercache-O3",         # 29
     "test_full_size_o3_close_to_eager_with_decode",                      # 28

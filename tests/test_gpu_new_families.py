@@ -33,6 +33,7 @@ CASES = {
     "wan22_ti2v_5b": dict(height=704, width=1280, num_frames=49),
     "wan22_ti2v_5b+image": dict(height=704, width=1280, num_frames=49),
     "wan21_i2v_14b_480p": dict(height=480, width=832, num_frames=33),
+    "wan22_i2v_a14b_480p": dict(height=480, width=832, num_frames=33),
     "flux1_dev": dict(height=1024, width=1024),
 }
 

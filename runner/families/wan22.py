@@ -184,6 +184,8 @@ WAN22_I2V_A14B = Family(
     name="wan22_i2v_a14b", kind="video", pipeline="WanImageToVideoPipeline",
     presets={"wan22_i2v_a14b": dict(_a14b(720, 1280, 81.0), size="i2v", gpu_gib_fp8=68.0,
                                     hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
+             "wan22_i2v_a14b_480p": dict(_a14b(480, 832, 72.0), size="i2v",
+                                        hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
              # Wan2.2-Lightning's I2V LoRAs (lightx2v/Wan2.2-Lightning, I2V-A14B 4 steps): the
              # T2V preset's sampler (1000, 937.5 | 833.3, 625: two on each side of 900 too)
              "wan22_i2v_a14b_lightning": dict(_a14b(720, 1280, 81.0), size="i2v",
