@@ -187,13 +187,21 @@ def pretrained_file(spec: ModelSpec, name: str, local_only: bool = False) -> str
 
 
 def check_gpu_memory(spec: ModelSpec, free_bytes: int | None = None, gpu: str = "this GPU",
-                     fp8: bool = False) -> None:
+                     fp8: bool = False, fp8_capable: bool | None = None) -> None:
     """Refuse a preset whose stated need (`gpu_gib`, for 16-bit weights; fp32 doubles it; with
-    `fp8`, the compile mode's FP8 linears, `gpu_gib_fp8` where stated) exceeds the GPU's free
-    memory (`free_bytes`, default: what CUDA reports now)."""
-    need = spec.info.get("gpu_gib_fp8" if fp8 and "gpu_gib_fp8" in spec.info else "gpu_gib")
+    `fp8`, the compile mode's FP8 linears, `gpu_gib_fp8` where stated, on a GPU that runs them:
+    `fp8_capable`, default: compute capability >= 8.9 as `compiler.transforms.fp8_supported` asks;
+    elsewhere the weights stay 16-bit) exceeds the GPU's free memory (`free_bytes`, default: what
+    CUDA reports now)."""
     spec = spec.resolved()
-    if need is None or not spec.device.startswith("cuda"):
+    if not spec.device.startswith("cuda"):
+        return
+    if fp8 and fp8_capable is None:
+        import torch
+        fp8_capable = torch.cuda.get_device_capability() >= (8, 9)
+    need = spec.info.get("gpu_gib_fp8" if fp8 and fp8_capable and "gpu_gib_fp8" in spec.info
+                         else "gpu_gib")
+    if need is None:
         return
     if spec.dtype == "fp32":
         need *= 2

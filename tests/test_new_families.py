@@ -116,6 +116,13 @@ def test_a_preset_that_does_not_fit_is_refused_before_loading_naming_need_and_fr
     check_gpu_memory(ModelSpec("wan22_t2v_a14b_480p", device="cuda", dtype="fp16"),
                      free_bytes=79 * 2**30)                  # 480p fits one 80 GB GPU
     check_gpu_memory(ModelSpec("wan22_t2v_a14b", device="cpu"), free_bytes=0)   # CPU: no check
+    # O3's FP8 linears (68 GiB stated): one 80 GB GPU, where it runs them (an H100: sm_90); an
+    # A100 keeps 16-bit weights, so the 16-bit need holds there
+    for preset in ("wan22_t2v_a14b", "wan22_i2v_a14b", "wan22_t2v_a14b_lightning"):
+        spec = ModelSpec(preset, source="random", device="cuda", dtype="fp16")
+        check_gpu_memory(spec, free_bytes=79 * 2**30, fp8=True, fp8_capable=True)
+        with pytest.raises(ModelLoadError, match="81 GiB"):
+            check_gpu_memory(spec, free_bytes=79 * 2**30, fp8=True, fp8_capable=False)
 
 
 # ---------------------------------------------------------------------------------------------

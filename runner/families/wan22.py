@@ -15,9 +15,9 @@ blocks on 36 input channels (16 noise + 16 of the image's latents as the first f
 conditioning video + a 4-channel first-frame mask), switched at boundary_ratio 0.9, no CLIP image
 encoder (the pipeline skips it where boundary_ratio is set). Published (Wan-Video/Wan2.2
 `wan/configs/wan_i2v_A14B.py`): 81 frames, 16 fps, 40 steps, boundary 0.900, guidance (3.5, 3.5),
-sample_shift 5.0; 720x1280. The diffusers checkpoint is what diffusers' conversion script writes
-for "Wan2.2-I2V-14B-720p" (in_channels 36, no image encoder, boundary_ratio 0.9, and UniPC at its
-flow_shift 3.0, which the random builds here use too; a pretrained one loads the hub's).
+sample_shift 5.0, which the random builds here use; 720x1280. The diffusers checkpoint is what
+diffusers' conversion script writes for "Wan2.2-I2V-14B-720p" (in_channels 36, no image encoder,
+boundary_ratio 0.9, UniPC at flow_shift 3.0: a pretrained load uses the hub's scheduler).
 
 TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers): one 30-block DiT (24 heads x 128, ffn 14336) on the
 48-channel latents of Wan 2.2's VAE (16x space, 4x time: `patch_size` 2 folds 2x2 pixels into
@@ -47,6 +47,9 @@ from .wan_i2v import encode as i2v_encode
 BOUNDARY_RATIO = 0.875      # A14B: transformer for t >= 875, transformer_2 below
 GUIDANCE_2 = 3.0            # A14B: the low-noise expert's guidance scale (the row's is the first's)
 A14B_SCHEDULER = dict(SCHEDULER, flow_shift=3.0)
+# I2V-A14B: Wan2.2's sample_shift 5.0 (wan_i2v_A14B.py); diffusers' conversion script writes 3.0
+# into the hub's scheduler config, which a pretrained load uses: the step bound is 5.0's (the lower)
+I2V_SCHEDULER = dict(SCHEDULER, flow_shift=5.0)
 TI2V_SCHEDULER = dict(SCHEDULER, flow_shift=5.0)
 
 # I2V-A14B's experts: Wan 2.1 14B's blocks on 36 input channels (16 noise + 16 latents of the
@@ -108,7 +111,7 @@ def build_a14b(preset: dict, tiny: bool):
 
 def build_i2v_a14b(preset: dict, tiny: bool):
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
-    parts, cfg = _parts(preset, tiny, A14B_SCHEDULER)
+    parts, cfg = _parts(preset, tiny, I2V_SCHEDULER)
     # no image encoder: with boundary_ratio set the pipeline conditions on the image's latents only
     return WanImageToVideoPipeline(**parts, vae=wan21_vae(tiny), image_encoder=None,
                                    image_processor=None, boundary_ratio=I2V_BOUNDARY_RATIO,
@@ -179,7 +182,8 @@ WAN22_A14B = Family(
 # I2V-A14B (Wan-AI/Wan2.2-I2V-A14B-Diffusers): every row animates its `image`, A14B's two experts
 # (boundary 900) on the image's latents; 720x1280 (or 480x832) x 81 frames at 16 fps, 40 steps,
 # guidance 3.5 on both experts. gpu_gib as T2V-A14B's (the same 34.4 B parameters but 4 x 20
-# input weights; the image's VAE encode is one frame)
+# input weights; diffusers' pipeline VAE-encodes the whole conditioning video, the image then
+# zeros, in chunks, below the decode's peak: not measured)
 WAN22_I2V_A14B = Family(
     name="wan22_i2v_a14b", kind="video", pipeline="WanImageToVideoPipeline",
     presets={"wan22_i2v_a14b": dict(_a14b(720, 1280, 81.0), size="i2v", gpu_gib_fp8=68.0,
@@ -198,7 +202,7 @@ WAN22_I2V_A14B = Family(
     cfg_calls=True, long_attention=True, image="required", video_vae=wan21_vae,
     random_adapter=random_adapter, lora_diffs=diff_parameter,
     experts=("transformer", "transformer_2"),
-    max_steps=unipc_flow_first_step(A14B_SCHEDULER),   # WanImageToVideoPipeline, shift 3.0
+    max_steps=unipc_flow_first_step(I2V_SCHEDULER),    # 200 (WanImageToVideoPipeline, shift 5.0)
     checkpoint={"transformer_2": True, "boundary_ratio": True, "image_encoder": False})
 
 WAN22_TI2V = Family(
