@@ -195,8 +195,15 @@ def _check_deltas(spec, a: Adapter, deltas: dict, denoiser) -> None:
             f"{a.shown}: {len(misfits)} of its {len(deltas)} full differences (.diff, .diff_b, "
             f"diff_m) do not fit {spec.preset}'s {a.expert} ({type(denoiser).__name__}; made for "
             f"another base model?), e.g. " + "; ".join(misfits[:2]))
-    other = [k for k, (name, _) in deltas.items() if not _of_linear(denoiser, name)]
-    if a.per_row and other:
+    if a.per_row:
+        _linears_only(a, [k for k, (name, _) in deltas.items() if not _of_linear(denoiser, name)])
+
+
+def _linears_only(a: Adapter, other: list[str]) -> None:
+    """A per-row adapter's full differences of weights other than Linears' (`other`, their keys or
+    parameters) refused: a `Switch` writes Linear weights only (the driver's check and the
+    worker's)."""
+    if other:
         raise AdapterError(f"{a.shown}: a per-row adapter switches Linear weights only; its "
                            f"{len(other)} full differences of other weights (e.g. {other[0]}) "
                            f"apply to every row: give it without per_row")
@@ -267,14 +274,10 @@ def _check_dropped(a: Adapter, raw: dict) -> None:
                            f"{keys}; this adapter cannot be applied as made")
 
 
-def _pipeline_class(spec):
-    import diffusers
-    return getattr(diffusers, spec.family.pipeline)
-
-
 def _convert(spec, a: Adapter, raw: dict) -> dict:
     """diffusers' own conversion of the file's layout to its own (`transformer.<module>.lora_A/B`)."""
-    cls = _pipeline_class(spec)
+    import diffusers
+    cls = getattr(diffusers, spec.family.pipeline)
     if not hasattr(cls, "lora_state_dict"):
         raise AdapterError(f"{a.shown}: {cls.__name__} ({spec.preset}) has no LoRA loader in "
                            f"diffusers; adapters apply to the families whose pipeline loads LoRA "
@@ -476,11 +479,7 @@ class Switch:
         self.adapters = {}
         for i, a in enumerate(adapters):
             linears, params = load(pipe, a, local_file(a, local_files_only), f"row_{i}", diffs)
-            if params:
-                raise AdapterError(f"{a.shown}: a per-row adapter switches Linear weights only; "
-                                   f"its {len(params)} full differences of other weights (e.g. "
-                                   f"{next(iter(params))}) apply to every row: give it without "
-                                   f"per_row")
+            _linears_only(a, list(params))
             self.adapters[a.name] = (a, linears)
         self.base = {}     # (expert, Linear path) -> its base (weight, bias) on the host
         for a, linears in self.adapters.values():

@@ -287,13 +287,15 @@ class FusedAnyFlowAttnProcessor:
     _attention_backend = None
     _parallel_config = None
 
+    def __init__(self):
+        from diffusers.models.transformers.transformer_anyflow import AnyFlowAttnProcessor
+        self.cross = AnyFlowAttnProcessor()     # made once, not on every call
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         if encoder_hidden_states is not None:
-            from diffusers.models.transformers.transformer_anyflow import AnyFlowAttnProcessor
-            return AnyFlowAttnProcessor()(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                          rotary_emb)
+            return self.cross(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         q, k, v = _qkv_complex_rope(attn, hidden_states, rotary_emb)
         out = dispatch_attention_fn(q, k, v, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
                                     backend=self._attention_backend, parallel_config=self._parallel_config)
