@@ -10,7 +10,8 @@
 - `scale`: the driver's cost on a million-prompt file (dry run, sharding, resume planning);
 - `simulate`: the real job over thousands of simulated workers: does one driver keep up.
 
-They share one argument convention, `key=value`, parsed by `parse_args`.
+They share one argument convention, `key=value`, parsed by `parse_args`, and `release_gpu` between
+the arms they run in one process.
 """
 
 from __future__ import annotations
@@ -34,3 +35,13 @@ def parse_args(argv: list[str], defaults: dict, usage: str,
             raise SystemExit(f"unknown argument {k!r}; valid: {', '.join(sorted(opts))}\n"
                              f"usage: {usage}")
     return opts, rest
+
+
+def release_gpu() -> None:
+    """Give this process's cached GPU memory back (a finished or failed arm's pipeline), so the
+    next arm, or another process on the GPU, finds it as the first arm did."""
+    import gc
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import parse_args
+from . import parse_args, release_gpu
 
 USAGE = ("python -m runner.bench.canary [job=pixart_batch] [batches=N] [arms=on|on,off|off] "
          "[settle=1] [out=FILE.json] [dir=DIR] [key=value ...]")
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> dict:
             report.update(compile_mode=job["compile"].mode)
             row = report["arms"][arm] = dict(arm=arm, **run_arm(job, batches, int(opts["settle"])))
             print(json.dumps(row), flush=True)
-            _free_gpu_memory()
+            release_gpu()
     finally:
         if not opts["dir"]:
             shutil.rmtree(root, ignore_errors=True)
@@ -246,15 +246,6 @@ def _period_batches(run) -> int:
         raise SystemExit("this job's canary has no period in items (run.canary_every_items=0): "
                          "give the window as batches=N")
     return max(1, run.canary_items // run.batch_size)
-
-
-def _free_gpu_memory() -> None:
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _table(report: dict) -> str:

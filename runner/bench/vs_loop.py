@@ -73,7 +73,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..outputs import format_table, write_json
-from . import parse_args
+from . import parse_args, release_gpu
 
 ARMS = ("loop", "loop_compile", "cachedit", "cachedit_sage", "job")
 # the loops' `mode` column; {fn}: the peer's Fn_compute_blocks (`peer_first_blocks`)
@@ -187,7 +187,7 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
         ends.append(time.perf_counter())
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None   # weights included
     pipe = runner = result = i2v = None   # noqa: F841  (the job's arm after this needs the memory)
-    _release_gpu()
+    release_gpu()
     window = (ends[0], ends[-1]) if len(ends) > 1 else None
     rate = (len(ends) - 1) / (window[1] - window[0]) if window else None
     return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
@@ -305,18 +305,8 @@ def _arm(fn, *args) -> dict:
         msg = f"{type(e).__name__}: {e}"
         print(f"arm failed: {msg[-3000:]}", file=sys.stderr, flush=True)
         row = dict(items=0, items_per_s=None, error=msg[-2000:])
-    _release_gpu()   # here, not in the except block: its traceback still held the arm's pipeline
+    release_gpu()   # here, not in the except block: its traceback still held the arm's pipeline
     return row
-
-
-def _release_gpu() -> None:
-    """Give this process's cached GPU memory back (a finished or failed arm's pipeline), so the
-    next arm, the job's own process too, finds the GPU as the first arm did."""
-    import gc
-    gc.collect()
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _job_name(mode: str) -> str:
