@@ -11,6 +11,7 @@ RAY_ADDRESS yourself to run the suite on another cluster, or RUNNER_TEST_RAY=loc
 per job as before.
 """
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 
 # pytest -n 4 on a small machine (CI: 2 cores) runs 4 test processes, plus their CLI runs and Ray
 # workers, at once. Left at the defaults, each in-process torch spins 2 OpenMP threads (spin-waiting
@@ -577,3 +579,44 @@ def _gpu_memory_returned(request):
     left = torch.cuda.memory_allocated() / 2**30
     if left > 2:
         warnings.warn(f"{request.node.nodeid} left {left:.1f} GiB allocated on the GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# gpu tests: one full-size model at a time per test process
+
+def free_pipeline(pipe) -> None:
+    """Drop a pipeline's modules before the next build (a gpu test process holds one model at a
+    time: A14B is 64 GiB): their weights moved to the meta device (freed even where a reference outlives the
+    pipeline: on an H100 28 GiB of A14B's, 35 of I2V 14B's, were still allocated into the next
+    build, which then found too little memory; what held them is not identified), off the pipeline, its image
+    twin and Dynamo's caches."""
+    pipe.__dict__.pop("_image_pipeline", None)
+    for name, c in list(pipe.components.items()):
+        if isinstance(c, torch.nn.Module):
+            c.to("meta")
+            setattr(pipe, name, None)
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated() / 2**30
+        if left > 2:     # what held the 14B weights before: named in the summary if it recurs
+            warnings.warn(f"{left:.1f} GiB still allocated after freeing {type(pipe).__name__}; "
+                          f"largest live CUDA tensors: {_live_cuda_tensors()}")
+
+
+def _live_cuda_tensors(n: int = 8) -> str:
+    """The n largest CUDA tensors the garbage collector can see, with the types of what refers to
+    each (a tensor held only from C++, e.g. a CUDA graph's pool, is not among them)."""
+    found = []
+    with warnings.catch_warnings():      # isinstance on some lazy objects warns (deprecations)
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            with contextlib.suppress(Exception):
+                if isinstance(o, torch.Tensor) and o.is_cuda:
+                    found.append((o.untyped_storage().nbytes(), o))
+    found.sort(key=lambda t: -t[0])
+    return "; ".join(
+        f"{b / 2**30:.2f} GiB {tuple(t.shape)} {t.dtype} held by "
+        f"{sorted({type(r).__name__ for r in gc.get_referrers(t)} - {'list', 'tuple', 'frame'})}"
+        for b, t in found[:n]) or "none visible to gc"

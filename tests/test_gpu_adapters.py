@@ -15,6 +15,8 @@ import gc
 import pytest
 import torch
 
+from conftest import free_pipeline
+
 from runner import adapters
 from runner.families.wan import random_adapter
 from runner.config import ModelSpec
@@ -164,12 +166,8 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
                                  num_inference_steps=4, guidance_scale=1.0, file="p", row=0)])
         m = w.metrics()
         report = w.pipe._compile_report
-    finally:
-        for name, c in list(w.pipe.components.items()):   # 28 GiB of FP8 experts: freed here
-            if isinstance(c, torch.nn.Module):
-                c.to("meta")
-        gc.collect()
-        torch.cuda.empty_cache()
+    finally:                    # 28 GiB of FP8 experts: freed before the next test
+        free_pipeline(w.pipe)
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     print(f"A14B Lightning 720x1280x81 O3 + 2 adapters: start-up peak "
           f"{m['startup_peak_mem_gb']:.1f} GiB, serving peak {m['peak_mem_gb']:.1f} GiB of "

@@ -9,13 +9,12 @@ GPU: tests/test_gpu_adapters.py (720P, FP8, adapters). Skipped without CUDA; run
 Each test builds its model afresh (the A14B alone is 64 GiB of weights) and frees it: a test process
 holds one model at a time (`-n auto --dist loadgroup`: one process per GPU, README "Tests").
 """
-import contextlib
 import gc
-import warnings
 
 import pytest
 import torch
 
+from conftest import free_pipeline
 from runner import step_cache
 from runner.config import StepCacheSection
 from runner.images import placeholder
@@ -80,44 +79,6 @@ def _shallow(pipe, depth: int) -> None:
     torch.cuda.empty_cache()
 
 
-def _free(pipe):
-    """Drop a pipeline's modules before the next build (a test holds one model at a time: A14B is
-    64 GiB): their weights moved to the meta device (freed even where a reference outlives the
-    pipeline: on an H100 28 GiB of A14B's, 35 of I2V 14B's, were still allocated into the next
-    build, which then found too little memory; what held them is not identified), off the pipeline, its image
-    twin and Dynamo's caches."""
-    pipe.__dict__.pop("_image_pipeline", None)
-    for name, c in list(pipe.components.items()):
-        if isinstance(c, torch.nn.Module):
-            c.to("meta")
-            setattr(pipe, name, None)
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        left = torch.cuda.memory_allocated() / 2**30
-        if left > 2:     # what held the 14B weights before: named in the summary if it recurs
-            warnings.warn(f"{left:.1f} GiB still allocated after freeing {type(pipe).__name__}; "
-                          f"largest live CUDA tensors: {_live_cuda_tensors()}")
-
-
-def _live_cuda_tensors(n: int = 8) -> str:
-    """The n largest CUDA tensors the garbage collector can see, with the types of what refers to
-    each (a tensor held only from C++, e.g. a CUDA graph's pool, is not among them)."""
-    found = []
-    with warnings.catch_warnings():      # isinstance on some lazy objects warns (deprecations)
-        warnings.simplefilter("ignore")
-        for o in gc.get_objects():
-            with contextlib.suppress(Exception):
-                if isinstance(o, torch.Tensor) and o.is_cuda:
-                    found.append((o.untyped_storage().nbytes(), o))
-    found.sort(key=lambda t: -t[0])
-    return "; ".join(
-        f"{b / 2**30:.2f} GiB {tuple(t.shape)} {t.dtype} held by "
-        f"{sorted({type(r).__name__ for r in gc.get_referrers(t)} - {'list', 'tuple', 'frame'})}"
-        for b, t in found[:n]) or "none visible to gc"
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_full_size_o2_matches_eager_without_recompiles(case):
     """O2 (blocks compiled, the text encoders compiled, the step as a CUDA graph; A14B: both
@@ -143,7 +104,7 @@ def test_full_size_o2_matches_eager_without_recompiles(case):
     print(f"{case} O2 vs eager: max abs {err:.3g} (scale {scale:.3g}), "
           f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert torch.isfinite(out).all() and err <= 2e-2 * scale
-    _free(pipe)
+    free_pipeline(pipe)
 
 
 @pytest.mark.parametrize("case", ["wan22_t2v_a14b_480p", "wan21_i2v_14b_480p", "flux1_dev"])
@@ -166,7 +127,7 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
 
     pipe, fam, call = variant(None)
     ref = call(steps=8)
-    _free(pipe)
+    free_pipeline(pipe)
     branches = 2 if fam.negative_prompt else 1      # FLUX: one call a step, no uncond branch
     scale = max(ref.abs().max().item(), 1.0)
     for mode, tol in (("O2", 2e-2), ("O3", 0.25)):
@@ -181,4 +142,4 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
         err = (out - ref).abs().max().item()
         print(f"{case} {mode} residual vs eager residual: max abs {err:.3g} (scale {scale:.3g})")
         assert torch.isfinite(out).all() and err <= tol * scale, mode
-        _free(pipe)
+        free_pipeline(pipe)
