@@ -4,13 +4,25 @@
 #   mixed   the whole gpu suite on GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1: two test processes), and
 #           issue 59's H100 tables on GPUs 2 and 3 (benchmarks/distill_h100.sh PHASE=c, d)
 #   pair    (x2) the 14B job on GPU 0 beside its peer, then AnyFlow, on GPU 1 (PHASE=e, f)
+#   suite2  (x2) the whole gpu suite on the 2 GPUs
 # From the checkout root with the bundle:  source .devbundle/install.sh && bash benchmarks/x4.sh MODE OUT
+# A device call brings back at most 8 files (device README): the runs write under /tmp/x4-MODE and
+# the script ends with them packed into OUT/MODE.tgz, the whole mode cut (SIGINT, then KILL 15 s
+# later) at CAP s (default 560) so the packing happens inside the call's 600 s.
 set -u
-mode=${1:?usage: x4.sh suite4|mixed OUT}; OUT=${2:?usage: x4.sh MODE OUT}
-mkdir -p "$OUT"
+mode=${1:?usage: x4.sh suite4|suite2|mixed|pair OUT}; DEST=${2:?usage: x4.sh MODE OUT}
+if [ -z "${X4_INNER:-}" ]; then
+  rm -rf "/tmp/x4-$mode"; mkdir -p "/tmp/x4-$mode" "$DEST"
+  X4_INNER=1 timeout -s INT -k 15 "${CAP:-560}" bash "$0" "$mode" "/tmp/x4-$mode"
+  echo "x4.sh $mode rc=$?"
+  tar czf "$DEST/$mode.tgz" -C /tmp "x4-$mode" && ls -l "$DEST"
+  exit 0
+fi
+OUT=$DEST
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpus.txt"
 case $mode in
   suite4) bash benchmarks/gpu_suite.sh "$OUT/suite4" ;;
+  suite2) CUDA_VISIBLE_DEVICES=0,1 bash benchmarks/gpu_suite.sh "$OUT/suite2" ;;
   mixed)
     CUDA_VISIBLE_DEVICES=2 PHASE=c bash benchmarks/distill_h100.sh "$OUT/c" > "$OUT/c.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=3 PHASE=d bash benchmarks/distill_h100.sh "$OUT/d" > "$OUT/d.out" 2>&1 &
