@@ -10,6 +10,7 @@
 #   PHASE=c, d  on two GPUs of an x4 machine beside the gpu suite on the other two
 #            (benchmarks/x4.sh mixed): GPU 2 the 14B job, AnyFlow, FastWan; GPU 3 the 14B peer,
 #            A14B 720P
+#   PHASE=g  PHASE=b's A14B 720P alone (limit H2_LIMIT s, default 380)
 #   PHASE=e, f  the 14B job beside its peer, then AnyFlow, on an x2 (benchmarks/x4.sh pair)
 # (2026-11-28: PHASE=a's job took 338 s, its peer ~210 s on an H200; the calls' limit is 600 s.)
 # From the checkout root with the bundle:
@@ -63,6 +64,7 @@ case ${PHASE:-a} in
      A="model.adapters=[{path: /tmp/dh/l14.safetensors}]"
      run h1job 360 job=wan_distill_batch $R "$A" prompts=14 arms=job modes=O3
      run h1peer $((590 - SECONDS)) job=wan_distill_batch $R "$A" prompts=3 arms=loop_compile ;;
+  g) a14 "${H2_LIMIT:-380}" ;;        # A14B 720P alone, on what time is left (x4.sh a14)
   b) lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
      lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
          expert=transformer_2 seed=1
