@@ -10,7 +10,9 @@ mkdir -p "$Q"
 source "$(dirname "$0")/keep.sh"
 versions > "$Q/versions.txt" 2>&1
 t0=$(date +%s.%N)
-timeout -s INT "${LIMIT:-590}" python3 -m pytest -m gpu -n auto --dist loadgroup -v \
+LIMIT=${LIMIT:-590}
+[ -n "${X4_DEADLINE:-}" ] && LIMIT=$(( LIMIT < X4_DEADLINE - $(date +%s) ? LIMIT : X4_DEADLINE - $(date +%s) ))
+timeout -s INT "$LIMIT" python3 -m pytest -m gpu -n auto --dist loadgroup -v \
     -p no:cacheprovider --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
 rc=$?
 echo "pytest rc=$rc wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a "$Q/suite.log"

@@ -14,6 +14,10 @@ set -u
 mode=${1:?usage: x4.sh suite4|suite2|mixed|pair OUT}; DEST=${2:?usage: x4.sh MODE OUT}
 if [ -z "${X4_INNER:-}" ]; then
   rm -rf "/tmp/x4-$mode"; mkdir -p "/tmp/x4-$mode" "$DEST"
+  # each run's own limit ends by X4_DEADLINE (distill_h100.sh, gpu_suite.sh), 30 s before the cap,
+  # so that its files are kept; the cap itself is the backstop (2026-11-28: a14's adapters took
+  # their time first and the cap killed the run before it kept anything)
+  export X4_DEADLINE=$(( $(date +%s) + ${CAP:-560} - 30 ))
   X4_INNER=1 timeout -s INT -k 15 "${CAP:-560}" bash "$0" "$mode" "/tmp/x4-$mode"
   echo "x4.sh $mode rc=$?"
   tar czf "$DEST/$mode.tgz" -C /tmp "x4-$mode" && ls -l "$DEST"

@@ -28,6 +28,8 @@ def test_loops_and_job_on_the_same_prompts(tmp_path):
     assert rows[1]["time_s"]["denoise"] > 0 and rows[0]["gpu_util"] is None   # CPU: no GPU figures
     assert sorted(os.listdir(tmp_path / "loop")) == ["v00000.png", "v00001.png", "v00002.png"]
     assert "items_per_s" in r.stdout                                   # the table is printed
+    # the job's own log relayed as it comes (a bench cut at its limit shows how far it got)
+    assert "[job-none] " in r.stderr and "worker 0: ready at" in r.stderr
 
 
 def test_step_reuse_arm_is_compared_with_its_mode_alone(tmp_path):

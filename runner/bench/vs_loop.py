@@ -348,6 +348,21 @@ def mode_calls(sc, mode: str, steps: int, two_calls: bool) -> dict:
                 uncond_skipped=c["uncond_skipped"] if two_calls else None)
 
 
+def _relay(cmd: list[str], env: dict, prefix: str) -> subprocess.CompletedProcess:
+    """Run `cmd`, its output (stdout and stderr as one stream) relayed line by line to our stderr
+    as it comes, so that a bench cut at its time limit still shows how far the job got (its
+    phases and progress lines); returns its exit status and the whole text (`.text`)."""
+    lines = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as p:
+        for line in p.stdout:
+            lines.append(line)
+            print(prefix + line, end="", file=sys.stderr, flush=True)
+    done = subprocess.CompletedProcess(cmd, p.returncode)
+    done.text = "".join(lines)
+    return done
+
+
 def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
     name = _job_name(mode)
     cmd = [sys.executable, "-m", "runner", f"job={opts['job']}", f"prompts.path={prompts}",
@@ -355,9 +370,9 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
            f"compile.cache_dir={opts['out']}/cache-{name}", "output.overwrite=true", *rest,
            *mode_args(mode)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}   # always its own local Ray
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    log = _relay(cmd, env, prefix=f"[{name}] ")
+    if log.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({log.returncode}):\n{log.text[-3000:]}")
     job_dir = os.path.join(opts["out"], name)
     s = json.load(open(os.path.join(job_dir, "summary.json")))
     ms = [json.load(open(p)) for p in glob.glob(os.path.join(job_dir, "metrics", "*.json"))]
@@ -369,8 +384,8 @@ def run_job(opts: dict, rest: list[str], prompts: str, mode: str) -> dict:
                 ends_items_per_s=(len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else None,
                 ready_s=(m["model_load_s"] + m["warmup_s"]) if "warmup_s" in m else None,
                 # Dynamo's recompile warnings in the job's log (there should be none)
-                recompiles=r.stderr.count("torch._dynamo hit config.recompile_limit")
-                + r.stderr.count("Recompiling function"),
+                recompiles=log.text.count("torch._dynamo hit config.recompile_limit")
+                + log.text.count("Recompiling function"),
                 gpu_util=ms[0].get("gpu_util") if ms else None,
                 it_s=m.get("steady_it_s"),   # denoising steps/s (the worker's steady figure)
                 gpu_ms_per_item=m.get("gpu_ms_per_item"), peak_mem_gb=m.get("peak_mem_gb"),
