@@ -11,6 +11,10 @@
 #            (benchmarks/x4.sh mixed): GPU 2 the 14B job, AnyFlow, FastWan; GPU 3 the 14B peer,
 #            A14B 720P
 #   PHASE=g  PHASE=b's A14B 720P alone (limit H2_LIMIT s, default 380)
+#   PHASE=h  Wan 2.2 I2V A14B Lightning 720x1280x81, 4 steps (2 + 2), a random rank-64 adapter per
+#            expert, drawn images: job O3 (FP8 weights), s/video and memory peaks (h5)
+#   PHASE=i  Wan 2.1 I2V 14B 720x1280x81 O3 (FP8 weights), 4 steps with CFG (the published 40 would
+#            take ~13 min a video: its memory peaks, not its speed) (h6)
 #   PHASE=e, f  the 14B job beside its peer, then AnyFlow, on an x2 (benchmarks/x4.sh pair)
 # (2026-11-28: PHASE=a's job took 338 s, its peer ~210 s on an H200; the calls' limit is 600 s.)
 # From the checkout root with the bundle:
@@ -67,6 +71,14 @@ case ${PHASE:-a} in
      run h1job 360 job=wan_distill_batch $R "$A" prompts=14 arms=job modes=O3
      run h1peer $((590 - SECONDS)) job=wan_distill_batch $R "$A" prompts=3 arms=loop_compile ;;
   g) a14 "${H2_LIMIT:-380}" ;;        # A14B 720P alone, on what time is left (x4.sh a14)
+  h) lora /tmp/dh/li1.safetensors preset=wan22_i2v_a14b_lightning rank=64 layout=original
+     lora /tmp/dh/li2.safetensors preset=wan22_i2v_a14b_lightning rank=64 layout=original \
+         expert=transformer_2 seed=1
+     run h5 570 job=wan22_i2v_lightning_batch $R prompts=3 arms=job modes=O3 images=all \
+         "model.adapters=[{path: /tmp/dh/li1.safetensors}, {path: /tmp/dh/li2.safetensors, expert: transformer_2}]" ;;
+  i) run h6 570 job=wan_i2v_batch model.preset=wan21_i2v_14b_720p generation.height=720 \
+         generation.width=1280 generation.num_inference_steps=4 $R prompts=2 arms=job modes=O3 \
+         images=all ;;
   b) lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
      lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
          expert=transformer_2 seed=1

@@ -6,6 +6,7 @@
 #   pair    (x2) the 14B job on GPU 0 beside its peer, then AnyFlow, on GPU 1 (PHASE=e, f)
 #   suite2  (x2) the whole gpu suite on the 2 GPUs
 #   a14     (x1) Wan 2.2 A14B Lightning 720P alone (distill_h100.sh PHASE=g)
+#   i2v     (x2) Wan 2.2 I2V A14B Lightning 720P (GPU 0) and Wan 2.1 I2V 14B 720P (GPU 1), FP8
 # From the checkout root with the bundle:  source .devbundle/install.sh && bash benchmarks/x4.sh MODE OUT
 # A device call brings back at most 8 files (device README): the runs write under /tmp/x4-MODE and
 # the script ends with them packed into OUT/MODE.tgz, the whole mode cut (SIGINT, then KILL 15 s
@@ -28,6 +29,10 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpu
 case $mode in
   suite4) bash benchmarks/gpu_suite.sh "$OUT/suite4" ;;
   a14) PHASE=g bash benchmarks/distill_h100.sh "$OUT/g" > "$OUT/g.out" 2>&1 ;;   # x1: A14B 720P
+  i2v) # x2: issue 59 point 3's image-to-video 720P rows, one a GPU (distill_h100.sh PHASE=h, i)
+    CUDA_VISIBLE_DEVICES=0 PHASE=h bash benchmarks/distill_h100.sh "$OUT/h" > "$OUT/h.out" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 PHASE=i bash benchmarks/distill_h100.sh "$OUT/i" > "$OUT/i.out" 2>&1 &
+    wait ;;
   suite2) CUDA_VISIBLE_DEVICES=0,1 bash benchmarks/gpu_suite.sh "$OUT/suite2" ;;
   mixed)
     CUDA_VISIBLE_DEVICES=2 PHASE=c bash benchmarks/distill_h100.sh "$OUT/c" > "$OUT/c.out" 2>&1 &
