@@ -441,32 +441,45 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION.pop("temp"), ignore_errors=True)
 
 
-# The tests of the longest wall time on the 2-core CI machine (60-100 s each in a -n 4 run of
-# 2026-11-26; the stalled store mostly waits out production timeouts), one at the head of each
-# pytest -n worker's share. xdist's worksteal hands each worker a contiguous slice of the
-# collection and steals from the slices' tails, so a long test in the middle of a slice ran
-# last: that run's workers ended at 318, 318, 337 and 381 s, the stalled store's 80 s the tail.
-FIRST = ("test_s3_jobs.py::test_a_stalled_store_ends_the_job_within_120_s_naming_it",
+# The tests of the longest wall time on the 2-core CI machine (60-190 s each in a -n 4 run), at
+# the heads of pytest -n's slices, dealt round-robin: FIRST[k::n] leads worker k's slice. xdist's
+# worksteal hands each worker a contiguous slice of the collection and steals from the slices'
+# tails, so a worker runs the head of its own slice itself: a long test in the middle of a slice ran
+# late (a run of 2026-11-26: the stalled store's 80 s the tail), and a slice whose head held many
+# long tests bounded the run. The second slice's head held test_compile_job's 190 s test, then
+# (in collection order) every CLI fault test, the e2e demo video, GCS and i2v jobs: ~620 s of the
+# long tests of a 727 s run on one worker while the others stole its short tail. Order: the rounds
+# of 4 pair a test that mostly waits (a stalled store, hang timeouts) with ones that compute.
+FIRST = (# round 1
+         "test_s3_jobs.py::test_a_stalled_store_ends_the_job_within_120_s_naming_it",
          "test_compile_job.py::test_second_worker_warms_from_the_first_workers_artifact",
          "test_s3_jobs.py::test_ray_job_submit_with_outputs_on_s3_and_no_shared_dir",
          "test_cluster.py::test_worker_node_removed_mid_job",
-         # a fifth: behind the stalled store (which mostly waits) on the first worker
+         # round 2
          "test_scaling.py::test_cold_then_warm_runs_each_from_its_own_cache",
-         # the next two (50-80 s in a -n 4 run, one process each, all CPU): second on the second
-         # and third workers, so that neither starts last and runs alone at the end
          "test_compiler_compile.py::test_compiled_matches_eager_shares_graphs_and_never_recompiles[pixart_alpha_512]",
-         "test_step_reuse.py::test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles[flux1_dev-blocks1]")
+         "test_step_reuse.py::test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles[flux1_dev-blocks1]",
+         "test_adapters.py::test_per_row_adapters_switch_in_place_with_no_recompile_and_equal_single_adapter_jobs",
+         # round 3 (the second worker, behind the 190 s test: the frozen store, which mostly waits)
+         "test_faults.py::test_a_row_that_runs_its_worker_out_of_memory_fails_naming_it",
+         "test_i2v_jobs.py::test_an_image_store_frozen_mid_job_stops_it_exit_3_and_a_rerun_makes_the_rest",
+         "test_faults.py::test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it[1]",
+         "test_faults.py::test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it[2]")
 
 
 def long_tests_first(config, items) -> None:
-    """Under `-n N --dist worksteal`: FIRST's tests at the heads of the N slices worksteal deals
-    out (as `WorkStealingScheduling.check_schedule` sizes them), the rest in collection order.
-    Every worker collects, so each computes the same order, as xdist requires (a worker's own
-    `dist` option is "no": the main process's comes in workerinput, `pytest_configure_node`)."""
+    """Under `-n N --dist worksteal`: FIRST's tests, then the other `e2e` tests (real CLI jobs on
+    Ray: tens of seconds each) in collection order, dealt round-robin to the heads of the N slices
+    worksteal deals out (as `WorkStealingScheduling.check_schedule` sizes them), the rest in
+    collection order: the long tests start first, spread over the workers, and the short ones
+    balance the workers' ends (stolen from the tails). Every worker collects, so each computes the
+    same order, as xdist requires (a worker's own `dist` option is "no": the main process's comes
+    in workerinput, `pytest_configure_node`)."""
     n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if n < 2 or getattr(config, "workerinput", {}).get("dist") != "worksteal":
         return
     first = [it for name in FIRST for it in items if it.nodeid.endswith(name)]
+    first += [it for it in items if it not in first and it.get_closest_marker("e2e") is not None]
     rest = [it for it in items if it not in first]
     ordered, left = [], len(items)
     for k in range(n):
