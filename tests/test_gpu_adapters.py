@@ -11,6 +11,7 @@ Each check also shows that a broken variant fails it: the base model (the adapte
 further from diffusers' output than the bound allows, and so would be a fusion that did nothing.
 """
 import gc
+import time
 
 import pytest
 import torch
@@ -147,6 +148,7 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
     from runner.prompts import Item
     from runner.worker import Worker
     files = [tmp_path / "high.safetensors", tmp_path / "low.safetensors"]
+    t0 = time.perf_counter()     # where the test's seconds go, printed (the suite's longest)
     for k, (f, expert) in enumerate(zip(files, ("transformer", "transformer_2"))):
         lora(["preset=wan22_t2v_a14b_lightning", f"out={f}", "rank=64", "layout=original",
               f"expert={expert}", f"seed={k}"])
@@ -156,14 +158,17 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
         "run.canary_every_items=0"]))
     cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
     assert cfg.compile.mode == "O3" and not cfg.canary
+    t_files = time.perf_counter() - t0
     w = Worker(0, cfg)
     try:
         w.warmup()
+        t_ready = time.perf_counter()
         g = cfg.generation
         assert (g.height, g.width, g.num_frames, g.num_inference_steps) == (720, 1280, 81, 4)
         rows = w.run_shard([Item(id="v", prompt="a red fox running in the snow",
                                  negative_prompt="", seed=0, height=720, width=1280, num_frames=81,
                                  num_inference_steps=4, guidance_scale=1.0, file="p", row=0)])
+        t_video = time.perf_counter() - t_ready
         m = w.metrics()
         report = w.pipe._compile_report
     finally:                    # 28 GiB of FP8 experts: freed before the next test
@@ -172,6 +177,9 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
     print(f"A14B Lightning 720x1280x81 O3 + 2 adapters: start-up peak "
           f"{m['startup_peak_mem_gb']:.1f} GiB, serving peak {m['peak_mem_gb']:.1f} GiB of "
           f"{total:.1f} GiB; FP8 linears {report.get('fp8_linears')}")
+    parts = {k: round(v, 1) for k, v in m["startup_parts_s"].items()}
+    print(f"seconds: adapter files {t_files:.1f}, load {m['model_load_s']:.1f}, warm-up "
+          f"{m['warmup_s']:.1f} {parts}, the video {t_video:.1f}")
     assert rows[0]["status"] == "ok", rows[0]["error"]
     assert report.get("fp8_linears", 0) >= 2 * 40 * 6    # both experts' block Linears in FP8
     # an H100 80GB's 79.2 GiB (its total_memory) minus what its CUDA context takes

@@ -9,6 +9,7 @@ first chunk's frame 0 stays one frame; later chunks double in time); a frame cou
 upsampling's phases (odd sizes, borders)."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -441,7 +442,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     with torch.device("cuda"):
         vae = PRESETS["wan22_ti2v_5b"].video_vae(False).to(torch.float16).eval()
     z = torch.randn(1, 48, 31, 44, 80, device="cuda", dtype=torch.float16)
+    t0 = time.perf_counter()     # where the test's seconds go, printed (one of the suite's longest)
     ms_ref, ref = time_decode(vae, z, iters=1, warmup=1)
+    t_ref = time.perf_counter() - t0
     fast = copy.deepcopy(vae)
     opts = compiler.parse_options("O2")
     winograd, triton, least = video_vae.WINOGRAD, video_vae.TRITON, video_vae.WINOGRAD_CHUNK
@@ -450,7 +453,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     torch._dynamo.config.recompile_limit = 64            # compile_pipe raises it by its block count
     counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
     assert counts["resblock"] == 14 and counts["upsample"] == 3     # middle 2, up blocks 4 x 3
+    t0 = time.perf_counter()
     ms, out = time_decode(fast, z, iters=1, warmup=1)                # the warm-up call compiles
+    t_fast = time.perf_counter() - t0
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         _, ran = fused_calls(lambda: fast.decode(torch.randn_like(z)))
     # each fused block calls the three ops once; with `triton` off none runs
@@ -464,6 +469,7 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
           f"vs diffusers: max abs {err:.3g}, PSNR "
           f"{psnr} dB; one call {ms:.0f} ms vs {ms_ref:.0f} ms, peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    print(f"seconds: diffusers' two calls {t_ref:.1f}, the compile and two calls {t_fast:.1f}")
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()
     assert psnr >= 40 and err <= 5e-2
 
