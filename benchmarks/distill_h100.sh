@@ -82,7 +82,7 @@ case ${PHASE:-a} in
   b) lora /tmp/dh/la1.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original
      lora /tmp/dh/la2.safetensors preset=wan22_t2v_a14b_lightning rank=64 layout=original \
          expert=transformer_2 seed=1
-     run h2 330 job=wan22_lightning_batch $R prompts=3 arms=job modes=O3 \
+     run h2 380 job=wan22_lightning_batch $R prompts=3 arms=job modes=O3 \
          "model.adapters=[{path: /tmp/dh/la1.safetensors}, {path: /tmp/dh/la2.safetensors, expert: transformer_2}]"
      run h3 $((575 - SECONDS)) job=anyflow_batch $R prompts=16 arms=job modes=O3 ;;
 esac

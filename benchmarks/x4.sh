@@ -5,6 +5,7 @@
 #           issue 59's H100 tables on GPUs 2 and 3 (benchmarks/distill_h100.sh PHASE=c, d)
 #   pair    (x2) the 14B job on GPU 0 beside its peer, then AnyFlow, on GPU 1 (PHASE=e, f)
 #   suite2  (x2) the whole gpu suite on the 2 GPUs
+#   h100    (x1) Wan 2.2 A14B Lightning 720P, then AnyFlow (distill_h100.sh PHASE=b)
 #   a14     (x1) Wan 2.2 A14B Lightning 720P alone (distill_h100.sh PHASE=g)
 #   i2v     (x2) Wan 2.2 I2V A14B Lightning 720P (GPU 0) and Wan 2.1 I2V 14B 720P (GPU 1), FP8
 # From the checkout root with the bundle:  source .devbundle/install.sh && bash benchmarks/x4.sh MODE OUT
@@ -28,6 +29,7 @@ OUT=$DEST
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpus.txt"
 case $mode in
   suite4) bash benchmarks/gpu_suite.sh "$OUT/suite4" ;;
+  h100) PHASE=b bash benchmarks/distill_h100.sh "$OUT/b" > "$OUT/b.out" 2>&1 ;;   # x1: A14B, AnyFlow
   a14) PHASE=g bash benchmarks/distill_h100.sh "$OUT/g" > "$OUT/g.out" 2>&1 ;;   # x1: A14B 720P
   i2v) # x2: issue 59 point 3's image-to-video 720P rows, one a GPU (distill_h100.sh PHASE=h, i)
     CUDA_VISIBLE_DEVICES=0 PHASE=h bash benchmarks/distill_h100.sh "$OUT/h" > "$OUT/h.out" 2>&1 &
