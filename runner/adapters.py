@@ -498,6 +498,10 @@ class Switch:
 
         from compiler.transforms import set_linear_weight
         a, linears = self.adapters[name] if name is not None else (None, {})
+        # until every Linear is written the weights are neither adapter's: a switch that fails part
+        # way (out of memory: the worker goes on) leaves `current` naming none, so the next `use`
+        # rewrites them all, whichever adapter it asks for
+        self.current = _PARTIAL
         with torch.no_grad():
             for (expert, path), (w, b) in self.base.items():
                 den, device = getattr(self.pipe, expert), self.device[expert]
@@ -509,6 +513,9 @@ class Switch:
                 if b is not None:
                     den.get_submodule(path).bias.copy_(b)
         self.current = name
+
+
+_PARTIAL = object()     # `Switch.current` while (or after failing while) weights are written
 
 
 def _host(t):

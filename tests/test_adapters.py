@@ -508,6 +508,34 @@ def test_per_row_adapters_switch_in_place_with_no_recompile_and_equal_single_ada
         assert not np.array_equal(_video(per_row, i), _video(only_a, i)), i
 
 
+def test_a_switch_that_fails_part_way_rewrites_every_weight_next_time(tmp_path, monkeypatch):
+    """A switch from A to B that fails after some Linears (out of memory: the worker records the
+    rows failed and goes on) must not leave B's weights in place for A's next rows."""
+    import compiler.transforms
+    fa, fb = _lora_file(tmp_path, seed=1), _lora_file(tmp_path, seed=2)
+    rows = _spec(adapters=[{"path": fa, "name": "A", "per_row": True},
+                           {"path": fb, "name": "B", "per_row": True}])
+    pipe, ref = build_pipeline(rows), build_pipeline(rows)
+    switch = adapters.Switch(pipe, rows.adapters, diffs=diff_parameter)
+    adapters.Switch(ref, rows.adapters, diffs=diff_parameter).use("A")
+    switch.use("A")
+    write, calls = compiler.transforms.set_linear_weight, []
+
+    def fails_on_the_11th(*a, **kw):
+        calls.append(a[1])
+        if len(calls) == 11:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return write(*a, **kw)
+    monkeypatch.setattr(compiler.transforms, "set_linear_weight", fails_on_the_11th)
+    with pytest.raises(torch.OutOfMemoryError):
+        switch.use("B")
+    monkeypatch.setattr(compiler.transforms, "set_linear_weight", write)
+    switch.use("A")
+    for (n, p), (_, q) in zip(pipe.transformer.named_parameters(),
+                              ref.transformer.named_parameters()):
+        assert torch.equal(p, q), f"{n} kept B's weights after use('A')"
+
+
 def test_rows_name_per_row_adapters_checked_on_the_driver_and_sharded_together(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
