@@ -397,7 +397,7 @@ def test_adapters_are_output_settings_and_absent_when_none():
     other = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, scale: 2}]"])
     renamed = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, name: y}]"])
     assert len({settings_id(base), settings_id(with_a), settings_id(other)}) == 3
-    assert settings_id(renamed) == settings_id(with_a)          # the name decides nothing
+    assert settings_id(renamed) == settings_id(with_a)   # a job-wide adapter's name: nothing
     assert OmegaConf.select(base, "model.adapters") == []
 
 
@@ -534,6 +534,21 @@ def test_a_switch_that_fails_part_way_rewrites_every_weight_next_time(tmp_path, 
     for (n, p), (_, q) in zip(pipe.transformer.named_parameters(),
                               ref.transformer.named_parameters()):
         assert torch.equal(p, q), f"{n} kept B's weights after use('A')"
+
+
+def test_per_row_adapters_names_are_output_settings():
+    """A row names its per-row adapter: two names swapped between their files change what those
+    rows are made from, so the settings id changes (a job-wide adapter's name still does not)."""
+    from runner.config import load_config
+    from runner.results import settings_id
+
+    def ids(n1, n2):
+        return settings_id(load_config([
+            "job=demo_video",
+            f"model.adapters=[{{path: /x.safetensors, name: {n1}, per_row: true}}, "
+            f"{{path: /y.safetensors, name: {n2}, per_row: true}}]"]))
+    assert ids("A", "B") == ids("A", "B")
+    assert ids("A", "B") != ids("B", "A")
 
 
 def test_rows_name_per_row_adapters_checked_on_the_driver_and_sharded_together(tmp_path, capsys):
