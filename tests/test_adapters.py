@@ -403,7 +403,8 @@ def test_adapters_are_output_settings_and_absent_when_none():
 
 def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monkeypatch):
     """A real S3 server (moto): the object copied into the local adapter cache once, keyed by its
-    URI and size, then checked as a local file; a missing key names the adapter."""
+    URI, size and modification time, then checked as a local file; a missing key names the
+    adapter."""
     from runner.storage import resolve
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     f = _lora_file(tmp_path)
@@ -415,6 +416,23 @@ def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monke
     assert open(local, "rb").read() == open(f, "rb").read()
     with pytest.raises(adapters.AdapterError, match=r"model.adapters\['gone'\].*not an object"):
         adapters.check(_spec(adapters=[{"path": f"s3://{s3_bucket}/loras/gone.safetensors"}]))
+
+
+def test_an_s3_adapter_uploaded_again_is_fetched_again(tmp_path, s3_bucket, monkeypatch):
+    """An adapter retrained and uploaded again under its URI has as many bytes (the same ranks and
+    shapes): the local copy of the first upload must not stand for it."""
+    import time
+
+    from runner.storage import resolve
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    first, second = _lora_file(tmp_path, seed=1), _lora_file(tmp_path, seed=2)
+    assert open(first, "rb").read() != open(second, "rb").read()
+    store = resolve(f"s3://{s3_bucket}/loras")
+    spec = _spec(adapters=[{"path": f"s3://{s3_bucket}/loras", "weight_name": "style.safetensors"}])
+    for f in (first, second):
+        store.write_file_atomic("style.safetensors", f)
+        assert open(adapters.local_file(spec.adapters[0]), "rb").read() == open(f, "rb").read()
+        time.sleep(1.1)             # S3's Last-Modified is in whole seconds
 
 
 def _wan16():
