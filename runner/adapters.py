@@ -100,7 +100,8 @@ def _hub_file(a: Adapter, local_files_only: bool) -> str:
 
 
 def _fetch_uri(a: Adapter, uri: str) -> str:
-    """An object-store adapter copied once into ~/.cache/runner/adapters (keyed by URI and size)."""
+    """An object-store adapter copied once into ~/.cache/runner/adapters (keyed by URI, size and
+    modification time)."""
     import pyarrow.fs as pafs
 
     from .storage import resolve
@@ -115,7 +116,9 @@ def _fetch_uri(a: Adapter, uri: str) -> str:
         raise AdapterError(f"{a.shown}: {full!r} is not an object (a missing key, or a prefix); "
                            f"give the .safetensors object, or weight_name inside the prefix")
     size = info.size
-    key = hashlib.sha256(f"{full}:{size}".encode()).hexdigest()[:16]
+    # keyed by the object's modification time too: an adapter retrained and uploaded again under
+    # its URI is as many bytes (the same ranks and shapes), and must not be the old copy
+    key = hashlib.sha256(f"{full}:{size}:{info.mtime_ns}".encode()).hexdigest()[:16]
     dest = Path(os.path.expanduser("~/.cache/runner/adapters")) / key / name
     if not dest.is_file() or dest.stat().st_size != size:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -498,6 +501,10 @@ class Switch:
 
         from compiler.transforms import set_linear_weight
         a, linears = self.adapters[name] if name is not None else (None, {})
+        # until every Linear is written the weights are neither adapter's: a switch that fails part
+        # way (out of memory: the worker goes on) leaves `current` naming none, so the next `use`
+        # rewrites them all, whichever adapter it asks for
+        self.current = _PARTIAL
         with torch.no_grad():
             for (expert, path), (w, b) in self.base.items():
                 den, device = getattr(self.pipe, expert), self.device[expert]
@@ -509,6 +516,9 @@ class Switch:
                 if b is not None:
                     den.get_submodule(path).bias.copy_(b)
         self.current = name
+
+
+_PARTIAL = object()     # `Switch.current` while (or after failing while) weights are written
 
 
 def _host(t):

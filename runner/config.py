@@ -93,10 +93,12 @@ class Adapter:
     per_row: bool = False          # fused only for rows whose `adapter` column names it
 
     def settings(self) -> dict:
-        """What decides the outputs (the name does not: a row's `adapter` is its own param)."""
+        """What decides the outputs. A job-wide adapter's name does not; a per-row adapter's does:
+        rows name it (their `adapter` param), so the file a name stands for is part of what each
+        row's output is made from (two names swapped between files must remake those rows)."""
         out = dict(path=self.path, weight_name=self.weight_name, scale=self.scale,
                    expert=self.expert)
-        return {**out, "per_row": True} if self.per_row else out
+        return {**out, "per_row": True, "name": self.name} if self.per_row else out
 
     @property
     def shown(self) -> str:

@@ -397,13 +397,14 @@ def test_adapters_are_output_settings_and_absent_when_none():
     other = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, scale: 2}]"])
     renamed = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, name: y}]"])
     assert len({settings_id(base), settings_id(with_a), settings_id(other)}) == 3
-    assert settings_id(renamed) == settings_id(with_a)          # the name decides nothing
+    assert settings_id(renamed) == settings_id(with_a)   # a job-wide adapter's name: nothing
     assert OmegaConf.select(base, "model.adapters") == []
 
 
 def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monkeypatch):
     """A real S3 server (moto): the object copied into the local adapter cache once, keyed by its
-    URI and size, then checked as a local file; a missing key names the adapter."""
+    URI, size and modification time, then checked as a local file; a missing key names the
+    adapter."""
     from runner.storage import resolve
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     f = _lora_file(tmp_path)
@@ -415,6 +416,23 @@ def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monke
     assert open(local, "rb").read() == open(f, "rb").read()
     with pytest.raises(adapters.AdapterError, match=r"model.adapters\['gone'\].*not an object"):
         adapters.check(_spec(adapters=[{"path": f"s3://{s3_bucket}/loras/gone.safetensors"}]))
+
+
+def test_an_s3_adapter_uploaded_again_is_fetched_again(tmp_path, s3_bucket, monkeypatch):
+    """An adapter retrained and uploaded again under its URI has as many bytes (the same ranks and
+    shapes): the local copy of the first upload must not stand for it."""
+    import time
+
+    from runner.storage import resolve
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    first, second = _lora_file(tmp_path, seed=1), _lora_file(tmp_path, seed=2)
+    assert open(first, "rb").read() != open(second, "rb").read()
+    store = resolve(f"s3://{s3_bucket}/loras")
+    spec = _spec(adapters=[{"path": f"s3://{s3_bucket}/loras", "weight_name": "style.safetensors"}])
+    for f in (first, second):
+        store.write_file_atomic("style.safetensors", f)
+        assert open(adapters.local_file(spec.adapters[0]), "rb").read() == open(f, "rb").read()
+        time.sleep(1.1)             # S3's Last-Modified is in whole seconds
 
 
 def _wan16():
@@ -506,6 +524,49 @@ def test_per_row_adapters_switch_in_place_with_no_recompile_and_equal_single_ada
         assert np.array_equal(_video(per_row, i), _video(only_a, i)), i
     for i in ("b1", "n1"):    # another adapter, or none: not A's video
         assert not np.array_equal(_video(per_row, i), _video(only_a, i)), i
+
+
+def test_a_switch_that_fails_part_way_rewrites_every_weight_next_time(tmp_path, monkeypatch):
+    """A switch from A to B that fails after some Linears (out of memory: the worker records the
+    rows failed and goes on) must not leave B's weights in place for A's next rows."""
+    import compiler.transforms
+    fa, fb = _lora_file(tmp_path, seed=1), _lora_file(tmp_path, seed=2)
+    rows = _spec(adapters=[{"path": fa, "name": "A", "per_row": True},
+                           {"path": fb, "name": "B", "per_row": True}])
+    pipe, ref = build_pipeline(rows), build_pipeline(rows)
+    switch = adapters.Switch(pipe, rows.adapters, diffs=diff_parameter)
+    adapters.Switch(ref, rows.adapters, diffs=diff_parameter).use("A")
+    switch.use("A")
+    write, calls = compiler.transforms.set_linear_weight, []
+
+    def fails_on_the_11th(*a, **kw):
+        calls.append(a[1])
+        if len(calls) == 11:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return write(*a, **kw)
+    monkeypatch.setattr(compiler.transforms, "set_linear_weight", fails_on_the_11th)
+    with pytest.raises(torch.OutOfMemoryError):
+        switch.use("B")
+    monkeypatch.setattr(compiler.transforms, "set_linear_weight", write)
+    switch.use("A")
+    for (n, p), (_, q) in zip(pipe.transformer.named_parameters(),
+                              ref.transformer.named_parameters()):
+        assert torch.equal(p, q), f"{n} kept B's weights after use('A')"
+
+
+def test_per_row_adapters_names_are_output_settings():
+    """A row names its per-row adapter: two names swapped between their files change what those
+    rows are made from, so the settings id changes (a job-wide adapter's name still does not)."""
+    from runner.config import load_config
+    from runner.results import settings_id
+
+    def ids(n1, n2):
+        return settings_id(load_config([
+            "job=demo_video",
+            f"model.adapters=[{{path: /x.safetensors, name: {n1}, per_row: true}}, "
+            f"{{path: /y.safetensors, name: {n2}, per_row: true}}]"]))
+    assert ids("A", "B") == ids("A", "B")
+    assert ids("A", "B") != ids("B", "A")
 
 
 def test_rows_name_per_row_adapters_checked_on_the_driver_and_sharded_together(tmp_path, capsys):
