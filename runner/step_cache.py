@@ -130,7 +130,8 @@ def check_distilled(sc: StepCacheSection, model) -> None:
     """A step-distilled preset (its own few-step sampler) takes no step reuse: each of its 3-4
     steps moves the latents far, so a reused step is no small error, and none is to spare."""
     if sc.on and "sampler" in model.info:
-        raise ConfigError(f"step_cache: {model.preset} is step-distilled (a few-step sampler); "
+        raise ConfigError(f"step_cache.method={sc.method!r}, step_cache.cfg_reuse={sc.cfg_reuse!r}: "
+                          f"{model.preset} is step-distilled (a few-step sampler); "
                           f"step reuse has no step to spare there: set step_cache.method=none "
                           f"and step_cache.cfg_reuse=none")
 

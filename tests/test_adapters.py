@@ -363,7 +363,8 @@ def test_i2v_a14b_lightning_runs_two_steps_on_each_expert_from_the_rows_image(tm
 def test_step_reuse_refused_on_distilled_presets_and_cfg_reuse_without_guidance(tmp_path, capsys):
     f = _lora_file(tmp_path)
     assert _run(tmp_path, "step_cache.method=residual", f"model.adapters=[{{path: '{f}'}}]") == 2
-    assert "step-distilled" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "step-distilled" in err and "step_cache.method='residual'" in err   # names what was set
     assert job.main(["job=wan_batch", "model.source=tiny", "generation.guidance_scale=1.0",
                      "step_cache.cfg_reuse=fastercache", "run.dry_run=true",
                      f"output.dir={tmp_path}"]) == 2
