@@ -31,8 +31,7 @@ lora() { python3 -m runner.bench.lora out="$1" "${@:2}" > /dev/null; }
 run() {   # run NAME LIMIT vs_loop-args...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  # x4.sh's deadline (its CAP less time to keep the files) bounds every run's own limit
-  [ -n "${X4_DEADLINE:-}" ] && limit=$(( limit < X4_DEADLINE - $(date +%s) ? limit : X4_DEADLINE - $(date +%s) ))
+  limit=$(by_deadline "$limit")   # x4.sh's deadline bounds every run's own limit
   timeout "$limit" python3 -m runner.bench.vs_loop "$@" out=/tmp/dh/media-$name > "$Q/$name.log" 2>&1
   echo "rc=$? in $((SECONDS - t0)) s" >> "$Q/$name.log"
   cp /tmp/dh/media-$name/vs_loop.json "$Q/$name.json" 2>/dev/null

@@ -10,8 +10,7 @@ mkdir -p "$Q"
 source "$(dirname "$0")/keep.sh"
 versions > "$Q/versions.txt" 2>&1
 t0=$(date +%s.%N)
-LIMIT=${LIMIT:-590}
-[ -n "${X4_DEADLINE:-}" ] && LIMIT=$(( LIMIT < X4_DEADLINE - $(date +%s) ? LIMIT : X4_DEADLINE - $(date +%s) ))
+LIMIT=$(by_deadline "${LIMIT:-590}")
 timeout -s INT "$LIMIT" python3 -m pytest -m gpu -n auto --dist loadgroup -v \
     -p no:cacheprovider --junitxml="$Q/junit.xml" > "$Q/suite.log" 2>&1
 rc=$?

@@ -28,3 +28,12 @@ for name in ("torch", "triton", "diffusers", "ray", "cache_dit"):
 PY
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
 }
+
+# by_deadline LIMIT: LIMIT seconds, or fewer where x4.sh's X4_DEADLINE (epoch s) comes sooner, so a
+# run ends (and keeps its files) before x4.sh's cap
+by_deadline() {
+  local limit=$1 left
+  [ -n "${X4_DEADLINE:-}" ] || { echo "$limit"; return; }
+  left=$(( X4_DEADLINE - $(date +%s) ))
+  echo $(( limit < left ? limit : left ))
+}

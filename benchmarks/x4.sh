@@ -13,14 +13,15 @@
 # the script ends with them packed into OUT/MODE.tgz, the whole mode cut (SIGINT, then KILL 15 s
 # later) at CAP s (default 560) so the packing happens inside the call's 600 s.
 set -u
-mode=${1:?usage: x4.sh suite4|suite2|mixed|pair OUT}; DEST=${2:?usage: x4.sh MODE OUT}
+mode=${1:?usage: x4.sh suite4|suite2|mixed|pair|h100|a14|i2v OUT}; DEST=${2:?usage: x4.sh MODE OUT}
 if [ -z "${X4_INNER:-}" ]; then
   rm -rf "/tmp/x4-$mode"; mkdir -p "/tmp/x4-$mode" "$DEST"
   # each run's own limit ends by X4_DEADLINE (distill_h100.sh, gpu_suite.sh), 30 s before the cap,
   # so that its files are kept; the cap itself is the backstop (2026-11-28: a14's adapters took
   # their time first and the cap killed the run before it kept anything)
-  export X4_DEADLINE=$(( $(date +%s) + ${CAP:-560} - 30 ))
-  X4_INNER=1 timeout -s INT -k 15 "${CAP:-560}" bash "$0" "$mode" "/tmp/x4-$mode"
+  CAP=${CAP:-560}
+  export X4_DEADLINE=$(( $(date +%s) + CAP - 30 ))
+  X4_INNER=1 timeout -s INT -k 15 "$CAP" bash "$0" "$mode" "/tmp/x4-$mode"
   echo "x4.sh $mode rc=$?"
   tar czf "$DEST/$mode.tgz" -C /tmp "x4-$mode" && ls -l "$DEST"
   exit 0
