@@ -397,15 +397,77 @@ def test_vs_loop_modes_with_cfg_run_and_compare_as_planned():
 CFG_MAX_ABS = 1.0
 
 
+def _low_pass(d: torch.Tensor) -> torch.Tensor:
+    """FasterCache's low-frequency part of `d` (B, C, F, H, W): a disc of radius min(H, W) // 5
+    around the centre of the shifted 2-D spectrum: the reference `UncondReuse` is checked against."""
+    h, w = d.shape[-2:]
+    y = torch.arange(h, device=d.device)[:, None] - h // 2
+    x = torch.arange(w, device=d.device)[None, :] - w // 2
+    mask = torch.fft.ifftshift(y * y + x * x <= (min(h, w) // 5) ** 2)
+    return torch.fft.ifft2(torch.fft.fft2(d) * mask).real
+
+
+def skipped_call_gaps(log: list, alpha: float) -> list[tuple[float, float]]:
+    """For each skipped unconditional call in `log` ((branch, output as float32, late) in call
+    order; branch "cond", "uncond" or "est" for a skipped call's estimate): (max |estimate -
+    reference|, max |reference|), the reference being this step's conditional output plus the
+    difference kept at the last step whose two calls ran (uncond - cond), weighted as FasterCache
+    does (its low-frequency part 1 + alpha in the first half of the steps, its high-frequency
+    part 1 + alpha in the second), rounded to the output's half precision."""
+    gaps, cond, kept = [], None, None
+    for branch, out, late in log:
+        if branch == "cond":
+            cond = out
+        elif branch == "uncond":
+            kept = out - cond
+        else:
+            assert cond is not None and kept is not None, "a skipped call before a kept difference"
+            low = _low_pass(kept)
+            d = kept + alpha * ((kept - low) if late else low)
+            ref = (cond + d).half().float()
+            gaps.append(((out - ref).abs().max().item(), ref.abs().max().item()))
+    return gaps
+
+
+def test_the_skipped_call_check_holds_for_uncond_reuse_and_catches_a_dropped_difference():
+    """`skipped_call_gaps` (the full-size test's per-call check) on `UncondReuse` itself, on CPU:
+    its estimates are within 2 half-precision ulps of the reference in both halves of the steps
+    (alpha 0.2: the FFT split), and an estimate without the kept difference is far outside."""
+    from compiler.step_reuse import UncondReuse
+    g = torch.Generator().manual_seed(0)
+    reuse, log = UncondReuse(0.2), []
+    for step, late in enumerate([False, False, True, True]):
+        cond = (4 * torch.randn(1, 16, 3, 30, 52, generator=g)).half()
+        reuse.cond(cond, step)
+        log.append(("cond", cond.float(), None))
+        if step % 2 == 0:           # both calls run: a difference is kept
+            unc = (cond.float() + 0.3 * torch.randn(cond.shape, generator=g)).half()
+            reuse.uncond((unc,), step)
+            log.append(("uncond", unc.float(), None))
+        else:
+            log.append(("est", reuse.estimate(late).float(), late))
+    gaps = skipped_call_gaps(log, 0.2)
+    assert len(gaps) == 2 and all(gap <= 2 * 2**-10 * scale for gap, scale in gaps), gaps
+    dropped = [(b, log[i - 1][1] if b == "est" else x, late) for i, (b, x, late) in enumerate(log)]
+    assert all(gap > 8 * 2**-10 * scale for gap, scale in skipped_call_gaps(dropped, 0.2))
+
+
 @pytest.mark.gpu
 def test_full_size_wan_o3_residual_with_cfg_reuse():
     """480x832 x 33 frames, 12 steps, random weights, fp16, O3 (FP8, step graphs) + residual
     (compute_ratio 0.5, F1B0) + cfg_reuse: after the worker's warm-up (every call runs: the four
     step graphs captured), a call recompiles nothing, captures no new graph, runs the
     unconditional denoiser call only on the planned steps, makes no host sync in what replaces a
-    skipped call, and its output is finite, differs from residual alone, and by at most
-    `CFG_MAX_ABS` (the error of skipping 6 of 12 unconditional calls, bounded); the same call with
-    the kept difference dropped exceeds that bound."""
+    skipped call; each skipped call returns its step's conditional output plus the kept,
+    weighted difference (`skipped_call_gaps`: within 2 half-precision ulps), and the broken
+    variant that drops the kept difference is caught there; the output is finite, differs from
+    residual alone, and by at most `CFG_MAX_ABS`.
+
+    Why the check is per call: with random weights the conditional and unconditional outputs
+    barely differ and their difference changes from step to step more than its own size (a
+    trained model's is steady), so at the output the broken variant is no further from the
+    reference than the real reuse (2026-11-28, 2 x H200: 0.346 vs 0.584): a bound there cannot
+    tell them apart."""
     import compiler
     from compiler.cudagraph import StepGraph
     steps = 12
@@ -425,12 +487,20 @@ def test_full_size_wan_o3_residual_with_cfg_reuse():
                         output_type="latent",
                         generator=torch.Generator("cuda").manual_seed(0)).frames
 
+    def sample(out):        # the denoiser's output tensor (diffusers returns a 1-tuple)
+        return (out[0] if isinstance(out, tuple) else out).float()
+
     ref = call(cfg=False).float()                 # the warm-up: every call runs
     graphs = len(sched.inner.graphs)
     assert graphs == 4                            # (compute, reuse) x (cond, uncond)
-    seen = []
+    log = []
     inner = sched.inner
-    sched.inner = lambda *a, **k: (seen.append(k["branch"]), inner(*a, **k))[1]
+
+    def logged_inner(*a, **k):
+        out = inner(*a, **k)
+        log.append((k["branch"], sample(out), None))
+        return out
+    sched.inner = logged_inner
     for name in ("estimate", "cond", "uncond"):   # what runs outside the graphs: no host sync
         f = getattr(sched.cfg, name)
 
@@ -441,21 +511,40 @@ def test_full_size_wan_o3_residual_with_cfg_reuse():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         setattr(sched.cfg, name, strict)
+
+    def logged_estimate(estimate):
+        def f(late):
+            out = estimate(late)
+            log.append(("est", sample(out), late))
+            return out
+        return f
+    real_estimate = sched.cfg.estimate
+    sched.cfg.estimate = logged_estimate(real_estimate)
     before = sched.uncond_skipped
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = call().float()
     runs = step_cache.uncond_plan(steps, sc)
-    assert seen.count("cond") == steps and seen.count("uncond") == sum(runs) < steps
-    assert sched.uncond_skipped - before == steps - sum(runs)
+    branches = [b for b, _, _ in log]
+    assert branches.count("cond") == steps and branches.count("uncond") == sum(runs) < steps
+    assert branches.count("est") == steps - sum(runs) == sched.uncond_skipped - before
     assert len(inner.graphs) == graphs
+    gaps = skipped_call_gaps(log, sc.cfg_alpha)
+    worst = max(g / (2 * 2**-10 * scale) for g, scale in gaps)   # in units of 2 fp16 ulps
+    print(f"skipped calls: estimate vs conditional + kept difference, max abs "
+          f"{max(g for g, _ in gaps):.3g} (scale {max(s for _, s in gaps):.3g})")
+    assert worst <= 1, gaps
     assert torch.isfinite(out).all() and not torch.equal(out, ref)
     err = (out - ref).abs().max().item()
     print(f"wan 1.3B O3 residual+cfg vs residual: max abs {err:.3g} (scale "
           f"{ref.abs().max().item():.3g}); uncond calls {sum(runs)} of {steps}")
     assert err <= CFG_MAX_ABS, err
-    # The bound can fail: the broken variant whose skipped call lost its kept difference (the
+    # The check can fail: the broken variant whose skipped call lost its kept difference (the
     # estimate is the step's conditional output, so guidance vanishes on the skipped steps)
-    sched.cfg.estimate = lambda late: sched.cfg.out
-    broken = (call().float() - ref).abs().max().item()
-    print(f"broken (kept difference dropped): max abs {broken:.3g} > bound {CFG_MAX_ABS}")
-    assert broken > CFG_MAX_ABS, broken
+    log.clear()
+    sched.cfg.estimate = logged_estimate(lambda late: sched.cfg.out)
+    broken_out = call().float()
+    broken = skipped_call_gaps(log, sc.cfg_alpha)
+    print(f"broken (kept difference dropped): skipped calls off by up to "
+          f"{max(g for g, _ in broken):.3g}; output {(broken_out - ref).abs().max().item():.3g} "
+          f"from residual alone")
+    assert max(g / (2 * 2**-10 * s) for g, s in broken) > 4, broken
