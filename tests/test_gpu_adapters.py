@@ -73,7 +73,7 @@ def _err(a, b) -> float:
 def _adapter_file(tmp_path, model, seed=0):
     from safetensors.torch import save_file
     f = tmp_path / f"lora{seed}.safetensors"
-    save_file(random_adapter(model, "original", rank=64, seed=seed), str(f))
+    save_file(random_adapter(model, "original", rank=64, seed=seed, device="cuda"), str(f))
     return adapters.Adapter(path=str(f))
 
 
