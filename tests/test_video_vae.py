@@ -443,7 +443,7 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
         vae = PRESETS["wan22_ti2v_5b"].video_vae(False).to(torch.float16).eval()
     z = torch.randn(1, 48, 31, 44, 80, device="cuda", dtype=torch.float16)
     t0 = time.perf_counter()     # where the test's seconds go, printed (one of the suite's longest)
-    ms_ref, ref = time_decode(vae, z, iters=1, warmup=1)
+    ms_ref, ref = time_decode(vae, z, iters=1, warmup=0)    # eager: one call, timed (6 s here)
     t_ref = time.perf_counter() - t0
     fast = copy.deepcopy(vae)
     opts = compiler.parse_options("O2")
@@ -469,7 +469,7 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
           f"vs diffusers: max abs {err:.3g}, PSNR "
           f"{psnr} dB; one call {ms:.0f} ms vs {ms_ref:.0f} ms, peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(f"seconds: diffusers' two calls {t_ref:.1f}, the compile and two calls {t_fast:.1f}")
+    print(f"seconds: diffusers' call {t_ref:.1f}, the compile and two calls {t_fast:.1f}")
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()
     assert psnr >= 40 and err <= 5e-2
 

@@ -52,7 +52,7 @@ def time_decode(vae, z, iters: int, warmup: int = 3) -> tuple[float, torch.Tenso
         for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            vae.decode(z, return_dict=False)
+            out = vae.decode(z, return_dict=False)[0]
             b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
