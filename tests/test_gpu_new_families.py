@@ -7,8 +7,9 @@ GPU: tests/test_gpu_adapters.py (720P, FP8, adapters). Skipped without CUDA; run
     pytest -m gpu tests/test_gpu_new_families.py -v -n auto --dist loadgroup   # errors, peaks: summary
 
 Each test builds its model afresh (the A14B alone is 64 GiB of weights) and frees it: a test process
-holds one model at a time (`-n auto --dist loadgroup`: one process per GPU, README "Tests").
+holds one model at a time (the step-reuse test: a shallow build and one copy of it) (`-n auto --dist loadgroup`: one process per GPU, README "Tests").
 """
+import copy
 import gc
 
 import pytest
@@ -38,17 +39,21 @@ CASES = {
 
 
 def _pipe_and_call(case: str, depth: int | None = None):
-    """The case's pipeline, and `call(steps)`: one item through the runner's own `generate` (text
-    encoded by the family's encoder, the image row's pipeline, the family's call arguments), its
-    latents as float32. `depth`: each denoiser keeps its first `depth` blocks of each stack (the
-    published blocks, fewer of them)."""
+    """The case's pipeline, and `call(steps)` (`_caller`). `depth`: each denoiser keeps its first
+    `depth` blocks of each stack (the published blocks, fewer of them)."""
     preset = case.split("+")[0]
     spec = ModelSpec(preset, source=SOURCE, dtype="fp16", device=DEVICE)
     check_gpu_memory(spec)
     pipe = build_pipeline(spec)
     if depth:
         _shallow(pipe, depth)
-    fam = spec.family
+    return pipe, spec.family, _caller(case, pipe, spec.family)
+
+
+def _caller(case: str, pipe, fam):
+    """`call(steps)`: one item through the runner's own `generate` (text encoded by the family's
+    encoder, the image row's pipeline, the family's call arguments) on `pipe`, its latents as
+    float32."""
     size = CASES[case]
     image = None
     if fam.image == "required" or case.endswith("+image"):
@@ -61,7 +66,7 @@ def _pipe_and_call(case: str, depth: int | None = None):
                   file="p", row=0, image="x" if image is not None else None)
         with torch.inference_mode():
             return generate(pipe, fam, [it], DEVICE, output_type="latent", image=image).float()
-    return pipe, fam, call
+    return call
 
 
 STACKS = ("blocks", "transformer_blocks", "single_transformer_blocks")   # Wan's; FLUX's two
@@ -113,17 +118,19 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
     of 4 (`_shallow`: a full-size model's 4 first blocks a stack): the planned steps reused inside
     captured step graphs (per denoiser: compute and reuse, per guidance branch), no recompiles on
     a later call, O2 within fp16 tolerance of the eager reuse, O3 (FP8, lossy) close to it. Each
-    variant is a fresh build (the same seeded random weights)."""
+    variant is a copy of one shallow build, untouched (the full-size build, 64 GiB for A14B, is
+    the test's slowest part: built once, not once a variant)."""
     import compiler
     sc = StepCacheSection(method="residual", compute_ratio=0.5)
+    base, fam, _ = _pipe_and_call(case, depth=4)
 
     def variant(mode):
-        pipe, fam, call = _pipe_and_call(case, depth=4)
+        pipe = copy.deepcopy(base)       # compile_pipe and step_cache change the pipeline in place
         if mode:
             compiler.compile_pipe(pipe, {"mode": mode, "compile_text_encoder": False,
                                          "compile_vae": False})
         step_cache.apply(pipe, sc, fam)
-        return pipe, fam, call
+        return pipe, fam, _caller(case, pipe, fam)
 
     pipe, fam, call = variant(None)
     ref = call(steps=8)
@@ -143,3 +150,4 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
         print(f"{case} {mode} residual vs eager residual: max abs {err:.3g} (scale {scale:.3g})")
         assert torch.isfinite(out).all() and err <= tol * scale, mode
         free_pipeline(pipe)
+    free_pipeline(base)
