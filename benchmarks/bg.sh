@@ -21,8 +21,10 @@ case ${1:?usage: bg.sh start NAME COMMAND | wait SECS OUT [NAME...]} in
     name=${2:?NAME}; cmd=${3:?COMMAND}
     [ -e "$B/$name.start" ] && { echo "bg.sh: $name was started already" >&2; exit 2; }
     date +%s > "$B/$name.start"
-    # the exit status is written last: a run without NAME.rc has not ended
-    setsid nohup bash -c "( $cmd ); echo \$? > $B/$name.rc" > "$B/$name.out" 2>&1 < /dev/null &
+    # the exit status is written last, whole (renamed into place): a run without NAME.rc has not
+    # ended; the command goes as an argument, so one that does not parse still ends with its rc (2)
+    setsid nohup bash -c '( eval "$1" ); echo $? > "$2.tmp"; mv "$2.tmp" "$2"' _ "$cmd" \
+        "$B/$name.rc" > "$B/$name.out" 2>&1 < /dev/null &
     echo "bg.sh: $name started (pid $!)" ;;
   wait)
     secs=${2:?SECS}; out=${3:?OUT}; shift 3

@@ -582,17 +582,20 @@ def _gpu_memory_returned(request):
     """After each gpu test, what it left on the GPU is collected and handed back, so one test's
     leftovers (a 64 GiB model held by a reference cycle) cannot run the next tests of the same
     process out of memory; what is still allocated after that is named in a warning. The garbage
-    collector runs only where more than 1 GiB is left: a full collection of a process holding
-    Inductor's graphs costs ~0.9 s, which after every test was ~80 s of the 2-GPU suite
-    (2026-11-28: setup + teardown 0.9-1.2 s a test, kernel tests included)."""
+    collector runs only where more than 1 GiB is still reserved once the allocator's free cache is
+    handed back (reserved, not allocated: a CUDA graph's private pool, which a step graph in a
+    reference cycle keeps, is reserved): a full collection of a process holding Inductor's graphs
+    costs ~0.9 s, which after every test was ~80 s of the 2-GPU suite (2026-11-28: setup +
+    teardown 0.9-1.2 s a test, kernel tests included)."""
     yield
     if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_initialized():
         return
     import gc
     import warnings
-    if torch.cuda.memory_allocated() > 2**30:
-        gc.collect()
     torch.cuda.empty_cache()
+    if torch.cuda.memory_reserved() > 2**30:
+        gc.collect()
+        torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated() / 2**30
     if left > 2:
         warnings.warn(f"{request.node.nodeid} left {left:.1f} GiB allocated on the GPU")

@@ -528,6 +528,10 @@ def test_full_size_wan_o3_residual_with_cfg_reuse():
     assert branches.count("cond") == steps and branches.count("uncond") == sum(runs) < steps
     assert branches.count("est") == steps - sum(runs) == sched.uncond_skipped - before
     assert len(inner.graphs) == graphs
+    # each skipped call's half of the steps, as FasterCache weights it (not taken on trust from
+    # the code under test: `skipped_call_gaps` uses the `late` it was called with)
+    assert [late for b, _, late in log if b == "est"] == \
+        [k >= steps // 2 for k, computed in enumerate(runs) if not computed]
     gaps = skipped_call_gaps(log, sc.cfg_alpha)
     worst = max(g / (2 * 2**-10 * scale) for g, scale in gaps)   # in units of 2 fp16 ulps
     print(f"skipped calls: estimate vs conditional + kept difference, max abs "
