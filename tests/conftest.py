@@ -288,6 +288,26 @@ def pytest_configure(config):
     configure_cache_dir(compile_cache())
     if not (os.environ.get("RAY_ADDRESS") or os.environ.get("RUNNER_TEST_RAY") == "local"):
         start_shared_ray(config)
+    if gpu_spread._gpu_run(config) and gpu_spread.listed_gpus():
+        prebuild_int8_attention()
+
+
+def prebuild_int8_attention() -> None:
+    """A gpu run's `int8-attention` kernel, built by a subprocess of the main process from the
+    session's start, into the session's compile cache (its build directory: the environment the
+    test processes inherit), while they start and collect. Built there at a worker's start instead
+    (`compiler.prewarm`), its ~1 min of nvcc lay on the suite's longest path: the A14B 720P test,
+    first in its process, waited 32 s in `compile_pipe` after its 32 s load (2 x H200,
+    2026-11-28). No GPU is needed (the build names sm_90a); a build that fails changes nothing:
+    the test processes build as before, and report what failed."""
+    # nvcc's own temporary files under the compile cache, which the temp-folder check expects
+    tmp = os.path.join(compile_cache(), "nvcc-tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": tmp}
+    _SESSION["int8_build"] = subprocess.Popen(
+        [sys.executable, "-c", "from compiler.kernels.int8_attention import extension; extension()"],
+        env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def session_temp_folder() -> None:
@@ -428,6 +448,12 @@ def pytest_runtestloop(session):
 
 def pytest_unconfigure(config):
     import shutil
+    import signal
+    build = _SESSION.pop("int8_build", None)
+    if build is not None and build.poll() is None:   # a run that ended first: its nvcc stopped
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
     if "compile_cache" in _SESSION:
         shutil.rmtree(_SESSION.pop("compile_cache"), ignore_errors=True)
     if "proc" in _SESSION:
