@@ -103,15 +103,19 @@ def test_full_size_14b_fused_adapters_match_diffusers_unfused_and_survive_fp8(tm
     against diffusers' unfused output; then O3's FP8 linears on the fused weights."""
     from compiler.transforms import fuse_qkv, to_fp8
     from diffusers import WanTransformer3DModel
+    t = [time.perf_counter()]    # where the test's seconds go, printed (one of the suite's longest)
     model = _denoiser("wan21_t2v_14b")
     x = _inputs()
+    t.append(time.perf_counter())
     _check_fused(_pipe(model), model, _adapter_file(tmp_path, model), x)
+    t.append(time.perf_counter())
     tiny = ModelSpec("wan22_t2v_a14b", source="tiny")
     with torch.device("cuda"):   # the first expert: only read for its config by the loader
         first = WanTransformer3DModel.from_config(tiny.family.denoiser_config(tiny.info, True))
     a = _adapter_file(tmp_path, model, seed=3)
     base, ref, ours = _check_fused(_pipe(first.half(), model), model,
                                    adapters.Adapter(path=a.path, expert="transformer_2"), x)
+    t.append(time.perf_counter())
     # O3's FP8 linears on the fused weights: the adapter's change survives the quantisation
     linears = sum(m.weight.numel() for blk in model.blocks for m in blk.modules()
                   if isinstance(m, torch.nn.Linear))
@@ -131,6 +135,9 @@ def test_full_size_14b_fused_adapters_match_diffusers_unfused_and_survive_fp8(tm
     fp8 = _forward(model, x)
     err, to_base = _err(fp8, ref), _err(fp8, base)
     print(f"FP8: {err:.4f} from the adapted output, {to_base:.4f} from the base one")
+    t.append(time.perf_counter())
+    print("seconds: build {:.1f}, T2V adapter {:.1f}, A14B second expert {:.1f}, FP8 {:.1f}".format(
+        *(b - a for a, b in zip(t, t[1:]))))
     assert err < 0.1, f"FP8 output {err:.4f} (relative) from the adapted fp16 one"
     # the adapter survives the quantisation: FP8 is nearer the adapted output than the base one
     assert err < 0.5 * to_base
