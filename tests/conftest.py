@@ -448,7 +448,6 @@ def pytest_runtestloop(session):
 
 def pytest_unconfigure(config):
     import shutil
-    import signal
     build = _SESSION.pop("int8_build", None)
     if build is not None and build.poll() is None:   # a run that ended first: its nvcc stopped
         with contextlib.suppress(ProcessLookupError):
@@ -616,8 +615,6 @@ def _gpu_memory_returned(request):
     yield
     if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_initialized():
         return
-    import gc
-    import warnings
     torch.cuda.empty_cache()
     if torch.cuda.memory_reserved() > 2**30:
         gc.collect()

@@ -518,8 +518,7 @@ def test_full_size_wan_o3_residual_with_cfg_reuse():
             log.append(("est", sample(out), late))
             return out
         return f
-    real_estimate = sched.cfg.estimate
-    sched.cfg.estimate = logged_estimate(real_estimate)
+    sched.cfg.estimate = logged_estimate(sched.cfg.estimate)
     before = sched.uncond_skipped
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = call().float()

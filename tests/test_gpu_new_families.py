@@ -7,7 +7,8 @@ GPU: tests/test_gpu_adapters.py (720P, FP8, adapters). Skipped without CUDA; run
     pytest -m gpu tests/test_gpu_new_families.py -v -n auto --dist loadgroup   # errors, peaks: summary
 
 Each test builds its model afresh (the A14B alone is 64 GiB of weights) and frees it: a test process
-holds one model at a time (the step-reuse test: a shallow build and one copy of it) (`-n auto --dist loadgroup`: one process per GPU, README "Tests").
+holds one model at a time, or a shallow build and one copy of it (the step-reuse test); `-n auto
+--dist loadgroup`: one process per GPU, README "Tests".
 """
 import copy
 import gc
@@ -130,15 +131,15 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
             compiler.compile_pipe(pipe, {"mode": mode, "compile_text_encoder": False,
                                          "compile_vae": False})
         step_cache.apply(pipe, sc, fam)
-        return pipe, fam, _caller(case, pipe, fam)
+        return pipe, _caller(case, pipe, fam)
 
-    pipe, fam, call = variant(None)
+    pipe, call = variant(None)
     ref = call(steps=8)
     free_pipeline(pipe)
     branches = 2 if fam.negative_prompt else 1      # FLUX: one call a step, no uncond branch
     scale = max(ref.abs().max().item(), 1.0)
     for mode, tol in (("O2", 2e-2), ("O3", 0.25)):
-        pipe, fam, call = variant(mode)
+        pipe, call = variant(mode)
         call(steps=8)
         reused = step_cache.skipped(pipe)
         with torch._dynamo.config.patch(error_on_recompile=True):
