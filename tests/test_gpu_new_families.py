@@ -28,13 +28,17 @@ pytestmark = pytest.mark.gpu
 DEVICE, SOURCE = "cuda", "random"      # the published architectures on the GPU
 
 # preset -> the call's size (published size; fewer frames than published where noted, to keep the
-# test minutes: the blocks, and so the compiled graphs, are the same at any frame count)
+# test minutes: the blocks, and so the compiled graphs, are the same at any frame count). The 14B
+# models' calls are most of their O2 test by its FLOPs (an eager and two compiled calls of 4 steps, 8
+# forwards each with CFG, ~0.55 PFLOP a forward at 33 frames, 14,040 tokens: ~20 of its ~33 s on an
+# H200): 17 frames (5 latent frames, 7,800 tokens) halve them; TI2V-5B's 25 frames (7 latent
+# frames, 6,160 tokens, of 49's 11,440) likewise.
 CASES = {
-    "wan22_t2v_a14b_480p": dict(height=480, width=832, num_frames=33),
-    "wan22_ti2v_5b": dict(height=704, width=1280, num_frames=49),
-    "wan22_ti2v_5b+image": dict(height=704, width=1280, num_frames=49),
-    "wan21_i2v_14b_480p": dict(height=480, width=832, num_frames=33),
-    "wan22_i2v_a14b_480p": dict(height=480, width=832, num_frames=33),
+    "wan22_t2v_a14b_480p": dict(height=480, width=832, num_frames=17),
+    "wan22_ti2v_5b": dict(height=704, width=1280, num_frames=25),
+    "wan22_ti2v_5b+image": dict(height=704, width=1280, num_frames=25),
+    "wan21_i2v_14b_480p": dict(height=480, width=832, num_frames=17),
+    "wan22_i2v_a14b_480p": dict(height=480, width=832, num_frames=17),
     "flux1_dev": dict(height=1024, width=1024),
 }
 
