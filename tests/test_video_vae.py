@@ -429,7 +429,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     chunk, channels_last_3d, `SUBPIXEL`, `WINOGRAD`) against diffusers' eager decode: PSNR >= 40 dB on the
     uint8 frames, max abs <= 5e-2 on the [-1, 1] outputs (fp16 rounding of 2 PFLOP of
     convolutions grouped differently), no recompile on a second latent, the fused Triton passes
-    run. Prints one call's time of each (the figure is the bench's median: `python -m
+    run. Two compiled calls: the first compiles and makes the video compared, the second (another
+    latent) shows no recompile and the fused passes. Prints one call's time of each (the figure is
+    the bench's median: `python -m
     runner.bench.decode model=wan22_ti2v_5b frames=121 variants=installed`). The settings
     `compile_pipe` installs (`video_vae.WINOGRAD`, `TRITON`, `WINOGRAD_CHUNK`); the other
     variants (Winograd off, Inductor's passes, other chunks) are the bench's
@@ -454,10 +456,18 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     counts = _compile_vae(fast, opts, compiler.compile_kwargs(opts, denoiser=False), "cuda")
     assert counts["resblock"] == 14 and counts["upsample"] == 3     # middle 2, up blocks 4 x 3
     t0 = time.perf_counter()
-    ms, out = time_decode(fast, z, iters=1, warmup=1)                # the warm-up call compiles
+    with torch.no_grad():
+        out = fast.decode(z, return_dict=False)[0]       # the first call compiles: its video compared
     t_fast = time.perf_counter() - t0
+    # the second call, on another latent: no recompile, the fused passes ran, and its time (under
+    # the profiler, host events only: printed, not asserted; the bench's median is the figure)
+    z2, (a, b) = torch.randn_like(z), [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
-        _, ran = fused_calls(lambda: fast.decode(torch.randn_like(z)))
+        a.record()
+        _, ran = fused_calls(lambda: fast.decode(z2))
+        b.record()
+    torch.cuda.synchronize()
+    ms = a.elapsed_time(b)
     # each fused block calls the three ops once; with `triton` off none runs
     assert len(set(ran.values())) == 1 and (ran[FUSED_OPS[0]] > 0) == triton, ran
     err, psnr = (out.float() - ref.float()).abs().max().item(), psnr_uint8(out, ref)
@@ -467,9 +477,9 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     print(f"Wan 2.2 VAE 704x1280x121, compiled chunked (winograd {winograd}, triton {triton}, "
           f"chunk >= {least}) "
           f"vs diffusers: max abs {err:.3g}, PSNR "
-          f"{psnr} dB; one call {ms:.0f} ms vs {ms_ref:.0f} ms, peak "
+          f"{psnr} dB; one call {ms:.0f} ms (profiled) vs {ms_ref:.0f} ms, peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(f"seconds: diffusers' call {t_ref:.1f}, the compile and two calls {t_fast:.1f}")
+    print(f"seconds: diffusers' call {t_ref:.1f}, the compile and first call {t_fast:.1f}")
     assert out.shape == ref.shape == (1, 3, 121, 704, 1280) and torch.isfinite(out).all()
     assert psnr >= 40 and err <= 5e-2
 
