@@ -310,13 +310,17 @@ def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_promp
 @pytest.mark.parametrize("method", ["fastercache", "pab"])
 def test_step_cache_with_compiled_modes_on_gpu(method, mode, tol):
     """Tiny Latte in fp16 on CUDA: step cache + O2 (its step graph dropped) within fp16 tolerance of
-    the eager step cache; + O3 (FP8 linears, lossy) within 0.15 on outputs in [0, 1]."""
+    the eager step cache; + O3 (FP8 linears, lossy) within 0.15 on outputs in [0, 1]. The denoiser
+    is compiled, the text encoder and VAE (which the step cache does not touch) stay eager, as in
+    the full-size test below: compiled, they were 8 of the 12 graphs (fastercache under O2, counted
+    on a CPU); the same T5 and 2-D VAE compiled on a GPU are the full-size PixArt-α tests'."""
     def pipe_of(m):
         p = build_pipeline(ModelSpec("latte1", source="tiny", dtype="fp16", device="cuda"))
         sc = StepCacheSection(method=method)
         if m:
             import compiler
-            compiler.compile_pipe(p, step_cache.compile_options({"mode": m}, sc))
+            compiler.compile_pipe(p, step_cache.compile_options(
+                {"mode": m, "compile_text_encoder": False, "compile_vae": False}, sc))
         step_cache.apply(p, sc, LATTE)
         return p
 
