@@ -139,7 +139,7 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
 
     pipe, call = variant(None)
     ref = call(steps=8)
-    free_pipeline(pipe)
+    free_pipeline(pipe, others_held=True)          # `base` stays until the last variant
     branches = 2 if fam.negative_prompt else 1      # FLUX: one call a step, no uncond branch
     scale = max(ref.abs().max().item(), 1.0)
     for mode, tol in (("O2", 2e-2), ("O3", 0.25)):
@@ -154,5 +154,5 @@ def test_published_blocks_step_reuse_under_o2_and_o3(case):
         err = (out - ref).abs().max().item()
         print(f"{case} {mode} residual vs eager residual: max abs {err:.3g} (scale {scale:.3g})")
         assert torch.isfinite(out).all() and err <= tol * scale, mode
-        free_pipeline(pipe)
+        free_pipeline(pipe, others_held=True)
     free_pipeline(base)
