@@ -27,6 +27,7 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -136,12 +137,21 @@ def pytest_runtest_setup(item):
 
 _REPORTS: list = []     # (label, outcome, seconds, test id, printed lines) of each gpu test here
 PRINTED = 5             # the last lines a test printed (its figures), shown under it in the summary
+_SPANS: dict = {}       # test id -> [label, first phase's start, last phase's stop] (epoch s)
+_T0: list = []          # the session's start here (the controller's, under xdist)
+
+
+def pytest_sessionstart(session):
+    _T0.append(time.time())
 
 
 def pytest_runtest_logreport(report):
     """Kept by the process that reports (the controller under xdist): a gpu test's call, or the
     setup that failed or skipped it."""
     gpu = dict(report.user_properties).get("gpu")
+    if gpu and report.start:        # setup, call and teardown: where a process's seconds went
+        span = _SPANS.setdefault(report.nodeid, [gpu, report.start, report.stop])
+        span[1], span[2] = min(span[1], report.start), max(span[2], report.stop)
     if gpu and (report.when == "call" or report.outcome != "passed"):
         printed = [line for line in report.capstdout.splitlines() if line.strip()][-PRINTED:]
         _REPORTS.append((gpu, report.outcome, report.duration, report.nodeid, printed))
@@ -155,3 +165,22 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{gpu}  {outcome:7} {seconds:7.1f} s  {nodeid}")
         for line in printed:
             terminalreporter.write_line(f"    {line}")
+    for line in process_times(_SPANS.values(), _T0[0] if _T0 else None, time.time()):
+        terminalreporter.write_line(line)
+
+
+def process_times(spans, t0: float | None, end: float) -> list[str]:
+    """Per GPU: when its first test started and its last ended (seconds after the session's
+    start), its tests' seconds (setup, call, teardown) and the seconds between them: a 2-GPU wall
+    60 s over its processes' test seconds (2026-11-28) shows where (start-up, gaps, the end)."""
+    by_gpu: dict = {}
+    for gpu, a, b in spans:
+        by_gpu.setdefault(gpu, []).append((a, b))
+    lines = []
+    for gpu, ab in sorted(by_gpu.items()):
+        first, last, busy = min(a for a, _ in ab), max(b for _, b in ab), sum(b - a for a, b in ab)
+        t = t0 if t0 is not None else first
+        lines.append(f"{gpu}: first test at +{first - t:.1f} s, last done at +{last - t:.1f} s "
+                     f"(session ends +{end - t:.1f} s); tests {busy:.1f} s, between them "
+                     f"{last - first - busy:.1f} s")
+    return lines

@@ -7,6 +7,7 @@ of them; CUDA_VISIBLE_DEVICES narrowed by the caller ignored; the report not nam
 longest tests not first."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,11 +17,12 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 PROBE = """
-import json, os, pytest
+import json, os, time, pytest
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", range(6))
 def test_probe(k):
+    time.sleep(0.3)
     with open(os.path.join(os.environ["PROBE_OUT"], f"{k}.json"), "w") as f:
         json.dump([os.environ["PYTEST_XDIST_WORKER"], os.environ["CUDA_VISIBLE_DEVICES"]], f)
     print(f"probe {k}: max abs 0.0{k}")
@@ -82,6 +84,15 @@ def test_one_process_per_gpu_each_seeing_its_own(probe):
         lines = summary.splitlines()
         (at,) = [i for i, line in enumerate(lines) if line.endswith(f"test_probe[{k}]")]
         assert f"{w} GPU {g}" in lines[at] and lines[at + 1] == f"    probe {k}: max abs 0.0{k}"
+    # then where each process's seconds went: its tests (0.3 s each, at least), the rest apart
+    times = re.findall(r"^(gw\d) GPU \d \(.*?\): first test at \+([\d.]+) s, last done at \+([\d.]+) s "
+                       r"\(session ends \+([\d.]+) s\); tests ([\d.]+) s, between them (-?[\d.]+) s$",
+                       summary, re.M)
+    assert sorted(t[0] for t in times) == ["gw0", "gw1", "gw2"], summary
+    ran = {w: sum(1 for k, (w2, _) in seen.items() if w2 == w) for w in ("gw0", "gw1", "gw2")}
+    for w, first, last, end, busy, gaps in times:
+        first, last, end, busy, gaps = map(float, (first, last, end, busy, gaps))
+        assert 0 < first <= last <= end and busy >= 0.3 * ran[w] and gaps >= -0.01
 
 
 def test_a_narrowed_cuda_visible_devices_is_kept(probe):
