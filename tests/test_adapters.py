@@ -480,6 +480,10 @@ def _worker(tmp_path, name, adapter_entries, mode="max-optimize"):
     from runner.prompts import Constraints
     from runner.worker import Worker
     spec = _spec(adapters=adapter_entries)
+    # The denoiser compiled only: adapters change its weights alone. The tiny Wan VAE's cold
+    # compile was ~50 of the per-row test's 66 s alone on a 2-core box (the text encoder's and
+    # VAE's compile: test_compiler_compile.py; Wan's compiled VAE decode: its gpu tests).
+    options = parse_options({"mode": mode, "compile_text_encoder": False, "compile_vae": False})
     cfg = WorkerConfig(model=spec, generation=GenerationDefaults(
                            height=64, width=48, num_frames=5, num_inference_steps=2,
                            guidance_scale=1.0),
@@ -487,7 +491,7 @@ def _worker(tmp_path, name, adapter_entries, mode="max-optimize"):
                                           adapters=tuple(a.name for a in spec.adapters
                                                          if a.per_row)),
                        on_empty="error", job_dir=str(tmp_path / name), warmup_steps=2,
-                       compile=CompileConfig(options=parse_options(mode), mode=mode))
+                       compile=CompileConfig(options=options, mode=mode))
     w = Worker(0, cfg)
     w.warmup()
     return w
