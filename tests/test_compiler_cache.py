@@ -84,34 +84,40 @@ def test_key_changes_with_model_dtype_shapes_mode_and_options(pipe):
         pipe.transformer.register_to_config(num_layers=2)
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """A small function compiled on CPU into a fresh cache directory: (the directory, a real
-    save_cache_artifacts payload)."""
-    from conftest import compile_cache
-    cc = cache.configure_cache_dir(tmp_path_factory.mktemp("cc"))
+def _compile_small_function(act=torch.nn.functional.gelu) -> bytes:
+    """A small function compiled on CPU into the configured cache directory: a real
+    save_cache_artifacts payload (a cache hit records one too). Another `act`, another graph
+    and kernel: none of this process's in-memory caches has it."""
     torch._dynamo.reset()
 
     @torch.compile(fullgraph=True)
     def f(x):
-        return torch.nn.functional.gelu(x * 2 + 1).sum(-1)
+        return act(x * 2 + 1).sum(-1)
 
     f(torch.randn(8, 8))
     blob = cache.pack_artifact("k1")
-    cache.configure_cache_dir(compile_cache())  # the session's again, for other test modules
     assert blob is not None
-    return cc, blob
+    return blob
 
 
 @pytest.fixture(scope="module")
-def artifact(compiled):
-    return compiled[1]
+def artifact():
+    """A real payload, compiled in the session's compile cache. Module-scoped fixtures run once
+    per test process that needs them (pytest -n's worksteal splits this module): a fresh cache
+    directory here, as before, built its precompiled header (~6 CPU-s of g++) in 3 processes of a
+    run; only the test of that header needs a fresh directory."""
+    return _compile_small_function()
 
 
-def test_precompiled_headers_go_under_the_cache_directory(compiled):
+def test_precompiled_headers_go_under_the_cache_directory(tmp_path):
     """Inductor's precompiled C++ header of the CPU kernels (~150 MB) goes with the rest of the
     compile, not to `<temp folder>/torchinductor_<user>`, where it was left (issue 47)."""
-    cc, _ = compiled
+    from conftest import compile_cache
+    cc = cache.configure_cache_dir(tmp_path / "cc")
+    try:
+        _compile_small_function(torch.nn.functional.silu)   # not the artifact's kernel
+    finally:
+        cache.configure_cache_dir(compile_cache())  # the session's again, for the other tests
     assert list((cc / "inductor" / "precompiled_headers").glob("*.h.gch"))
 
 
@@ -122,7 +128,7 @@ def loads(monkeypatch):
     return calls
 
 
-def test_artifact_write_on_a_full_disk_is_a_warning_not_a_crash(compiled, tmp_path, caplog):
+def test_artifact_write_on_a_full_disk_is_a_warning_not_a_crash(artifact, tmp_path, caplog):
     """A local compile.cache_dir on a full disk: the compiling worker, whose graphs are compiled and
     warm, logs that the artifact was not saved and serves (as with an s3:// cache_dir); it raised
     ENOSPC out of its warm-up, which lost the worker, and its replacement did the same."""
