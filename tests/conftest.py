@@ -466,7 +466,7 @@ def pytest_unconfigure(config):
         shutil.rmtree(_SESSION.pop("temp"), ignore_errors=True)
 
 
-# The tests of the longest wall time on the 2-core CI machine (60-190 s each in a -n 4 run), at
+# The tests of the longest wall time on the 2-core CI machine (35-120 s each in a -n 4 run), at
 # the heads of pytest -n's slices, dealt round-robin: FIRST[k::n] leads worker k's slice. xdist's
 # worksteal hands each worker a contiguous slice of the collection and steals from the slices'
 # tails, so a worker runs the head of its own slice itself: a long test in the middle of a slice ran
@@ -484,8 +484,8 @@ FIRST = (# round 1
          "test_scaling.py::test_cold_then_warm_runs_each_from_its_own_cache",
          "test_compiler_compile.py::test_compiled_matches_eager_shares_graphs_and_never_recompiles[pixart_alpha_512]",
          "test_step_reuse.py::test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles[flux1_dev-blocks1]",
-         "test_adapters.py::test_per_row_adapters_switch_in_place_with_no_recompile_and_equal_single_adapter_jobs",
-         # round 3 (the second worker, behind the 190 s test: the frozen store, which mostly waits)
+         "test_step_cache.py::test_bench_reports_error_and_psnr_of_each_lossy_variant",
+         # round 3 (the second worker, behind test_compile_job's: the frozen store, which mostly waits)
          "test_faults.py::test_a_row_that_runs_its_worker_out_of_memory_fails_naming_it",
          "test_i2v_jobs.py::test_an_image_store_frozen_mid_job_stops_it_exit_3_and_a_rerun_makes_the_rest",
          "test_faults.py::test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it[1]",
