@@ -431,8 +431,8 @@ def test_full_size_wan22_chunked_decode_matches_diffusers():
     convolutions grouped differently), no recompile on a second latent, the fused Triton passes
     run. Two compiled calls: the first compiles and makes the video compared, the second (another
     latent) shows no recompile and the fused passes. Prints one call's time of each (the figure is
-    the bench's median: `python -m
-    runner.bench.decode model=wan22_ti2v_5b frames=121 variants=installed`). The settings
+    the bench's median: `python -m runner.bench.decode model=wan22_ti2v_5b frames=121
+    variants=installed`). The settings
     `compile_pipe` installs (`video_vae.WINOGRAD`, `TRITON`, `WINOGRAD_CHUNK`); the other
     variants (Winograd off, Inductor's passes, other chunks) are the bench's
     (`variants=winograd`), their kernels checked at every production shape by
