@@ -135,6 +135,38 @@ def test_the_anyflow_check_fails_a_processor_with_broken_q_k_v(monkeypatch, brok
         assert _rel(den(*args).sample, ref) > 1e-3
 
 
+def _complex_nodes(fn, *args) -> list[str]:
+    """The ops of `fn`'s traced graph that make a complex tensor (what Inductor cannot generate)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return [str(n.target) for n in make_fx(fn)(*args).graph.nodes
+            if n.op == "call_function" and getattr(n.meta.get("val"), "is_complex", lambda: False)()]
+
+
+def test_complex_rope_is_anyflows_rotary_embedding_in_real_pointwise_math():
+    """`complex_rope` against diffusers' `apply_rotary_emb` on AnyFlow's own frequency table
+    (complex128, 3 x 6 x 10 latent positions, head dim 128): fp32 within 1e-6, fp16 equal but for
+    last-bit ties; its traced graph makes no complex tensor, where diffusers' does (the reason:
+    Inductor leaves complex ops to eager kernels). The conjugate rotation (a sign slip) is far off."""
+    from diffusers.models.transformers.transformer_anyflow import AnyFlowRotaryPosEmbed, apply_rotary_emb
+    heads, d, (f, h, w) = 2, 128, (3, 6, 10)
+    freqs = AnyFlowRotaryPosEmbed(d, (1, 2, 2), 64)(
+        {"total_frames": f, "full_frame_shape": (h, w), "full_token_per_frame": h * w},
+        torch.device("cpu"))["query"]                          # (1, 1, N, D/2) complex128
+    assert freqs.dtype == torch.complex128 and freqs.shape == (1, 1, f * h * w, d // 2)
+    x = torch.randn(1, f * h * w, heads, d, generator=torch.Generator().manual_seed(0))  # (B, N, H, D)
+    ref = apply_rotary_emb(x.transpose(1, 2), freqs).transpose(1, 2)   # diffusers': (B, H, N, D)
+    assert _rel(ia.complex_rope(x, freqs.transpose(1, 2)), ref) <= 1e-6
+    x16 = x.half()
+    got = ia.complex_rope(x16, freqs.transpose(1, 2)).float()
+    want = apply_rotary_emb(x16.transpose(1, 2), freqs).transpose(1, 2).float()
+    ulp = torch.finfo(torch.float16).eps * want.abs().clamp_min(2 ** -14)
+    assert ((got - want).abs() <= ulp).all() and (got != want).float().mean() < 1e-3
+    conj = ia.complex_rope(x, freqs.transpose(1, 2).conj().resolve_conj())
+    assert _rel(conj, ref) > 0.1
+    assert _complex_nodes(ia.complex_rope, x, freqs.transpose(1, 2)) == []
+    assert _complex_nodes(lambda x, f: apply_rotary_emb(x, f), x.transpose(1, 2), freqs) != []
+
+
 def test_o3_on_the_cpu_takes_anyflow_self_attentions_as_the_kernel_candidates(caplog):
     """compile_pipe("O3") on the family's tiny AnyFlow pipeline on the CPU: its self-attentions
     are fused and are int8-attention's (one per block, all inside the domain), and the flag is

@@ -260,12 +260,29 @@ def _qkv_cos_sin_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
     return q, k, v
 
 
+def complex_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """AnyFlow's `apply_rotary_emb` in real fp32 arithmetic: x (B, N, H, D) as D/2 interleaved
+    (real, imaginary) pairs, each times its complex frequency (freqs (1, N, 1, D/2), complex128 or
+    complex64). diffusers multiplies in complex128, which Inductor cannot generate: q and k went
+    through fp64 copies in eager kernels on every layer and step (2-3 % of AnyFlow's 4-step video,
+    benchmarks/2026-11-28-gpu-suite-2xh200-whole.md); here the rotation is plain pointwise math
+    Inductor fuses into the kernel making q or k. fp32 against fp64 before the fp16 output:
+    the same values but for a rare last-bit tie."""
+    # out[2i] = x[2i] c_i - x[2i+1] s_i, out[2i+1] = x[2i+1] c_i + x[2i] s_i: x times (c, c) plus
+    # x with each pair swapped times (-s, s), every term pointwise (no cat of halves, which
+    # Inductor would write out in fp32 before the cast)
+    c, s = torch.view_as_real(freqs).float().unbind(-1)              # 2 x (1, N, 1, D/2)
+    c2, s2 = torch.stack((c, c), -1).flatten(-2), torch.stack((-s, s), -1).flatten(-2)   # (1, N, 1, D)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)           # (B, N, H, D)
+    return (x.float() * c2 + swapped.float() * s2).type_as(x)
+
+
 def _qkv_complex_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
     """AnyFlow self-attention's q, k, v, each (B, N, H, D), as diffusers' AnyFlowAttnProcessor
     makes them: `to_qkv` where `transforms.fuse_qkv` made one (one GEMM), else to_q/k/v; RMS
-    norms across heads; the rotary embedding ({"query", "key"}: complex (1, 1, N, D/2)) by its
-    module's own `apply_rotary_emb`, its frequencies laid out for (B, N, H, D)."""
-    from diffusers.models.transformers.transformer_anyflow import apply_rotary_emb
+    norms across heads; the rotary embedding ({"query", "key"}: complex (1, 1, N, D/2)) as its
+    module's own `apply_rotary_emb` rotates, in fp32 (`complex_rope`), its frequencies laid out
+    for (B, N, H, D)."""
     if getattr(attn, "fused_projections", False):
         q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
     else:
@@ -273,15 +290,16 @@ def _qkv_complex_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))   # 3 x (B, N, H, D)
     if rotary_emb is not None:
-        q = apply_rotary_emb(q, rotary_emb["query"].transpose(1, 2))
-        k = apply_rotary_emb(k, rotary_emb["key"].transpose(1, 2))
+        q = complex_rope(q, rotary_emb["query"].transpose(1, 2))
+        k = complex_rope(k, rotary_emb["key"].transpose(1, 2))
     return q, k, v
 
 
 class FusedAnyFlowAttnProcessor:
     """diffusers' AnyFlowAttnProcessor reading the fused `to_qkv` (one GEMM; `transforms.fuse_qkv`
     installs it on AnyFlow's self-attentions, whose own processor never reads fused projections):
-    the same q, k, v, the same `dispatch_attention_fn` call. Cross-attention calls go to
+    the same q, k, v (the rotary embedding in fp32: `complex_rope`), the same
+    `dispatch_attention_fn` call. Cross-attention calls go to
     diffusers' processor (unfused modules only)."""
 
     _attention_backend = None
