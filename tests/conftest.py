@@ -147,13 +147,18 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def stop_ray(temp_dir: str) -> None:
+def stop_ray(temp_dir: str, gcs_port: int | None = None) -> None:
     """Kill one Ray's processes only (`ray stop` would kill every Ray on the machine, also another
-    test's under pytest -n): those whose command line names its temp dir, and their children (the
-    agents a raylet starts rename themselves)."""
+    test's under pytest -n): those whose command line names its temp dir or its GCS port (the
+    head's Ray client server names only `--address=HOST:PORT`; orphaned when its `ray start` has
+    ended, it outlived the cluster by a minute or two), and their children (the agents a raylet
+    starts rename themselves)."""
     import psutil
-    roots = [p for p in psutil.process_iter(["cmdline"])
-             if any(temp_dir in a for a in (p.info["cmdline"] or []))]
+
+    def ours(cmdline: list[str]) -> bool:
+        return any(temp_dir in a or (gcs_port is not None and a.startswith("--address=")
+                                     and a.endswith(f":{gcs_port}")) for a in cmdline)
+    roots = [p for p in psutil.process_iter(["cmdline"]) if ours(p.info["cmdline"] or [])]
     procs = list(roots)
     for p in roots:
         with contextlib.suppress(psutil.Error):
@@ -434,7 +439,7 @@ def pytest_runtestloop(session):
         # A port picked free may be taken by another process before Ray binds it (a start then
         # exits at once, naming the port): again with fresh ports; the GCS port stays, as pytest
         # -n's workers already have it in RAY_ADDRESS.
-        stop_ray(_SESSION["temp_dir"])
+        stop_ray(_SESSION["temp_dir"], _SESSION["port"])
         with contextlib.suppress(subprocess.TimeoutExpired):
             _SESSION["proc"].wait(timeout=30)
         if attempt == 2 or not any("port" in line for line in lines):
@@ -460,7 +465,7 @@ def pytest_unconfigure(config):
         proc.terminate()                     # `ray start --block` stops its cluster on SIGTERM
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
-        stop_ray(temp_dir)                   # whatever did not stop with it
+        stop_ray(temp_dir, _SESSION["port"])   # whatever did not stop with it
         shutil.rmtree(temp_dir, ignore_errors=True)
     if "temp" in _SESSION:                   # last: the cluster's workers wrote under it
         shutil.rmtree(_SESSION.pop("temp"), ignore_errors=True)

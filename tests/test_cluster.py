@@ -52,25 +52,27 @@ def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=GUARD
 def ray_cluster():
     """A head (with the dashboard `ray job submit` talks to) and a worker node. Their processes'
     temporary files go under the cluster's own temp dir (TMPDIR), removed with it: the processes
-    are killed at the end (`stop_ray`), so what they would remove at their exit stays (the
-    dashboard's multiprocessing `pymp-*` directory)."""
+    (the Ray client server among them, on a port of its own) are killed at the end (`stop_ray`),
+    so what they would remove at their exit stays (the dashboard's multiprocessing `pymp-*`
+    directory)."""
     # Each node's job agent on a free port: its default (52365) is taken by any other Ray on the
     # machine (another test's under pytest -n), and the head's dashboard then finds no agent to run
-    # a submitted job on. Picked together: ports picked one by one can come out equal.
-    port, dash, head_agent, node_agent = free_ports(4)
+    # a submitted job on; the head's Ray client server too (its default 10001 is any Ray's). Picked
+    # together: ports picked one by one can come out equal.
+    port, dash, head_agent, node_agent, client = free_ports(5)
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")    # short: Ray's socket paths
     env = {**ENV, "TMPDIR": temp_dir}
     sh([*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
         "--num-gpus=1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-        f"--dashboard-agent-listen-port={head_agent}"], env=env)
+        f"--dashboard-agent-listen-port={head_agent}", f"--ray-client-server-port={client}"], env=env)
     try:
         sh([*RAY, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
             "--num-cpus=2", "--num-gpus=1", f"--temp-dir={temp_dir}",
             f"--dashboard-agent-listen-port={node_agent}"], env=env)
         yield dict(address=f"127.0.0.1:{port}", dashboard=f"http://127.0.0.1:{dash}")
     finally:
-        stop_ray(temp_dir)
+        stop_ray(temp_dir, gcs_port=port)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
