@@ -20,6 +20,8 @@ Contract:
   each normalised per token (`norm_q`, `norm_k` an RMS or layer norm over the channels, as
   Wan's), read from the module: the kernel loses accuracy on key tokens much larger than the
   rest (below), which such a norm rules out. Others keep diffusers' processor (lossless).
+- `complex_rope(x, freqs)`: AnyFlow's rotary embedding (diffusers' `apply_rotary_emb`, complex128)
+  as fp32 pointwise math Inductor can fuse; AnyFlow's processors here make q and k with it.
 
 Arithmetic (what is lossy, and why it survives outliers):
 - Q and K multiplied by one fixed orthogonal matrix R (a Hadamard matrix with random signs, seed 0,
