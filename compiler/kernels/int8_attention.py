@@ -21,7 +21,11 @@ Contract:
   Wan's), read from the module: the kernel loses accuracy on key tokens much larger than the
   rest (below), which such a norm rules out. Others keep diffusers' processor (lossless).
 - `complex_rope(x, freqs)`: AnyFlow's rotary embedding (diffusers' `apply_rotary_emb`, complex128)
-  as fp32 pointwise math Inductor can fuse; AnyFlow's processors here make q and k with it.
+  as fp32 pointwise math Inductor can fuse; AnyFlow's processors here make q and k with it where
+  `fused_norm_rope` does not apply (fp32).
+- `fused_norm_rope(attn, q, k, cs_q, cs_k)`: q and k's RMS norms + rotary embedding in one Triton
+  pass each (`qk_norm.qk_norm_rope`), where the module's norms are what that kernel computes; the
+  q/k/v functions here (Wan's and AnyFlow's) take it first, in every mode.
 
 Arithmetic (what is lossy, and why it survives outliers):
 - Q and K multiplied by one fixed orthogonal matrix R (a Hadamard matrix with random signs, seed 0,
@@ -53,6 +57,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .qk_norm import qk_norm_rope
 
 MIN_TOKENS = 16384     # below this cuDNN's BF16/FP16 kernel is faster (H100, head dim 128)
 SRC = Path(__file__).parent / "csrc" / "sage_sm90"
@@ -250,11 +256,45 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return out.type_as(x)
 
 
+def fused_norm_rope(attn, q, k, cs_q, cs_k):
+    """q, k (B, N, H*D) -> each RMS-normalised across heads (`attn.norm_q`, `norm_k`) and rotated
+    by its (cos, sin) pair (each (N, D/2)), (B, N, H, D), in one Triton pass each
+    (`qk_norm.qk_norm_rope`; on a CPU its reference, the same arithmetic); None in fp32, with a
+    16-bit rotary table (a model cast whole with `.to()`: the modules then round after every
+    product) or where the norms are not what that kernel computes: then the caller's own path
+    (which Inductor compiles into looped reductions ~3x slower on an H200)."""
+    from diffusers.models.normalization import RMSNorm
+    wide = (torch.float32, torch.float64)
+    pairs = cs_q[0].shape[-1]                        # D/2: the kernel's pair axis, a power of two
+    if (q.dtype not in DTYPES or cs_q[0].shape[0] != q.shape[1] or pairs & (pairs - 1)
+            or any(t.dtype not in wide for t in (*cs_q, *cs_k))):
+        return None
+    args = []
+    for x, norm in ((q, attn.norm_q), (k, attn.norm_k)):
+        if isinstance(norm, torch.nn.RMSNorm):
+            round_first = False        # torch's: (x r w) rounded once
+        elif isinstance(norm, RMSNorm) and norm.bias is None:
+            round_first = True         # diffusers': (x r) rounded, then times w
+        else:
+            return None
+        w = norm.weight
+        if w is None or norm.eps is None or tuple(w.shape) != (x.shape[-1],) or w.dtype != x.dtype:
+            return None
+        args.append((x, w, float(norm.eps), round_first))
+    return [qk_norm_rope(x, w, eps, c, s, first).unflatten(2, (attn.heads, -1))
+            for (x, w, eps, first), (c, s) in zip(args, (cs_q, cs_k))]
+
+
 def _qkv_cos_sin_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
     """Wan self-attention's q, k, v, each (B, N, H, D), as diffusers' WanAttnProcessor makes them:
     the (fused) projection, RMS norms across heads, the rotary embedding ((cos, sin))."""
     from diffusers.models.transformers.transformer_wan import _get_qkv_projections
     q, k, v = _get_qkv_projections(attn, hidden_states, None)       # 3 x (B, N, H*D)
+    if rotary_emb is not None and rotary_emb[0].shape[0] == 1 and rotary_emb[0].shape[2] == 1:
+        cos, sin = rotary_emb                                        # 2 x (1, N, 1, D)
+        cs = (cos[0, :, 0, 0::2], sin[0, :, 0, 1::2])                # pair i: cos[2i], sin[2i + 1]
+        if (qk := fused_norm_rope(attn, q, k, cs, cs)) is not None:
+            return (*qk, v.unflatten(2, (attn.heads, -1)))
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))   # 3 x (B, N, H, D)
     if rotary_emb is not None:
@@ -289,6 +329,10 @@ def _qkv_complex_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
         q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
     else:
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    if rotary_emb is not None and rotary_emb["query"].shape[:2] == (1, 1) == rotary_emb["key"].shape[:2]:
+        fq, fk = (torch.view_as_real(rotary_emb[n])[0, 0] for n in ("query", "key"))   # (N, D/2, 2)
+        if (qk := fused_norm_rope(attn, q, k, fq.unbind(-1), fk.unbind(-1))) is not None:
+            return (*qk, v.unflatten(2, (attn.heads, -1)))
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))   # 3 x (B, N, H, D)
     if rotary_emb is not None:
