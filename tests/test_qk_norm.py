@@ -80,8 +80,10 @@ _INTERPRETED = r"""
 import torch
 from compiler.kernels import qk_norm
 torch.manual_seed(0)
-for b, n, heads, d, first, fdt in ((1, 37, 3, 8, True, torch.float64), (2, 21, 4, 16, False, torch.float32),
-                                    (1, 9, 6, 128, True, torch.float64)):
+cases = ((1, 37, 3, 8, True, torch.float64), (2, 21, 4, 16, False, torch.float32),
+         (1, 9, 6, 128, True, torch.float64), (3, 5, 5, 8, False, torch.float32))
+for words, (b, n, heads, d, first, fdt) in [(w, c) for w in (2 ** 31, 1) for c in cases]:
+    qk_norm.INT32_WORDS = words       # 1: every launch takes the int64-offset variant
     c = heads * d
     qkv = (3 * torch.randn(b, n, 3 * c)).half()
     x = qkv[..., c:2 * c]
@@ -99,9 +101,10 @@ print("ok")
 
 
 def test_the_triton_kernel_under_the_interpreter_equals_the_reference():
-    """The kernel's indexing (pair partner, per-head pair index, batch and row strides, the two
-    roundings) run by Triton's CPU interpreter on odd sizes, B = 1 and 2, fp64 and fp32 tables:
-    the reference's values but for a last-bit tie now and then (the row's sum in another order)."""
+    """The kernel's indexing (pairs as words, heads not a power of two, batch and row strides, the
+    two roundings) run by Triton's CPU interpreter on odd sizes, B = 1-3, fp64 and fp32 tables,
+    with 32-bit and with 64-bit offsets: the reference's values but for a last-bit tie now and
+    then (the row's sum in another order)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
@@ -124,7 +127,8 @@ def _attention(kind, dtype):
 def test_the_q_k_v_functions_take_the_fused_pass_in_half_precision_only(kind, monkeypatch):
     """fp16: `fused_norm_rope` makes q and k (the op called twice), and q, k, v equal the modules'
     own path; fp32 (tiny CPU models), a LayerNorm for norm_k, a weight in another dtype, or Wan's
-    rotary table in fp16 (a model cast whole: diffusers then rounds after every product): the
+    rotary table in fp16 (a model cast whole: diffusers then rounds after every product) or fp64
+    (its rotation then in fp64), or torch's RMSNorm before torch 2.7 (it rounded twice): the
     functions' own path, no op call."""
     calls, real = [], ia.qk_norm_rope
     monkeypatch.setattr(ia, "qk_norm_rope", lambda *a: calls.append(a) or real(*a))
@@ -152,6 +156,9 @@ def test_the_q_k_v_functions_take_the_fused_pass_in_half_precision_only(kind, mo
             qkv_fn(attn, h, rot)
         if kind == "wan":           # AnyFlow's table is complex128 whatever the model's dtype
             qkv_fn(_attention(kind, torch.float16), h, tuple(t.half() for t in rot))
+            qkv_fn(_attention(kind, torch.float16), h, tuple(t.double() for t in rot))  # _rope in fp64
+            monkeypatch.setattr(ia, "TORCH_RMS_ROUNDS_ONCE", False)    # torch < 2.7's RMSNorm
+            qkv_fn(_attention(kind, torch.float16), h, rot)
         assert calls == []
 
 

@@ -64,6 +64,9 @@ MIN_TOKENS = 16384     # below this cuDNN's BF16/FP16 kernel is faster (H100, he
 SRC = Path(__file__).parent / "csrc" / "sage_sm90"
 HEAD_DIMS = (64, 128)   # the kernel's; Wan's is 128
 DTYPES = (torch.float16, torch.bfloat16)   # the kernel's (the CPU tests add fp32: exact SDPA there)
+# torch's RMSNorm rounds x * rsqrt(..) * weight once since pytorch#147203 (torch 2.7); before, it
+# rounded x * rsqrt(..) first: `fused_norm_rope` then leaves Wan's norms to their own path.
+TORCH_RMS_ROUNDS_ONCE = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 7)
 
 
 def _digest() -> str:
@@ -271,7 +274,7 @@ def fused_norm_rope(attn, q, k, cs_q, cs_k):
         return None
     args = []
     for x, norm in ((q, attn.norm_q), (k, attn.norm_k)):
-        if isinstance(norm, torch.nn.RMSNorm):
+        if isinstance(norm, torch.nn.RMSNorm) and TORCH_RMS_ROUNDS_ONCE:
             round_first = False        # torch's: (x r w) rounded once
         elif isinstance(norm, RMSNorm) and norm.bias is None:
             round_first = True         # diffusers': (x r) rounded, then times w
@@ -290,7 +293,8 @@ def _qkv_cos_sin_rope(attn, hidden_states: torch.Tensor, rotary_emb=None):
     the (fused) projection, RMS norms across heads, the rotary embedding ((cos, sin))."""
     from diffusers.models.transformers.transformer_wan import _get_qkv_projections
     q, k, v = _get_qkv_projections(attn, hidden_states, None)       # 3 x (B, N, H*D)
-    if rotary_emb is not None and rotary_emb[0].shape[0] == 1 and rotary_emb[0].shape[2] == 1:
+    if (rotary_emb is not None and rotary_emb[0].shape[0] == 1 and rotary_emb[0].shape[2] == 1
+            and rotary_emb[0].dtype == rotary_emb[1].dtype == torch.float32):   # _rope's fp32 math
         cos, sin = rotary_emb                                        # 2 x (1, N, 1, D)
         cs = (cos[0, :, 0, 0::2], sin[0, :, 0, 1::2])                # pair i: cos[2i], sin[2i + 1]
         if (qk := fused_norm_rope(attn, q, k, cs, cs)) is not None:

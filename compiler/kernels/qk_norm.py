@@ -8,9 +8,11 @@ Contract:
       r = rsqrt(mean(x^2) + eps) in fp32;  h = round(round(x r) w) if round_first else round(x r w)
       out[2i] = h[2i] c - h[2i+1] s,  out[2i+1] = h[2i+1] c + h[2i] s   (fp32, rounded once)
   `round_first` is diffusers' `RMSNorm` (AnyFlow's), otherwise `torch.nn.RMSNorm` (Wan's): the
-  modules followed by `int8_attention.complex_rope` / `_rope` in eager PyTorch, bit for bit on a
-  CPU (`reference`); the kernel differs by a last-bit tie now and then (the row's sum in another
-  order). CUDA, x and weight with even strides: one Triton kernel; elsewhere `reference`.
+  modules followed by `int8_attention.complex_rope` / `_rope` in eager PyTorch (torch >= 2.7's
+  RMSNorm), bit for bit on a CPU (`reference`); the kernel differs in the last bit now and then
+  (the row's sum in another order, fused multiply-adds, the hardware's rsqrt). CUDA, x and weight
+  with even strides: one Triton kernel (int64 offsets where they pass 2^31 words); elsewhere
+  `reference`.
 - `launch_config(c, d)`: the kernel's rows a program and warps for rows of c values.
 
 The kernel reads each rotation pair (x[2i], x[2i+1]) as one 32-bit word, so the row is one
@@ -38,6 +40,8 @@ import functools
 
 import torch
 
+INT32_WORDS = 2 ** 31   # offsets (in 32-bit words) from here on need the kernel's int64 variant
+
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin: torch.Tensor, round_first: bool) -> torch.Tensor:
@@ -61,13 +65,17 @@ def _triton_kernel():
     @triton.jit
     def qk_norm_rope_kernel(x, w, cs, sn, out, N, sxb, sxn, scn, scp, ssn, ssp, eps,
                             H: tl.constexpr, HP: tl.constexpr, P: tl.constexpr,
-                            ROUND_FIRST: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr):
+                            ROUND_FIRST: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
+                            WIDE: tl.constexpr):
         # ROWS tokens of sample b. A rotation pair (x[2i], x[2i+1]) is one 32-bit word: the row is
         # read as (HP >= H heads, P pairs) words, contiguous (vector loads), and each lane has both
         # values of its pair, so nothing is gathered; the token's P (cos, sin) values are loaded
         # once and broadcast over the heads.
         pid, b = tl.program_id(0), tl.program_id(1)
         r = pid * ROWS + tl.arange(0, ROWS)
+        if WIDE:    # offsets past 2^31 words (a large batch of 720P 14B tokens): int64 arithmetic
+            b = b.to(tl.int64)
+            r = r.to(tl.int64)
         hh = tl.arange(0, HP)
         pp = tl.arange(0, P)
         col = hh[:, None] * P + pp[None, :]                                    # (HP, P) words
@@ -120,11 +128,12 @@ def _launch(x, weight, eps, cos, sin, round_first, rows=None, warps=None):
     rows0, warps0 = launch_config(c, 2 * p)
     rows, warps = rows or rows0, warps or warps0
     xw, ow, ww = x.view(torch.int32), out.view(torch.int32), weight.view(torch.int32)
+    reach = max((b - 1) * xw.stride(0) + (n - 1) * xw.stride(1) + c // 2, b * n * c // 2)
     _triton_kernel()[(triton.cdiv(n, rows), b)](
         xw, ww, cos, sin, ow, n, xw.stride(0), xw.stride(1), cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1), eps, H=heads, HP=triton.next_power_of_2(heads), P=p,
         ROUND_FIRST=round_first, HALF=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
-        ROWS=rows, num_warps=warps)
+        ROWS=rows, WIDE=reach >= INT32_WORDS, num_warps=warps)
     return out
 
 
