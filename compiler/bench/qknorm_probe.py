@@ -36,11 +36,11 @@ CASES = {
 }
 
 
-def _module(family: str, dim: int, heads: int):
+def _module(table: str, dim: int, heads: int):
     from diffusers.models.transformers.transformer_anyflow import AnyFlowAttention
     from diffusers.models.transformers.transformer_wan import WanAttention
     with torch.device("cuda"):
-        attn = (AnyFlowAttention(dim, heads, dim // heads) if family == "complex"
+        attn = (AnyFlowAttention(dim, heads, dim // heads) if table == "complex"
                 else WanAttention(dim, heads, dim // heads, eps=1e-6))
     attn = attn.half().eval().requires_grad_(False)
     for n in (attn.norm_q, attn.norm_k):    # weights away from 1, so the weight's rounding counts
@@ -49,14 +49,21 @@ def _module(family: str, dim: int, heads: int):
     return attn
 
 
-def _rotary(family: str, n: int, d: int):
+def _rotary(table: str, n: int, d: int):
     ang = torch.rand(n, d // 2, device="cuda", dtype=torch.float64) * 6.28
-    if family == "complex":                 # complex128 (1, 1, N, D/2), for query and key
+    if table == "complex":                 # complex128 (1, 1, N, D/2), for query and key
         f = torch.polar(torch.ones_like(ang), ang)[None, None]
         return {"query": f, "key": f}
     cos = ang.cos().float().repeat_interleave(2, -1)[None, :, None]   # (1, N, 1, D) fp32
     sin = ang.sin().float().repeat_interleave(2, -1)[None, :, None]
     return (cos, sin)
+
+
+def _pairs(table: str, rot) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) of each rotation pair, 2 x (N, D/2), as the q/k/v functions pass them."""
+    if table == "complex":
+        return torch.view_as_real(rot["query"])[0, 0].unbind(-1)
+    return rot[0][0, :, 0, 0::2], rot[1][0, :, 0, 1::2]
 
 
 def _kernels(fn) -> list[tuple[str, float]]:
@@ -71,19 +78,18 @@ def _kernels(fn) -> list[tuple[str, float]]:
 
 def case(name: str) -> dict:
     import triton
-    family, dim, heads, n = CASES[name]
+    table, dim, heads, n = CASES[name]
     torch.manual_seed(0)
-    attn = _module(family, dim, heads)
+    attn = _module(table, dim, heads)
     h = torch.randn(1, n, dim, device="cuda", dtype=torch.float16)
-    rot = _rotary(family, n, dim // heads)
-    res = {}
-    outs = {}
+    rot = _rotary(table, n, dim // heads)
+    res, outs = {}, {}
     hook = ia.fused_norm_rope
-    qkv = ia._qkv_complex_rope if family == "complex" else ia._qkv_cos_sin_rope
+    make_qkv = ia._qkv_complex_rope if table == "complex" else ia._qkv_cos_sin_rope
     for variant, fused in (("qk_norm_rope", hook), ("inductor", lambda *a: None)):
         ia.fused_norm_rope = fused          # read at trace time by the q/k/v functions
         torch._dynamo.reset()
-        fn = torch.compile(lambda: torch.cat([t.flatten(2) for t in qkv(attn, h, rot)], -1),
+        fn = torch.compile(lambda: torch.cat([t.flatten(2) for t in make_qkv(attn, h, rot)], -1),
                            options=parse_options("O3").inductor_config(denoiser=True))
         outs[variant] = fn().clone()
         ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -97,11 +103,7 @@ def case(name: str) -> dict:
 
         def norm(x, m):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps) * m.weight.double()
-        if family == "complex":
-            ang = torch.view_as_real(rot["query"])[0, 0]               # (N, D/2, 2)
-            cs, sn = ang[..., 0], ang[..., 1]
-        else:
-            cs, sn = rot[0][0, :, 0, 0::2].double(), rot[1][0, :, 0, 1::2].double()
+        cs, sn = (t.double() for t in _pairs(table, rot))
 
         def rope(x):
             p = x.unflatten(-1, (heads, -1, 2))
@@ -126,29 +128,28 @@ def kernels_only(name: str) -> dict:
     for the modules' own path (O3's settings) against `qk_norm_rope` at each launch setting."""
     import triton
     from ..kernels import qk_norm
-    family, dim, heads, n = CASES[name]
+    table, dim, heads, n = CASES[name]
     torch.manual_seed(0)
-    attn = _module(family, dim, heads)
-    rot = _rotary(family, n, dim // heads)
+    attn = _module(table, dim, heads)
+    rot = _rotary(table, n, dim // heads)
     x = torch.randn(1, n, 3 * dim, device="cuda", dtype=torch.float16)[..., :dim]
     norm = attn.norm_q
-    if family == "complex":
-        cs, sn = torch.view_as_real(rot["query"])[0, 0].unbind(-1)
+    cs, sn = _pairs(table, rot)
+    first = table == "complex"
+    if first:
         path = lambda x: ia.complex_rope(norm(x).unflatten(2, (heads, -1)), rot["query"].transpose(1, 2))
     else:
-        cs, sn = rot[0][0, :, 0, 0::2], rot[1][0, :, 0, 1::2]
         path = lambda x: ia._rope(norm(x).unflatten(2, (heads, -1)), *rot)
     torch._dynamo.reset()
     fn = torch.compile(path, options=parse_options("O3").inductor_config(denoiser=True))
     want = fn(x).flatten(2)
     bench = lambda f: round(1e3 * triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median"), 1)
     res = dict(inductor_us=bench(lambda: fn(x)), floor_us=round(2 * n * dim * 2 / 4.3e12 * 1e6, 1))
-    first = family == "complex"
     for rows in (1, 2, 4):
         for warps in (4, 8):
-            f = lambda: qk_norm._launch(x, norm.weight, 1e-6, cs, sn, first, rows, warps)
+            f = lambda: qk_norm._launch(x, norm.weight, norm.eps, cs, sn, first, rows, warps)
             res[f"ours_{rows}x{warps}_us"] = bench(f)
-    got = qk_norm._launch(x, norm.weight, 1e-6, cs, sn, first)
+    got = qk_norm._launch(x, norm.weight, norm.eps, cs, sn, first)
     res["max_abs_vs_inductor"] = float((got.float() - want.float()).abs().max())
     return res
 

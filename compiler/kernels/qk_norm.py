@@ -45,7 +45,6 @@ INT32_WORDS = 2 ** 31   # offsets (in 32-bit words) from here on need the kernel
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin: torch.Tensor, round_first: bool) -> torch.Tensor:
-    b, n, c = x.shape
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     h = ((xf * r).to(x.dtype) * weight) if round_first else (xf * r * weight.float()).to(x.dtype)
