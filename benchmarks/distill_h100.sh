@@ -16,6 +16,7 @@
 #   PHASE=i  Wan 2.1 I2V 14B 720x1280x81 O3 (FP8 weights), 4 steps with CFG (the published 40 would
 #            take ~13 min a video: its memory peaks, not its speed) (h6)
 #   PHASE=e, f  the 14B job beside its peer, then AnyFlow, on an x2 (benchmarks/x4.sh pair)
+#   PHASE=j  PHASE=c without AnyFlow (the 14B job, then FastWan), beside PHASE=d (x4.sh tables)
 # (2026-11-28: PHASE=a's job took 338 s, its peer ~210 s on an H200; the calls' limit is 600 s.)
 # From the checkout root with the bundle:
 #   source .devbundle/install.sh && PHASE=a bash benchmarks/distill_h100.sh DIR
@@ -52,6 +53,10 @@ case ${PHASE:-a} in
      run h1job 370 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14c.safetensors}]" \
          prompts=14 arms=job modes=O3
      run h3 120 job=anyflow_batch $R prompts=16 arms=job modes=O3
+     run h4 $((575 - SECONDS)) job=fastwan_batch $R prompts=3 arms=job modes=O3 ;;
+  j) l14 /tmp/dh/l14j.safetensors     # x4.sh tables, GPU 2: the 14B job, then FastWan
+     run h1job 370 job=wan_distill_batch $R "model.adapters=[{path: /tmp/dh/l14j.safetensors}]" \
+         prompts=14 arms=job modes=O3
      run h4 $((575 - SECONDS)) job=fastwan_batch $R prompts=3 arms=job modes=O3 ;;
   # x2 (`benchmarks/x4.sh pair`): GPU 0 the 14B job alone, GPU 1 the 14B peer then AnyFlow
   e) l14 /tmp/dh/l14e.safetensors

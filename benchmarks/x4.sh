@@ -3,6 +3,8 @@
 #   suite4  the whole gpu suite on the 4 GPUs (benchmarks/gpu_suite.sh)
 #   mixed   the whole gpu suite on GPUs 0-1 (CUDA_VISIBLE_DEVICES=0,1: two test processes), and
 #           issue 59's H100 tables on GPUs 2 and 3 (benchmarks/distill_h100.sh PHASE=c, d)
+#   tables  issue 59's H100 tables on GPUs 2 and 3 (PHASE=j, d) alone: beside a gpu suite that
+#           `bg.sh` started on GPUs 0-1 (it outlives this call; the next call collects it)
 #   pair    (x2) the 14B job on GPU 0 beside its peer, then AnyFlow, on GPU 1 (PHASE=e, f)
 #   suite2  (x2) the whole gpu suite on the 2 GPUs
 #   h100    (x1) Wan 2.2 A14B Lightning 720P, then AnyFlow (distill_h100.sh PHASE=b)
@@ -13,7 +15,7 @@
 # the script ends with them packed into OUT/MODE.tgz, the whole mode cut (SIGINT, then KILL 15 s
 # later) at CAP s (default 560) so the packing happens inside the call's 600 s.
 set -u
-mode=${1:?usage: x4.sh suite4|suite2|mixed|pair|h100|a14|i2v OUT}; DEST=${2:?usage: x4.sh MODE OUT}
+mode=${1:?usage: x4.sh suite4|suite2|mixed|tables|pair|h100|a14|i2v OUT}; DEST=${2:?usage: x4.sh MODE OUT}
 if [ -z "${X4_INNER:-}" ]; then
   rm -rf "/tmp/x4-$mode"; mkdir -p "/tmp/x4-$mode" "$DEST"
   # each run's own limit ends by X4_DEADLINE (distill_h100.sh, gpu_suite.sh), 30 s before the cap,
@@ -41,6 +43,10 @@ case $mode in
     CUDA_VISIBLE_DEVICES=2 PHASE=c bash benchmarks/distill_h100.sh "$OUT/c" > "$OUT/c.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=3 PHASE=d bash benchmarks/distill_h100.sh "$OUT/d" > "$OUT/d.out" 2>&1 &
     CUDA_VISIBLE_DEVICES=0,1 bash benchmarks/gpu_suite.sh "$OUT/suite2"
+    wait ;;
+  tables)
+    CUDA_VISIBLE_DEVICES=2 PHASE=j bash benchmarks/distill_h100.sh "$OUT/j" > "$OUT/j.out" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 PHASE=d bash benchmarks/distill_h100.sh "$OUT/d" > "$OUT/d.out" 2>&1 &
     wait ;;
   pair)   # x2: issue 59's 14B table side by side, then AnyFlow
     CUDA_VISIBLE_DEVICES=0 PHASE=e bash benchmarks/distill_h100.sh "$OUT/e" > "$OUT/e.out" 2>&1 &
