@@ -189,6 +189,7 @@ def main(argv: list[str]) -> dict:
                 if kind == "gauss":
                     ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
                     r.update(ms=round(ms, 4), tops=round(4 * b * h * n_tok * n_tok * d / ms / 1e9, 1))
+                print(f"{s} {kind} {name}: {r}", flush=True)     # as it goes: a variant that hangs
             del q, k, v, q8, k8, v8, ref32, outs
         base = res["variants"]["base"]["shapes"][s]["ms"]
         for name in names:
