@@ -61,6 +61,41 @@ def _bounds(n):
              f"__global__ void __launch_bounds__(128, {n}) qk_int8_sv_f8_attn_kernel(", 1)]
 
 
+ONES_WGMMA = """template<int ScaleD, typename T>
+__device__ __forceinline__ void wgmma_ones(float d[4], uint32_t RA[], T* sB) {
+    uint64_t desc_b = wgmma::make_smem_desc<128>(&sB[0]);
+    asm volatile("{\\nwgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, %9, %10, %11;\\n}\\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(RA[0]), "r"(RA[1]), "r"(RA[2]), "r"(RA[3]), "l"(desc_b), "n"(int32_t(ScaleD)), "n"(1), "n"(1));
+}
+
+"""
+ROWSUM = [
+    (KERNEL, "template<uint32_t CTA_Q, uint32_t CTA_K, uint32_t NUM_THREADS, uint32_t head_dim, QuantGranularity Q_GRAN",
+     ONES_WGMMA + "template<uint32_t CTA_Q, uint32_t CTA_K, uint32_t NUM_THREADS, uint32_t head_dim, QuantGranularity Q_GRAN", 1),
+    (KERNEL, "  int32_t RS[num_tiles_q][num_tiles_k][8];",
+     "  static_assert(CTA_K == 128);\n"
+     "  int8_t *sOnes = (int8_t*)(smem_ + CTA_Q * head_dim + 2 * CTA_K * head_dim);   // 8 x CTA_K e4m3, row 0 ones\n"
+     "  for (uint32_t i = threadIdx.x; i < 8 * CTA_K / 4; i += NUM_THREADS)\n"
+     "    ((uint32_t*)sOnes)[i] = i < CTA_K / 4 ? 0x38383838u : 0u;\n"
+     "  asm volatile(\"fence.proxy.async.shared::cta;\\n\" ::: \"memory\");\n"
+     "  int32_t RS[num_tiles_q][num_tiles_k][8];", 1),
+    (KERNEL, "        d[fq][0] += (RS_f32[fq][fk][0] + RS_f32[fq][fk][1] + RS_f32[fq][fk][4] + RS_f32[fq][fk][5]);\n"
+             "        d[fq][1] += (RS_f32[fq][fk][2] + RS_f32[fq][fk][3] + RS_f32[fq][fk][6] + RS_f32[fq][fk][7]);", "", 2),
+    (KERNEL, "    float RO_temp[num_tiles_q][num_tiles_v][8];",
+     "    float RO_temp[num_tiles_q][num_tiles_v][8];\n    float D4[num_tiles_q][4];", 2),
+    (KERNEL, "wgmma::wgmma_f8f8f32<head_dim, 0, CTA_K>(RO_temp[fq], RS_f8[fq][0], &sV[0]);",
+     "wgmma::wgmma_f8f8f32<head_dim, 0, CTA_K>(RO_temp[fq], RS_f8[fq][0], &sV[0]); wgmma_ones<0>(D4[fq], RS_f8[fq][0], sOnes);", 2),
+    (KERNEL, "wgmma::wgmma_f8f8f32<head_dim, 1, CTA_K>(RO_temp[fq], RS_f8[fq][v_it], &sV[v_it * 32]);",
+     "wgmma::wgmma_f8f8f32<head_dim, 1, CTA_K>(RO_temp[fq], RS_f8[fq][v_it], &sV[v_it * 32]); "
+     "wgmma_ones<1>(D4[fq], RS_f8[fq][v_it], &sOnes[v_it * 32]);", 2),
+    (KERNEL, "RO[fq][fv][k] += RO_temp[fq][fv][k];",
+     "RO[fq][fv][k] += RO_temp[fq][fv][k]; if (fv == 0 && k == 0) { d[fq][0] += D4[fq][0] + D4[fq][1]; "
+     "d[fq][1] += D4[fq][2] + D4[fq][3]; }", 2),
+    (KERNEL, "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t);",
+     "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + 2 * CTA_K * HEAD_DIM * sizeof(int8_t) + 8 * CTA_K;", 1),
+]
+
 # name: ([(file, old, new, count)], CTA_K): the edits on top of the vendored source (count: how many
 # times `old` must occur, so a variant that no longer matches the source fails loudly) and the key
 # block the build runs with (its K scales are the 128-row blocks' repeated: the same INT8 keys).
@@ -83,6 +118,10 @@ VARIANTS = {
     "k64_lb4": (K64 + _bounds(4), 64),
     "k64_noacc_lb4": (K64 + NOACC + _bounds(4), 64),
     "pipe": (PIPE, 128),
+    # the row sums of P on the tensor cores (P times an 8 x CTA_K tile whose row 0 is ones: a
+    # m64n8k32 wgmma beside each P V one) instead of 64 FADDs a thread and tile; the sums are then
+    # of the FP8 P that multiplies V
+    "rowsum_tc": (ROWSUM, 128),
     "exp_nonvolatile": ([("math.cuh", 'asm volatile("ex2.approx.ftz.f32 %0, %1;"', 'asm("ex2.approx.ftz.f32 %0, %1;"', 1)], 128),
 }
 SHAPES = {"1_3b": (1, 12, 32760, 128), "14b": (1, 40, 32760, 128),
