@@ -19,4 +19,37 @@ PY
 ncu --clock-control none -k regex:qk_int8_sv_f8_attn_kernel -s 2 -c 1 --set full --import-source no -o /tmp/a8 python3 /tmp/a8.py > $OUT/ncu_run.txt 2>&1
 ncu -i /tmp/a8.ncu-rep --page details > $OUT/ncu_details.txt 2>&1
 ncu -i /tmp/a8.ncu-rep --page source --csv --print-source sass > $OUT/ncu_sass.csv 2>&1
+# the SASS page summed (ncu_sass_summary.txt): stall samples by reason, the instructions with the
+# most samples, the executed instruction mix a warp and tile (6,144 CTAs x 4 warps x 256 key tiles
+# at this shape)
+python3 - "$OUT/ncu_sass.csv" > "$OUT/ncu_sass_summary.txt" <<'PY'
+import collections, csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr, data = rows[1], rows[2:]
+stall = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+tot = collections.Counter()
+for r in data:
+    for i in stall:
+        tot[hdr[i]] += int(r[i] or 0)
+s = sum(tot.values())
+print("stall reason, samples, share")
+for k, v in tot.most_common(12):
+    print(f"{k:28} {v:8} {100 * v / s:5.1f}%")
+si = hdr.index("Warp Stall Sampling (All Samples)")
+print("\ninstructions with the most samples (samples, SASS, top reasons)")
+for j in sorted(range(len(data)), key=lambda j: -int(data[j][si] or 0))[:12]:
+    r = data[j]
+    det = sorted({hdr[i]: int(r[i]) for i in stall if r[i] not in ("", "0")}.items(), key=lambda x: -x[1])[:2]
+    print(r[si].rjust(7), r[1].strip()[:60].ljust(60), det)
+ei = hdr.index("Instructions Executed")
+mix = collections.Counter()
+for r in data:
+    op = r[1].strip().split()
+    if op:
+        mix[(op[1] if op[0].startswith("@") else op[0]).split(".")[0]] += int(r[ei] or 0)
+S, per = sum(mix.values()), 6144 * 4 * 256
+print(f"\nexecuted warp instructions {S}, {S / per:.1f} a warp and tile")
+for k, v in mix.most_common(16):
+    print(f"{k:10} {v / per:8.1f} a warp and tile {100 * v / S:5.1f}%")
+PY
 ls -la $OUT; grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy|Theoretical Occupancy|Registers Per|Stall|Compute \(SM\) Throughput|Tensor" $OUT/ncu_details.txt | head -40
