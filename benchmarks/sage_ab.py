@@ -96,6 +96,24 @@ ROWSUM = [
      "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + 2 * CTA_K * HEAD_DIM * sizeof(int8_t) + 8 * CTA_K;", 1),
 ]
 
+# the warp-specialised kernel (benchmarks/sage_ws.cuh) where it applies: a loader warpgroup and two
+# consumer warpgroups on 128-row query blocks, K and V double-buffered; 384 threads, 80 KB (hd 128)
+WS = [("qattn/sage_ws.cuh", None, str(Path(__file__).with_name("sage_ws.cuh")), 0),
+      (KERNEL, "torch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(",
+       '#include "sage_ws.cuh"\ntorch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(', 1),
+      (KERNEL, "constexpr MaskMode mask_mode = IS_CAUSAL ? MaskMode::kCausal : MaskMode::kNone;",
+       "constexpr MaskMode mask_mode = IS_CAUSAL ? MaskMode::kCausal : MaskMode::kNone;\n"
+       "            constexpr bool WS = ws_applies<mask_mode, RETURN_LSE, QK_QUANT_GRAN>();", 1),
+      (KERNEL, "create_tensor_map_4D<CTA_Q, HEAD_DIM>(reinterpret_cast<int8_t*>(query.data_ptr())",
+       "create_tensor_map_4D<(WS ? 2 * CTA_Q : CTA_Q), HEAD_DIM>(reinterpret_cast<int8_t*>(query.data_ptr())", 1),
+      (KERNEL, LAUNCH, LAUNCH.replace("qk_int8_sv_f8_attn_kernel<", "ws_kernel<WS, ").replace("true>;", "true>();"), 1),
+      (KERNEL, "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t);",
+       "size_t sMemSize = WS ? (2 * CTA_Q + 4 * CTA_K) * HEAD_DIM : CTA_Q * HEAD_DIM + 2 * CTA_K * HEAD_DIM;", 1),
+      (KERNEL, "dim3 grid(div_ceil(qo_len, CTA_Q), num_qo_heads, batch_size);",
+       "dim3 grid(div_ceil(qo_len, WS ? 2 * CTA_Q : CTA_Q), num_qo_heads, batch_size);", 1),
+      (KERNEL, "kernel<<<grid, NUM_THREADS, sMemSize, at::cuda::getCurrentCUDAStream()>>>(",
+       "kernel<<<grid, WS ? 384 : NUM_THREADS, sMemSize, at::cuda::getCurrentCUDAStream()>>>(", 1)]
+
 # name: ([(file, old, new, count)], CTA_K): the edits on top of the vendored source (count: how many
 # times `old` must occur, so a variant that no longer matches the source fails loudly) and the key
 # block the build runs with (its K scales are the 128-row blocks' repeated: the same INT8 keys).
@@ -123,6 +141,8 @@ VARIANTS = {
     # m64n8k32 wgmma beside each P V one) instead of 64 FADDs a thread and tile; the sums are then
     # of the FP8 P that multiplies V
     "rowsum_tc": (ROWSUM, 128),
+    # not yet run on a GPU (2026-11-28): compiled only
+    "ws": (WS, 128),
     "exp_nonvolatile": ([("math.cuh", 'asm volatile("ex2.approx.ftz.f32 %0, %1;"', 'asm("ex2.approx.ftz.f32 %0, %1;"', 1)], 128),
 }
 SHAPES = {"1_3b": (1, 12, 32760, 128), "14b": (1, 40, 32760, 128),
