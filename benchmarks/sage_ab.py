@@ -112,7 +112,10 @@ WS = [("qattn/sage_ws.cuh", None, str(Path(__file__).with_name("sage_ws.cuh")), 
       (KERNEL, "dim3 grid(div_ceil(qo_len, CTA_Q), num_qo_heads, batch_size);",
        "dim3 grid(div_ceil(qo_len, WS ? 2 * CTA_Q : CTA_Q), num_qo_heads, batch_size);", 1),
       (KERNEL, "kernel<<<grid, NUM_THREADS, sMemSize, at::cuda::getCurrentCUDAStream()>>>(",
-       "kernel<<<grid, WS ? 384 : NUM_THREADS, sMemSize, at::cuda::getCurrentCUDAStream()>>>(", 1)]
+       "kernel<<<grid, WS ? 384 : NUM_THREADS, sMemSize, at::cuda::getCurrentCUDAStream()>>>(", 1),
+      # a launch that fails (resources, shared memory) is an error here, not a "not bit-equal" row
+      (KERNEL, "qo_len, kv_len, num_kv_groups, sm_scale);",
+       "qo_len, kv_len, num_kv_groups, sm_scale);\n            C10_CUDA_KERNEL_LAUNCH_CHECK();", 1)]
 
 # name: ([(file, old, new, count)], CTA_K): the edits on top of the vendored source (count: how many
 # times `old` must occur, so a variant that no longer matches the source fails loudly) and the key
