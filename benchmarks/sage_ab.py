@@ -48,12 +48,21 @@ K64 = [(KERNEL, "constexpr int CTA_K = 128;", "constexpr int CTA_K = 64;", 1)]
 # elsewhere; V double-buffered (one more 16 KB tile of shared memory)
 LAUNCH = ("auto* kernel = qk_int8_sv_f8_attn_kernel<CTA_Q, CTA_K, NUM_THREADS, HEAD_DIM,  static_cast<QuantGranularity>"
           "(QK_QUANT_GRAN), static_cast<QuantGranularity>(QK_QUANT_GRAN), DTypeOut, mask_mode, RETURN_LSE, true>;")
-PIPE = [("qattn/sage_pipe.cuh", None, str(Path(__file__).with_name("sage_pipe.cuh")), 0),
-        (KERNEL, "torch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(",
-         '#include "sage_pipe.cuh"\ntorch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(', 1),
-        (KERNEL, LAUNCH, LAUNCH.replace("qk_int8_sv_f8_attn_kernel<", "pipe_kernel<").replace("true>;", "true>();"), 1),
-        (KERNEL, "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t);",
-         "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + 3 * CTA_K * HEAD_DIM * sizeof(int8_t);", 1)]
+HOST = "torch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf("
+SMEM = "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t);"
+
+
+def _spliced(header: str, selector: str, smem: str) -> list:
+    """The edits that put a kernel from benchmarks/`header` beside the vendored one: the header
+    copied into the tree and included before the host function, the launch through `selector`
+    (a constexpr function returning the kernel to launch), the dynamic shared memory `smem` bytes."""
+    return [(f"qattn/{header}", None, str(Path(__file__).with_name(header)), 0),
+            (KERNEL, HOST, f'#include "{header}"\n' + HOST, 1),
+            (KERNEL, LAUNCH, LAUNCH.replace("qk_int8_sv_f8_attn_kernel<", selector).replace("true>;", "true>();"), 1),
+            (KERNEL, SMEM, f"size_t sMemSize = {smem};", 1)]
+
+
+PIPE = _spliced("sage_pipe.cuh", "pipe_kernel<", "CTA_Q * HEAD_DIM * sizeof(int8_t) + 3 * CTA_K * HEAD_DIM * sizeof(int8_t)")
 
 
 def _bounds(n):
@@ -92,23 +101,18 @@ ROWSUM = [
     (KERNEL, "RO[fq][fv][k] += RO_temp[fq][fv][k];",
      "RO[fq][fv][k] += RO_temp[fq][fv][k]; if (fv == 0 && k == 0) { d[fq][0] += D4[fq][0] + D4[fq][1]; "
      "d[fq][1] += D4[fq][2] + D4[fq][3]; }", 2),
-    (KERNEL, "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t);",
-     "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + 2 * CTA_K * HEAD_DIM * sizeof(int8_t) + 8 * CTA_K;", 1),
+    (KERNEL, SMEM, "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + 2 * CTA_K * HEAD_DIM * sizeof(int8_t) + 8 * CTA_K;", 1),
 ]
 
 # the warp-specialised kernel (benchmarks/sage_ws.cuh) where it applies: a loader warpgroup and two
 # consumer warpgroups on 128-row query blocks, K and V double-buffered; 384 threads, 80 KB (hd 128)
-WS = [("qattn/sage_ws.cuh", None, str(Path(__file__).with_name("sage_ws.cuh")), 0),
-      (KERNEL, "torch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(",
-       '#include "sage_ws.cuh"\ntorch::Tensor qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(', 1),
+WS = _spliced("sage_ws.cuh", "ws_kernel<WS, ",
+              "WS ? (2 * CTA_Q + 4 * CTA_K) * HEAD_DIM : CTA_Q * HEAD_DIM + 2 * CTA_K * HEAD_DIM") + [
       (KERNEL, "constexpr MaskMode mask_mode = IS_CAUSAL ? MaskMode::kCausal : MaskMode::kNone;",
        "constexpr MaskMode mask_mode = IS_CAUSAL ? MaskMode::kCausal : MaskMode::kNone;\n"
        "            constexpr bool WS = ws_applies<mask_mode, RETURN_LSE, QK_QUANT_GRAN>();", 1),
       (KERNEL, "create_tensor_map_4D<CTA_Q, HEAD_DIM>(reinterpret_cast<int8_t*>(query.data_ptr())",
        "create_tensor_map_4D<(WS ? 2 * CTA_Q : CTA_Q), HEAD_DIM>(reinterpret_cast<int8_t*>(query.data_ptr())", 1),
-      (KERNEL, LAUNCH, LAUNCH.replace("qk_int8_sv_f8_attn_kernel<", "ws_kernel<WS, ").replace("true>;", "true>();"), 1),
-      (KERNEL, "size_t sMemSize = CTA_Q * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t) + CTA_K * HEAD_DIM * sizeof(int8_t);",
-       "size_t sMemSize = WS ? (2 * CTA_Q + 4 * CTA_K) * HEAD_DIM : CTA_Q * HEAD_DIM + 2 * CTA_K * HEAD_DIM;", 1),
       (KERNEL, "dim3 grid(div_ceil(qo_len, CTA_Q), num_qo_heads, batch_size);",
        "dim3 grid(div_ceil(qo_len, WS ? 2 * CTA_Q : CTA_Q), num_qo_heads, batch_size);", 1),
       (KERNEL, "kernel<<<grid, NUM_THREADS, sMemSize, at::cuda::getCurrentCUDAStream()>>>(",
