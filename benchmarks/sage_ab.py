@@ -163,7 +163,8 @@ VARIANTS = {
     # 0.75-0.82x base, bit-equal (H200, 2026-11-28 session 9)
     "ws": (WS, 128),
     # FA4's lazy rescaling (benchmarks/sage_lazy.cuh) with P V into O by the tensor cores: 168
-    # registers (3 CTAs an SM, as base), ~515 instructions a tile where base issues ~570
+    # registers (3 CTAs an SM, as base), 517 instructions a tile without a rescale where base
+    # issues 571; 0.96-1.0x base on an H200 (2026-11-28 session 9): not kept
     "lazy2": (_lazy(2.0), 128),
     "lazy4": (_lazy(4.0), 128),
     "exp_nonvolatile": ([("math.cuh", 'asm volatile("ex2.approx.ftz.f32 %0, %1;"', 'asm("ex2.approx.ftz.f32 %0, %1;"', 1)], 128),
