@@ -109,10 +109,11 @@ ROWSUM = [
 def _lazy(tau: float) -> list:
     """`lazy` (benchmarks/sage_lazy.cuh): the O rescale skipped while no row's max grew past `tau`
     (log2 units), on top of NOACC (the rescale then is the only FP32 pass over O a tile)."""
-    fn = (ROOT / "benchmarks" / "sage_lazy.cuh").read_text()
+    # copied into the tree and included as `_spliced` does, but before the kernel that calls it
     anchor = "template<uint32_t CTA_Q, uint32_t CTA_K, uint32_t NUM_THREADS, uint32_t head_dim, QuantGranularity Q_GRAN"
     call = "update_mdo<num_tiles_q, num_tiles_k, num_tiles_v, false, true, false>(RS_f32, RO, m, d, sm_scale);"
-    return [(KERNEL, anchor, f"#define LAZY_TAU {tau:.1f}f\n" + fn + anchor, 1),
+    return [("qattn/sage_lazy.cuh", None, str(Path(__file__).with_name("sage_lazy.cuh")), 0),
+            (KERNEL, anchor, f'#define LAZY_TAU {tau:.1f}f\n#include "sage_lazy.cuh"\n' + anchor, 1),
             (KERNEL, call, call.replace("update_mdo<", "update_mdo_lazy<").replace(", false, true, false>", ">"), 2)] + NOACC
 
 
