@@ -136,8 +136,8 @@ WS = _spliced("sage_ws.cuh", "ws_kernel<WS, ",
 
 # FA3's consumer loop on the warp-specialised kernel (benchmarks/sage_fa3.cuh): setmaxnreg (loader
 # 24, consumers 240) and, inside a consumer, S(t+1) and P(t) V(t) issued in one turn with
-# softmax(S(t+1)) beside P(t) V(t); the launch and shared memory as `ws`. Bit-equal, 0.945-0.99x
-# base at the Wan shapes (H200, 2026-11-28 session 10): not kept
+# softmax(S(t+1)) beside P(t) V(t); the launch and shared memory as `ws`. Bit-equal, 0.945-0.989x
+# base at 32,760 tokens x head dim 128, 0.71x at head dim 64 (H200, 2026-11-28 session 10): not kept
 FA3 = [(f, o, n.replace("sage_ws.cuh", "sage_fa3.cuh").replace("ws_kernel<WS, ", "fa3_kernel<WS, ")
         .replace("ws_applies<", "fa3_applies<") if n else n, c) if f != "qattn/sage_ws.cuh" else
        ("qattn/sage_fa3.cuh", None, str(Path(__file__).with_name("sage_fa3.cuh")), 0) for f, o, n, c in WS]
@@ -173,7 +173,7 @@ VARIANTS = {
     "ws": (WS, 128),
     "fa3": (FA3, 128),
     # the same without the turns (each consumer issues its products when it is ready; ";" keeps
-    # the `if` before each call an empty statement): 0.94-0.96x base
+    # the `if` before each call an empty statement): 0.93-0.96x base at head dim 128, 0.89x at 64
     "fa3_free": (FA3 + [("qattn/sage_fa3.cuh", f"fa3_bar_{x};", ";", n)
                         for x, n in (("sync(1 + c, 256)", 2), ("arrive(2 - c, 256)", 2), ("arrive(1, 256)", 1))], 128),
     # FA4's lazy rescaling (benchmarks/sage_lazy.cuh) with P V into O by the tensor cores: 168

@@ -1,15 +1,16 @@
 // FlashAttention-3's consumer loop on the warp-specialised kernel (an experiment:
 // `benchmarks/sage_ab.py variants=base,ws,fa3` builds it in place of the kernel the job uses).
 // Measured (H200, 2026-11-28 session 10, benchmarks/2026-11-28-fa3-consumer-loop-h200.md):
-// bit-equal to the vendored kernel on every shape, 0.945-0.99x its speed at the Wan shapes (ws:
-// 0.83-0.86x in the same runs); without the turns (`fa3_free`) 0.94-0.96x. Not kept.
+// bit-equal to the vendored kernel on every shape; 0.945-0.989x its speed at 32,760 tokens x head
+// dim 128 (ws re-measured: 0.83-0.86x), 0.71x at head dim 64; without the turns (`fa3_free`)
+// 0.93-0.96x at head dim 128, 0.89x at 64. Not kept.
 //
 // Why (ncu of the vendored kernel at the Wan 1.3B shape, H200, 2026-11-28 session 8): per 64 x 128
 // tile a warp issues 573 instructions while the SM's tensor cores need ~512 cycles for the tile's
 // two products, yet each warp sits ~17 % of its time on WARPGROUP.DEPBAR (its own products) and the
 // issue slots are 53 % busy: nothing overlaps a warpgroup's softmax with its own products, and the
 // three CTAs of an SM drift into step. sage_ws.cuh (loader + 2 consumers, turns on Q K^T only) was
-// bit-equal but 0.75-0.82x. Here, FA3's remaining two pieces on top of it:
+// bit-equal but 0.75-0.82x (session 9). Here, FA3's remaining two pieces on top of it:
 //   - setmaxnreg: the loader warpgroup drops to 24 registers, the consumers rise to 240;
 //   - inside a consumer, iteration t issues S(t+1) = Q K(t+1)^T and O_tmp = P(t) V(t) in one turn
 //     on the tensor cores, then computes softmax(S(t+1)) while P(t) V(t) still runs; the O
