@@ -5,23 +5,42 @@
 #   source .devbundle/install.sh && bash benchmarks/ncu_attn.sh
 # OUT gets ncu_details.txt (the details page), ncu_sass.csv (the SASS source page: per instruction,
 # its stall samples by reason and executions) and ncu_run.txt.
+# VARIANT=<name of a benchmarks/sage_ab.py variant> profiles that build of the kernel instead (built
+# first, outside ncu), on the same shape and the same quantised inputs as the job's.
 set -u
 OUT=${OUT:?set OUT to a folder}
 python3 -c "from compiler.kernels.int8_attention import unavailable; print('kernel:', unavailable())"
+SO=""
+if [ -n "${VARIANT:-}" ]; then
+    SO=$(python3 -c "import sys, tempfile; sys.path.insert(0, 'benchmarks'); import sage_ab
+print(sage_ab._build('$VARIANT', tempfile.mkdtemp()))" | tail -1) || exit 1
+    echo "variant $VARIANT: $SO"
+fi
 cat > /tmp/a8.py <<'PY'
+import sys
 import torch
-from compiler.kernels.int8_attention import attention8
+from compiler.kernels.int8_attention import attention8, quantize
 q, k, v = (torch.randn(1, 32760, 12, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+if len(sys.argv) > 1:          # a sage_ab.py build: its entry point on the job's quantised inputs
+    sys.path.insert(0, "benchmarks")
+    import sage_ab
+    m, o = sage_ab._load(sys.argv[1]), torch.empty_like(q)
+    q8, qs, k8, ks, v8, vs = quantize(q, k, v)
+    run = lambda: m.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+        q8, k8, v8.permute(0, 2, 1, 3), o, qs, ks, vs, 0, 0, 3, 128 ** -0.5, 0)
+else:
+    run = lambda: attention8(q, k, v)
 for _ in range(3):
-    attention8(q, k, v)
+    run()
 torch.cuda.synchronize()
 PY
-ncu --clock-control none -k regex:qk_int8_sv_f8_attn_kernel -s 2 -c 1 --set full --import-source no -o /tmp/a8 python3 /tmp/a8.py > $OUT/ncu_run.txt 2>&1
+ncu --clock-control none -k regex:qk_int8_sv_f8_attn_kernel -s 2 -c 1 --set full --import-source no -o /tmp/a8 python3 /tmp/a8.py $SO > $OUT/ncu_run.txt 2>&1
 ncu -i /tmp/a8.ncu-rep --page details > $OUT/ncu_details.txt 2>&1
 ncu -i /tmp/a8.ncu-rep --page source --csv --print-source sass > $OUT/ncu_sass.csv 2>&1
 # the SASS page summed (ncu_sass_summary.txt): stall samples by reason, the instructions with the
 # most samples, the executed instruction mix a warp and tile (6,144 CTAs x 4 warps x 256 key tiles
-# at this shape)
+# at this shape; the same count of computing warps and tiles in the warp-specialised variants,
+# 3,072 CTAs x 8, whose loader warp's instructions it then includes)
 python3 - "$OUT/ncu_sass.csv" > "$OUT/ncu_sass_summary.txt" <<'PY'
 import collections, csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
