@@ -142,6 +142,31 @@ FA3 = [(f, o, n.replace("sage_ws.cuh", "sage_fa3.cuh").replace("ws_kernel<WS, ",
         .replace("ws_applies<", "fa3_applies<") if n else n, c) if f != "qattn/sage_ws.cuh" else
        ("qattn/sage_fa3.cuh", None, str(Path(__file__).with_name("sage_fa3.cuh")), 0) for f, o, n, c in WS]
 
+# 2^x on the FMA pipe (FlashAttention-4's software exponential): the nearest integer j by the
+# 1.5 x 2^23 trick, 2^(x - j) by a degree-3 polynomial on [-0.5, 0.5] (max relative error 7.5e-5,
+# far inside FP8 P's 2^-4), j added to the exponent bits; x clamped at -125 (masked scores are
+# -5e6). ~9 instructions on the FMA and integer pipes instead of one MUFU, whose 16 results a cycle
+# an SM bound the softmax's burst of 64 exponentials a warp and tile (ncu, fa3: 52 % of the
+# fixed-latency stalls sit on MUFU.EX2)
+POLY_EXP2 = """__device__ __forceinline__ float poly_exp2(float x)
+{
+  x = fmaxf(x, -125.0f);
+  const float t = x + 12582912.0f;             // 1.5 x 2^23: the nearest integer in t's low bits
+  const float f = x - (t - 12582912.0f);       // in [-0.5, 0.5]
+  const float p = fmaf(fmaf(fmaf(0.05517028f, f, 0.24260769f), f, 0.69326091f), f, 0.99992829f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+// for DTypeQKAccum float"""
+
+
+def _poly(elements: tuple) -> list:
+    """The exponentials of the score elements `elements` (of 0, 1, 4, 5: a quarter each) in
+    `update_mdo` by `poly_exp2`, the rest by MUFU."""
+    return [(UTILS, "// for DTypeQKAccum float", POLY_EXP2, 1)] + [
+        (UTILS, EXP.format(i=i), EXP.format(i=i).replace("math::ptx_exp2(", "poly_exp2("), 1) for i in elements]
+
+
 # name: ([(file, old, new, count)], CTA_K): the edits on top of the vendored source (count: how many
 # times `old` must occur, so a variant that no longer matches the source fails loudly) and the key
 # block the build runs with (its K scales are the 128-row blocks' repeated: the same INT8 keys).
@@ -174,6 +199,14 @@ VARIANTS = {
     "fa3": (FA3, 128),
     # the same without the turns (each consumer issues its products when it is ready; ";" keeps
     # the `if` before each call an empty statement): 0.93-0.96x base at head dim 128, 0.89x at 64
+    # a quarter / half of the exponentials on the FMA pipe (`poly_exp2`), in the vendored kernel
+    # and in fa3: not bit-equal (P's exponentials differ by <= 7.5e-5 relative before FP8), the
+    # same error against fp32; slower: 0.94-0.95x / 0.85-0.89x, in fa3 0.90-0.94x / 0.84-0.85x
+    # base at head dim 128 (H200, 2026-11-28 session 10)
+    "exp25": (_poly((5,)), 128),
+    "exp50": (_poly((1, 5)), 128),
+    "fa3_exp25": (FA3 + _poly((5,)), 128),
+    "fa3_exp50": (FA3 + _poly((1, 5)), 128),
     "fa3_free": (FA3 + [("qattn/sage_fa3.cuh", f"fa3_bar_{x};", ";", n)
                         for x, n in (("sync(1 + c, 256)", 2), ("arrive(2 - c, 256)", 2), ("arrive(1, 256)", 1))], 128),
     # FA4's lazy rescaling (benchmarks/sage_lazy.cuh) with P V into O by the tensor cores: 168
