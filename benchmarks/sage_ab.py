@@ -167,6 +167,32 @@ def _poly(elements: tuple) -> list:
         (UTILS, EXP.format(i=i), EXP.format(i=i).replace("math::ptx_exp2(", "poly_exp2("), 1) for i in elements]
 
 
+# the row max over a tile's 8 column blocks as a tree (depth 3) instead of a chain of 8 (the
+# same maximum: bit-equal), for the dependency stalls ncu shows in the softmax: 0.95-1.02x base,
+# in fa3 0.81-0.86x (H200, 2026-11-28 session 10): not kept
+MAX_CHAIN = """      float m_temp = -5000000.0f;
+#pragma unroll
+      for (uint32_t fk = 0; fk < num_tiles_k; fk++)
+      {
+        float m_local = max(max(RS[fq][fk][k * 2 + 0], RS[fq][fk][k * 2 + 1]),
+                                max(RS[fq][fk][k * 2 + 4], RS[fq][fk][k * 2 + 5]));
+        m_temp = max(m_temp, m_local);
+      }
+"""
+MAX_TREE = """      static_assert(num_tiles_k == 8);
+      float m_l[num_tiles_k];
+#pragma unroll
+      for (uint32_t fk = 0; fk < num_tiles_k; fk++)
+      {
+        m_l[fk] = max(max(RS[fq][fk][k * 2 + 0], RS[fq][fk][k * 2 + 1]),
+                      max(RS[fq][fk][k * 2 + 4], RS[fq][fk][k * 2 + 5]));
+      }
+      float m_temp = max(max(max(m_l[0], m_l[1]), max(m_l[2], m_l[3])),
+                         max(max(m_l[4], m_l[5]), max(m_l[6], m_l[7])));
+"""
+MAXTREE = [(UTILS, MAX_CHAIN, MAX_TREE, 1)]
+
+
 # name: ([(file, old, new, count)], CTA_K): the edits on top of the vendored source (count: how many
 # times `old` must occur, so a variant that no longer matches the source fails loudly) and the key
 # block the build runs with (its K scales are the 128-row blocks' repeated: the same INT8 keys).
@@ -203,6 +229,8 @@ VARIANTS = {
     # and in fa3: not bit-equal (P's exponentials differ by <= 7.5e-5 relative before FP8), the
     # same error against fp32; slower: 0.94-0.95x / 0.85-0.89x, in fa3 0.90-0.94x / 0.84-0.85x
     # base at head dim 128 (H200, 2026-11-28 session 10)
+    "maxtree": (MAXTREE, 128),
+    "fa3_maxtree": (FA3 + MAXTREE, 128),
     "exp25": (_poly((5,)), 128),
     "exp50": (_poly((1, 5)), 128),
     "fa3_exp25": (FA3 + _poly((5,)), 128),

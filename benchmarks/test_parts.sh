@@ -5,6 +5,12 @@
 # OUT/tK.log for the K-th test id (pytest -s; GNU time -v at the end), a summary on stdout.
 set -u
 OUT=${1:?usage: test_parts.sh OUT TEST_ID [TEST_ID ...]}; shift
+# one GPU a test: more test ids than GPUs would put two on one GPU (or none on a missing one)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$#" -eq 0 ] || [ "$#" -gt "$gpus" ]; then
+  echo "test_parts.sh: $# test id(s) for $gpus GPU(s): give 1 to $gpus" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 k=0
 for t in "$@"; do
