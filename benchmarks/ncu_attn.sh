@@ -12,8 +12,13 @@ OUT=${OUT:?set OUT to a folder}
 python3 -c "from compiler.kernels.int8_attention import unavailable; print('kernel:', unavailable())"
 SO=""
 if [ -n "${VARIANT:-}" ]; then
+    # variants with 128-key blocks only (the k64 ones take other K scales); a failed build stops here
     SO=$(python3 -c "import sys, tempfile; sys.path.insert(0, 'benchmarks'); import sage_ab
-print(sage_ab._build('$VARIANT', tempfile.mkdtemp()))" | tail -1) || exit 1
+v = '$VARIANT'
+if sage_ab.VARIANTS.get(v, (0, 0))[1] != 128:
+    sys.exit(f'ncu_attn.sh: VARIANT={v}: not a sage_ab.py variant with 128-key blocks')
+print(sage_ab._build(v, tempfile.mkdtemp()))" | tail -1)
+    [ -f "$SO" ] || { echo "ncu_attn.sh: no build of VARIANT=$VARIANT" >&2; exit 1; }
     echo "variant $VARIANT: $SO"
 fi
 cat > /tmp/a8.py <<'PY'

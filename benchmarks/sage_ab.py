@@ -145,7 +145,7 @@ FA3 = [(f, o, n.replace("sage_ws.cuh", "sage_fa3.cuh").replace("ws_kernel<WS, ",
 # 2^x on the FMA pipe (FlashAttention-4's software exponential): the nearest integer j by the
 # 1.5 x 2^23 trick, 2^(x - j) by a degree-3 polynomial on [-0.5, 0.5] (max relative error 7.5e-5,
 # far inside FP8 P's 2^-4), j added to the exponent bits; x clamped at -125 (masked scores are
-# -5e6). ~9 instructions on the FMA and integer pipes instead of one MUFU, whose 16 results a cycle
+# -5e6). 8 instructions on the FMA and integer pipes instead of one MUFU, whose 16 results a cycle
 # an SM bound the softmax's burst of 64 exponentials a warp and tile (ncu, fa3: 52 % of the
 # fixed-latency stalls sit on MUFU.EX2)
 POLY_EXP2 = """__device__ __forceinline__ float poly_exp2(float x)
@@ -154,14 +154,15 @@ POLY_EXP2 = """__device__ __forceinline__ float poly_exp2(float x)
   const float t = x + 12582912.0f;             // 1.5 x 2^23: the nearest integer in t's low bits
   const float f = x - (t - 12582912.0f);       // in [-0.5, 0.5]
   const float p = fmaf(fmaf(fmaf(0.05517028f, f, 0.24260769f), f, 0.69326091f), f, 0.99992829f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));   // unsigned: defined overflow
 }
 
 // for DTypeQKAccum float"""
 
 
 def _poly(elements: tuple) -> list:
-    """The exponentials of the score elements `elements` (of 0, 1, 4, 5: a quarter each) in
+    """The exponentials of the score elements `elements` (of 0, 1, 4, 5, each a quarter of a
+    tile's: 5 is elements 5 and 7 of each 8 a thread holds, 1 and 5 are 1, 3, 5, 7) in
     `update_mdo` by `poly_exp2`, the rest by MUFU."""
     return [(UTILS, "// for DTypeQKAccum float", POLY_EXP2, 1)] + [
         (UTILS, EXP.format(i=i), EXP.format(i=i).replace("math::ptx_exp2(", "poly_exp2("), 1) for i in elements]
@@ -169,7 +170,7 @@ def _poly(elements: tuple) -> list:
 
 # the row max over a tile's 8 column blocks as a tree (depth 3) instead of a chain of 8 (the
 # same maximum: bit-equal), for the dependency stalls ncu shows in the softmax: 0.95-1.02x base,
-# in fa3 0.81-0.86x (H200, 2026-11-28 session 10): not kept
+# in fa3 0.81-0.86x at head dim 128 (H200, 2026-11-28 session 10, one call): not kept
 MAX_CHAIN = """      float m_temp = -5000000.0f;
 #pragma unroll
       for (uint32_t fk = 0; fk < num_tiles_k; fk++)
@@ -225,18 +226,19 @@ VARIANTS = {
     "fa3": (FA3, 128),
     # the same without the turns (each consumer issues its products when it is ready; ";" keeps
     # the `if` before each call an empty statement): 0.93-0.96x base at head dim 128, 0.89x at 64
+    "fa3_free": (FA3 + [("qattn/sage_fa3.cuh", f"fa3_bar_{x};", ";", n)
+                        for x, n in (("sync(1 + c, 256)", 2), ("arrive(2 - c, 256)", 2), ("arrive(1, 256)", 1))], 128),
+    # the row max as a tree (MAX_TREE; bit-equal)
+    "maxtree": (MAXTREE, 128),
+    "fa3_maxtree": (FA3 + MAXTREE, 128),
     # a quarter / half of the exponentials on the FMA pipe (`poly_exp2`), in the vendored kernel
     # and in fa3: not bit-equal (P's exponentials differ by <= 7.5e-5 relative before FP8), the
     # same error against fp32; slower: 0.94-0.95x / 0.85-0.89x, in fa3 0.90-0.94x / 0.84-0.85x
-    # base at head dim 128 (H200, 2026-11-28 session 10)
-    "maxtree": (MAXTREE, 128),
-    "fa3_maxtree": (FA3 + MAXTREE, 128),
+    # base at 32,760 tokens x head dim 128 (H200, 2026-11-28 session 10)
     "exp25": (_poly((5,)), 128),
     "exp50": (_poly((1, 5)), 128),
     "fa3_exp25": (FA3 + _poly((5,)), 128),
     "fa3_exp50": (FA3 + _poly((1, 5)), 128),
-    "fa3_free": (FA3 + [("qattn/sage_fa3.cuh", f"fa3_bar_{x};", ";", n)
-                        for x, n in (("sync(1 + c, 256)", 2), ("arrive(2 - c, 256)", 2), ("arrive(1, 256)", 1))], 128),
     # FA4's lazy rescaling (benchmarks/sage_lazy.cuh) with P V into O by the tensor cores: 168
     # registers (3 CTAs an SM, as base), 517 instructions a tile without a rescale where base
     # issues 571; 0.96-1.0x base on an H200 (2026-11-28 session 9): not kept
