@@ -14,10 +14,10 @@ SO=""
 if [ -n "${VARIANT:-}" ]; then
     # variants with 128-key blocks only (the k64 ones take other K scales); a failed build stops here
     SO=$(python3 -c "import sys, tempfile; sys.path.insert(0, 'benchmarks'); import sage_ab
-v = '$VARIANT'
+v = sys.argv[1]
 if sage_ab.VARIANTS.get(v, (0, 0))[1] != 128:
     sys.exit(f'ncu_attn.sh: VARIANT={v}: not a sage_ab.py variant with 128-key blocks')
-print(sage_ab._build(v, tempfile.mkdtemp()))" | tail -1)
+print(sage_ab._build(v, tempfile.mkdtemp()))" "$VARIANT" | tail -1)
     [ -f "$SO" ] || { echo "ncu_attn.sh: no build of VARIANT=$VARIANT" >&2; exit 1; }
     echo "variant $VARIANT: $SO"
 fi
@@ -29,10 +29,8 @@ q, k, v = (torch.randn(1, 32760, 12, 128, device="cuda", dtype=torch.float16) fo
 if len(sys.argv) > 1:          # a sage_ab.py build: its entry point on the job's quantised inputs
     sys.path.insert(0, "benchmarks")
     import sage_ab
-    m, o = sage_ab._load(sys.argv[1]), torch.empty_like(q)
-    q8, qs, k8, ks, v8, vs = quantize(q, k, v)
-    run = lambda: m.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
-        q8, k8, v8.permute(0, 2, 1, 3), o, qs, ks, vs, 0, 0, 3, 128 ** -0.5, 0)
+    m, o, qkv8 = sage_ab._load(sys.argv[1]), torch.empty_like(q), quantize(q, k, v)
+    run = lambda: sage_ab.launch(m, *qkv8, o)
 else:
     run = lambda: attention8(q, k, v)
 for _ in range(3):

@@ -138,9 +138,10 @@ WS = _spliced("sage_ws.cuh", "ws_kernel<WS, ",
 # 24, consumers 240) and, inside a consumer, S(t+1) and P(t) V(t) issued in one turn with
 # softmax(S(t+1)) beside P(t) V(t); the launch and shared memory as `ws`. Bit-equal, 0.945-0.989x
 # base at 32,760 tokens x head dim 128, 0.71x at head dim 64 (H200, 2026-11-28 session 10): not kept
-FA3 = [(f, o, n.replace("sage_ws.cuh", "sage_fa3.cuh").replace("ws_kernel<WS, ", "fa3_kernel<WS, ")
-        .replace("ws_applies<", "fa3_applies<") if n else n, c) if f != "qattn/sage_ws.cuh" else
-       ("qattn/sage_fa3.cuh", None, str(Path(__file__).with_name("sage_fa3.cuh")), 0) for f, o, n, c in WS]
+# (sage_fa3.cuh includes sage_ws.cuh, copied in by WS's first edit)
+FA3 = [("qattn/sage_fa3.cuh", None, str(Path(__file__).with_name("sage_fa3.cuh")), 0)] + [
+    (f, o, n if o is None else n.replace('#include "sage_ws.cuh"', '#include "sage_fa3.cuh"')
+     .replace("ws_kernel<WS, ", "fa3_kernel<WS, ").replace("ws_applies<", "fa3_applies<"), c) for f, o, n, c in WS]
 
 # 2^x on the FMA pipe (FlashAttention-4's software exponential): the nearest integer j by the
 # 1.5 x 2^23 trick, 2^(x - j) by a degree-3 polynomial on [-0.5, 0.5] (max relative error 7.5e-5,
@@ -226,7 +227,7 @@ VARIANTS = {
     "fa3": (FA3, 128),
     # the same without the turns (each consumer issues its products when it is ready; ";" keeps
     # the `if` before each call an empty statement): 0.93-0.96x base at head dim 128, 0.89x at 64
-    "fa3_free": (FA3 + [("qattn/sage_fa3.cuh", f"fa3_bar_{x};", ";", n)
+    "fa3_free": (FA3 + [("qattn/sage_fa3.cuh", f"ws_bar_{x};", ";", n)
                         for x, n in (("sync(1 + c, 256)", 2), ("arrive(2 - c, 256)", 2), ("arrive(1, 256)", 1))], 128),
     # the row max as a tree (MAX_TREE; bit-equal)
     "maxtree": (MAXTREE, 128),
@@ -288,6 +289,13 @@ def _load(path: str):
     return m
 
 
+def launch(mod, q8, qs, k8, ks, v8, vs, o) -> None:
+    """One call of a build's entry point on `compiler.kernels.int8_attention.quantize`'s outputs
+    (as the job calls the vendored kernel), into `o`."""
+    mod.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+        q8, k8, v8.permute(0, 2, 1, 3), o, qs, ks, vs, 0, 0, 3, q8.shape[-1] ** -0.5, 0)
+
+
 def _sass(path: str) -> dict:
     """Instruction counts over every kernel in the build (head dim 64 and 128, fp16 and bf16 out:
     the same loop four times), for comparing variants, not absolute per-tile figures."""
@@ -340,8 +348,7 @@ def main(argv: list[str]) -> dict:
             for name in names:
                 o = torch.empty_like(q)
                 kscale = ks64 if VARIANTS[name][1] == 64 else ks
-                fn = lambda m=mods[name], o=o, kscale=kscale: m.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
-                    q8, k8, v8.permute(0, 2, 1, 3), o, qs, kscale, vs, 0, 0, 3, d ** -0.5, 0)
+                fn = lambda m=mods[name], o=o, kscale=kscale: launch(m, q8, qs, k8, kscale, v8, vs, o)
                 fn()
                 torch.cuda.synchronize()
                 if ref is None:

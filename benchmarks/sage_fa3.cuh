@@ -18,21 +18,7 @@
 // Each float operation is the vendored kernel's (O = fma(O, exp2(m(t-1) - m(t)), O_tmp(t)), its
 // rescale and sum as ptxas contracts them; d and P as `update_mdo`), so the output should stay
 // bit-equal (sage_ab.py checks `bit_equal`).
-__device__ __forceinline__ void fa3_bar_sync(uint32_t id, uint32_t count)
-{
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void fa3_bar_arrive(uint32_t id, uint32_t count)
-{
-  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void fa3_mbar_arrive(uint64_t* bar)
-{
-  uint32_t p = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(p) : "memory");
-}
+#include "sage_ws.cuh"   // the kernel this one extends: its barrier helpers ws_bar_sync, ws_bar_arrive, ws_mbar_arrive
 
 // keep registers an asynchronous wgmma writes or reads where they are until its wait (CUTLASS's
 // warpgroup_fence_operand): an empty asm that "rewrites" each one, ordered after the wait
@@ -112,20 +98,8 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_fa3(const __
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (threadIdx.x == 0)
     {
-      expect_bytes<2 * CTA_Q * head_dim>(&bar_Q);
-      load_async_4D(sQ, &tensorMapQ, &bar_Q, 0, bx * 2 * CTA_Q, head_id, batch_id);
-      for (uint32_t t = 0; t < n; t++)
-      {
-        const uint32_t s = t & 1;
-        if (t >= 2)                              // the consumers are done with tile t - 2's K
-          wait(&empty_K[s], ((t >> 1) - 1) & 1);
-        expect_bytes<TILE>(&full_K[s]);
-        load_async_4D(sK + s * TILE, &tensorMapK, &full_K[s], 0, t * CTA_K, kv_head_id, batch_id);
-        if (t >= 2)
-          wait(&empty_V[s], ((t >> 1) - 1) & 1);
-        expect_bytes<TILE>(&full_V[s]);
-        load_async_4D(sV + s * TILE, &tensorMapV, &full_V[s], t * CTA_K, 0, kv_head_id, batch_id);
-      }
+      ws_load<CTA_Q, CTA_K, head_dim>(sQ, sK, sV, &tensorMapQ, &tensorMapK, &tensorMapV, &bar_Q, full_K, full_V,
+                                      empty_K, empty_V, n, bx, head_id, kv_head_id, batch_id);
     }
     return;
   }
@@ -211,19 +185,19 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_fa3(const __
   };
 
   if (c == 1)
-    fa3_bar_arrive(1, 256);                       // consumer 0 issues first
+    ws_bar_arrive(1, 256);                        // consumer 0 issues first
   wait(&bar_Q, 0);
 
   // prologue: S(0), its softmax, P(0) in FP8 (O is zeros: exp2(m(-1) - m(0)) = 0 scales it with P(0) V(0))
   {
     wait(&full_K[0], 0);
-    fa3_bar_sync(1 + c, 256);
+    ws_bar_sync(1 + c, 256);
     wgmma::warpgroup_arrive();
     qk(0);
-    fa3_bar_arrive(2 - c, 256);                   // every consumer has n + 1 turns; consumer 1's
+    ws_bar_arrive(2 - c, 256);                    // every consumer has n + 1 turns; consumer 1's
     wgmma::warpgroup_wait<0>();                  // last hands on nothing (see the loop)
     fence_regs(RS);
-    fa3_mbar_arrive(&empty_K[0]);
+    ws_mbar_arrive(&empty_K[0]);
     float RS_f32[num_tiles_q][num_tiles_k][8];
     softmax(RS_f32, 0);
     o_scale_t[0] = o_scale[0];
@@ -241,7 +215,7 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_fa3(const __
       wait(&full_K[(t + 1) & 1], ((t + 1) >> 1) & 1);
     wait(&full_V[s], ph);
     float RO_temp[num_tiles_q][num_tiles_v][8];
-    fa3_bar_sync(1 + c, 256);                    // my turn: both products of this iteration
+    ws_bar_sync(1 + c, 256);                     // my turn: both products of this iteration
     wgmma::warpgroup_arrive();
     if constexpr (next)
       qk(t + 1);
@@ -252,20 +226,20 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_fa3(const __
       wgmma::wgmma_f8f8f32<head_dim, 1, CTA_K>(RO_temp[0], RS_f8[0][v_it], &sVs[v_it * 32]);
     wgmma::warpgroup_commit_batch();
     if (c == 0 || next)
-      fa3_bar_arrive(2 - c, 256);
+      ws_bar_arrive(2 - c, 256);
 
     float RS_f32[num_tiles_q][num_tiles_k][8];
     if constexpr (next)                          // softmax(S(t+1)) while P(t) V(t) runs
     {
       wgmma::warpgroup_wait<1>();
       fence_regs(RS);
-      fa3_mbar_arrive(&empty_K[(t + 1) & 1]);
+      ws_mbar_arrive(&empty_K[(t + 1) & 1]);
       softmax(RS_f32, t + 1);
     }
     wgmma::warpgroup_wait<0>();
     fence_regs(RO_temp);
     fence_regs(RS_f8);
-    fa3_mbar_arrive(&empty_V[s]);
+    ws_mbar_arrive(&empty_V[s]);
     // O = O exp2(m(t-1) - m(t)) + P(t) V(t): one FFMA an element, as the vendored kernel's rescale
     // and sum contract to (its multiply before P(t) V(t), its add after)
 #pragma unroll
@@ -291,56 +265,8 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_fa3(const __
     step(t, std::true_type{});
   step(n - 1, std::false_type{});
 
-  normalize_d<num_tiles_q, num_tiles_v, ComputeUnit::kCudaCore>(RO, m, d);
-
-  float v_scale[4];
-  float *V_scale_base_ptr = V_scale + batch_id * (num_qo_heads / num_kv_groups) * head_dim + (head_id / num_kv_groups) * head_dim + (lane_id % 4) * 2;
-#pragma unroll
-  for (uint32_t fv = 0; fv < num_tiles_v; fv++)
-  {
-    ((float2*)v_scale)[0] = *((float2*)(V_scale_base_ptr + fv * 16));
-    ((float2*)v_scale)[1] = *((float2*)(V_scale_base_ptr + fv * 16 + 8));
-    RO[0][fv][0] *= v_scale[0];
-    RO[0][fv][1] *= v_scale[1];
-    RO[0][fv][2] *= v_scale[0];
-    RO[0][fv][3] *= v_scale[1];
-    RO[0][fv][4] *= v_scale[2];
-    RO[0][fv][5] *= v_scale[3];
-    RO[0][fv][6] *= v_scale[2];
-    RO[0][fv][7] *= v_scale[3];
-  }
-
-  DTypeOut *O_lane_ptr = O + batch_id * stride_bz_o + head_id * stride_h_o + Q_idx_lane_base * stride_seq_o + (lane_id % 4) * 2;
-#pragma unroll
-  for (uint32_t fv = 0; fv < num_tiles_v; fv++)
-  {
-    if (Q_idx_lane_base < qo_len)
-    {
-      if constexpr (std::is_same<DTypeOut, half>::value)
-      {
-        ((half2*)(O_lane_ptr + fv * 16))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[0]);
-        ((half2*)(O_lane_ptr + fv * 16 + 8))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[2]);
-      }
-      else
-      {
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[0]);
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[2]);
-      }
-    }
-    if (Q_idx_lane_base + 8 < qo_len)
-    {
-      if constexpr (std::is_same<DTypeOut, half>::value)
-      {
-        ((half2*)(O_lane_ptr + fv * 16 + 8 * stride_seq_o))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[1]);
-        ((half2*)(O_lane_ptr + fv * 16 + 8 + 8 * stride_seq_o))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[3]);
-      }
-      else
-      {
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8 * stride_seq_o))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[1]);
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8 + 8 * stride_seq_o))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[3]);
-      }
-    }
-  }
+  ws_store_o<num_tiles_v, head_dim>(RO, m, d, V_scale, O, batch_id, head_id, num_qo_heads, num_kv_groups, lane_id,
+                                    Q_idx_lane_base, qo_len, stride_bz_o, stride_h_o, stride_seq_o);
 }
 
 // what the host launches: this kernel where it applies (FA3), the vendored one else

@@ -42,6 +42,93 @@ constexpr bool ws_applies()
   return mask_mode == MaskMode::kNone && !return_lse && qk_quant_gran == static_cast<int>(QuantGranularity::kPerThread);
 }
 
+// the loader's work (one thread): Q's 2 x 64 rows, then each K and V tile into buffer t % 2 once
+// the consumers have released the tile two before it (double-buffered, full / empty mbarriers)
+template<uint32_t CTA_Q, uint32_t CTA_K, uint32_t head_dim>
+__device__ __forceinline__ void ws_load(int8_t *sQ, int8_t *sK, int8_t *sV, const CUtensorMap *mapQ, const CUtensorMap *mapK,
+                                        const CUtensorMap *mapV, uint64_t *bar_Q, uint64_t *full_K, uint64_t *full_V,
+                                        uint64_t *empty_K, uint64_t *empty_V, uint32_t n, uint32_t bx, uint32_t head_id,
+                                        uint32_t kv_head_id, uint32_t batch_id)
+{
+  constexpr uint32_t TILE = CTA_K * head_dim;    // bytes of one K or V tile (INT8 / FP8)
+  expect_bytes<2 * CTA_Q * head_dim>(bar_Q);
+  load_async_4D(sQ, mapQ, bar_Q, 0, bx * 2 * CTA_Q, head_id, batch_id);
+  for (uint32_t t = 0; t < n; t++)
+  {
+    const uint32_t s = t & 1;
+    if (t >= 2)                                  // the consumers are done with tile t - 2's K
+      wait(&empty_K[s], ((t >> 1) - 1) & 1);
+    expect_bytes<TILE>(&full_K[s]);
+    load_async_4D(sK + s * TILE, mapK, &full_K[s], 0, t * CTA_K, kv_head_id, batch_id);
+    if (t >= 2)
+      wait(&empty_V[s], ((t >> 1) - 1) & 1);
+    expect_bytes<TILE>(&full_V[s]);
+    load_async_4D(sV + s * TILE, mapV, &full_V[s], t * CTA_K, 0, kv_head_id, batch_id);
+  }
+}
+
+// a consumer's epilogue (the vendored kernel's, for its 64 rows): O / d, times V's per-channel
+// scales, stored in the output dtype
+template<uint32_t num_tiles_v, uint32_t head_dim, typename DTypeOut>
+__device__ __forceinline__ void ws_store_o(float (&RO)[1][num_tiles_v][8], float (&m)[1][2], float (&d)[1][2],
+                                           float *__restrict__ V_scale, DTypeOut *O, uint32_t batch_id, uint32_t head_id,
+                                           uint32_t num_qo_heads, uint32_t num_kv_groups, uint32_t lane_id,
+                                           uint32_t Q_idx_lane_base, uint32_t qo_len, uint32_t stride_bz_o,
+                                           uint32_t stride_h_o, uint32_t stride_seq_o)
+{
+  constexpr uint32_t num_tiles_q = 1;
+  normalize_d<num_tiles_q, num_tiles_v, ComputeUnit::kCudaCore>(RO, m, d);
+
+  float v_scale[4];
+  float *V_scale_base_ptr = V_scale + batch_id * (num_qo_heads / num_kv_groups) * head_dim + (head_id / num_kv_groups) * head_dim + (lane_id % 4) * 2;
+#pragma unroll
+  for (uint32_t fv = 0; fv < num_tiles_v; fv++)
+  {
+    ((float2*)v_scale)[0] = *((float2*)(V_scale_base_ptr + fv * 16));
+    ((float2*)v_scale)[1] = *((float2*)(V_scale_base_ptr + fv * 16 + 8));
+    RO[0][fv][0] *= v_scale[0];
+    RO[0][fv][1] *= v_scale[1];
+    RO[0][fv][2] *= v_scale[0];
+    RO[0][fv][3] *= v_scale[1];
+    RO[0][fv][4] *= v_scale[2];
+    RO[0][fv][5] *= v_scale[3];
+    RO[0][fv][6] *= v_scale[2];
+    RO[0][fv][7] *= v_scale[3];
+  }
+
+  DTypeOut *O_lane_ptr = O + batch_id * stride_bz_o + head_id * stride_h_o + Q_idx_lane_base * stride_seq_o + (lane_id % 4) * 2;
+#pragma unroll
+  for (uint32_t fv = 0; fv < num_tiles_v; fv++)
+  {
+    if (Q_idx_lane_base < qo_len)
+    {
+      if constexpr (std::is_same<DTypeOut, half>::value)
+      {
+        ((half2*)(O_lane_ptr + fv * 16))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[0]);
+        ((half2*)(O_lane_ptr + fv * 16 + 8))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[2]);
+      }
+      else
+      {
+        ((nv_bfloat162*)(O_lane_ptr + fv * 16))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[0]);
+        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[2]);
+      }
+    }
+    if (Q_idx_lane_base + 8 < qo_len)
+    {
+      if constexpr (std::is_same<DTypeOut, half>::value)
+      {
+        ((half2*)(O_lane_ptr + fv * 16 + 8 * stride_seq_o))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[1]);
+        ((half2*)(O_lane_ptr + fv * 16 + 8 + 8 * stride_seq_o))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[3]);
+      }
+      else
+      {
+        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8 * stride_seq_o))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[1]);
+        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8 + 8 * stride_seq_o))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[3]);
+      }
+    }
+  }
+}
+
 template<uint32_t CTA_Q, uint32_t CTA_K, uint32_t NUM_THREADS, uint32_t head_dim, QuantGranularity Q_GRAN, QuantGranularity K_GRAN, typename DTypeOut, MaskMode mask_mode = MaskMode::kNone, bool return_lse = false, bool fuse_v_scale=false>
 __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_ws(const __grid_constant__ CUtensorMap tensorMapQ,
                                         const __grid_constant__ CUtensorMap tensorMapK,
@@ -100,20 +187,8 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_ws(const __g
   {
     if (threadIdx.x == 0)
     {
-      expect_bytes<2 * CTA_Q * head_dim>(&bar_Q);
-      load_async_4D(sQ, &tensorMapQ, &bar_Q, 0, bx * 2 * CTA_Q, head_id, batch_id);
-      for (uint32_t t = 0; t < n; t++)
-      {
-        const uint32_t s = t & 1;
-        if (t >= 2)                              // the consumers are done with tile t - 2's K
-          wait(&empty_K[s], ((t >> 1) - 1) & 1);
-        expect_bytes<TILE>(&full_K[s]);
-        load_async_4D(sK + s * TILE, &tensorMapK, &full_K[s], 0, t * CTA_K, kv_head_id, batch_id);
-        if (t >= 2)
-          wait(&empty_V[s], ((t >> 1) - 1) & 1);
-        expect_bytes<TILE>(&full_V[s]);
-        load_async_4D(sV + s * TILE, &tensorMapV, &full_V[s], t * CTA_K, 0, kv_head_id, batch_id);
-      }
+      ws_load<CTA_Q, CTA_K, head_dim>(sQ, sK, sV, &tensorMapQ, &tensorMapK, &tensorMapV, &bar_Q, full_K, full_V,
+                                      empty_K, empty_V, n, bx, head_id, kv_head_id, batch_id);
     }
     return;
   }
@@ -233,56 +308,8 @@ __global__ void __launch_bounds__(384, 1) qk_int8_sv_f8_attn_kernel_ws(const __g
     }
   }
 
-  normalize_d<num_tiles_q, num_tiles_v, ComputeUnit::kCudaCore>(RO, m, d);
-
-  float v_scale[4];
-  float *V_scale_base_ptr = V_scale + batch_id * (num_qo_heads / num_kv_groups) * head_dim + (head_id / num_kv_groups) * head_dim + (lane_id % 4) * 2;
-#pragma unroll
-  for (uint32_t fv = 0; fv < num_tiles_v; fv++)
-  {
-    ((float2*)v_scale)[0] = *((float2*)(V_scale_base_ptr + fv * 16));
-    ((float2*)v_scale)[1] = *((float2*)(V_scale_base_ptr + fv * 16 + 8));
-    RO[0][fv][0] *= v_scale[0];
-    RO[0][fv][1] *= v_scale[1];
-    RO[0][fv][2] *= v_scale[0];
-    RO[0][fv][3] *= v_scale[1];
-    RO[0][fv][4] *= v_scale[2];
-    RO[0][fv][5] *= v_scale[3];
-    RO[0][fv][6] *= v_scale[2];
-    RO[0][fv][7] *= v_scale[3];
-  }
-
-  DTypeOut *O_lane_ptr = O + batch_id * stride_bz_o + head_id * stride_h_o + Q_idx_lane_base * stride_seq_o + (lane_id % 4) * 2;
-#pragma unroll
-  for (uint32_t fv = 0; fv < num_tiles_v; fv++)
-  {
-    if (Q_idx_lane_base < qo_len)
-    {
-      if constexpr (std::is_same<DTypeOut, half>::value)
-      {
-        ((half2*)(O_lane_ptr + fv * 16))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[0]);
-        ((half2*)(O_lane_ptr + fv * 16 + 8))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[2]);
-      }
-      else
-      {
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[0]);
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[2]);
-      }
-    }
-    if (Q_idx_lane_base + 8 < qo_len)
-    {
-      if constexpr (std::is_same<DTypeOut, half>::value)
-      {
-        ((half2*)(O_lane_ptr + fv * 16 + 8 * stride_seq_o))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[1]);
-        ((half2*)(O_lane_ptr + fv * 16 + 8 + 8 * stride_seq_o))[0] = __float22half2_rn(((float2*)(RO[0][fv]))[3]);
-      }
-      else
-      {
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8 * stride_seq_o))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[1]);
-        ((nv_bfloat162*)(O_lane_ptr + fv * 16 + 8 + 8 * stride_seq_o))[0] = __float22bfloat162_rn(((float2*)(RO[0][fv]))[3]);
-      }
-    }
-  }
+  ws_store_o<num_tiles_v, head_dim>(RO, m, d, V_scale, O, batch_id, head_id, num_qo_heads, num_kv_groups, lane_id,
+                                    Q_idx_lane_base, qo_len, stride_bz_o, stride_h_o, stride_seq_o);
 }
 
 // what the host launches: the warp-specialised kernel where it applies (WS), the vendored one else
