@@ -15,6 +15,8 @@ Variants (`compiler/kernels/int8_attention.py`'s q/k/v functions read these name
               for AnyFlow, `_rope` for Wan), compiled by Inductor (the path before 33127ab);
   complex128  AnyFlow only: `inductor` with diffusers' own `apply_rotary_emb` (complex128, eager
               kernels: the path before 0b6d862).
+  quant_old   `fused` with the int8 attention's quantisation before 2026-11-28
+              (`compiler.bench.quant8_probe.old_quantize`: K's mean and V's |max| by torch).
 Ratios are the last variant's time over each variant's (> 1: faster than the last).
 """
 import gc
@@ -24,6 +26,7 @@ import sys
 import torch
 
 from compiler import compile_pipe
+from compiler.bench.quant8_probe import old_quantize
 from compiler.kernels import int8_attention as ia
 from runner.bench import compiled as bench
 
@@ -35,7 +38,8 @@ def _diffusers_rope(x, freqs):
 
 
 VARIANTS = {"fused": {}, "inductor": {"fused_norm_rope": lambda *a: None},
-            "complex128": {"fused_norm_rope": lambda *a: None, "complex_rope": _diffusers_rope}}
+            "complex128": {"fused_norm_rope": lambda *a: None, "complex_rope": _diffusers_rope},
+            "quant_old": {"quantize": old_quantize}}
 
 
 def main(argv):
@@ -47,7 +51,7 @@ def main(argv):
     bad = [n for n in names if n not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variants {bad}; choose from {list(VARIANTS)}")
-    saved = {k: getattr(ia, k) for k in ("fused_norm_rope", "complex_rope")}
+    saved = {k: getattr(ia, k) for k in ("fused_norm_rope", "complex_rope", "quantize")}
     res, outs = {}, {}
     for name in names:
         for k, v in {**saved, **VARIANTS[name]}.items():
@@ -57,7 +61,7 @@ def main(argv):
         compile_pipe(pipe, "O3")
         bench.run_call(pipe, spec, args, 4)                  # compiles, captures the graphs
         m, out = bench.measure_reps(pipe, spec, args, 4)
-        m["profile"] = bench.profile_table(pipe, spec, args, rows=16)
+        m["profile"] = bench.profile_table(pipe, spec, args, rows=40)
         print(f"{name}: E2E {m['e2e_s']:.3f} s, {m['its']:.3f} it/s (its {m['its_runs']}), "
               f"peak {m['peak_mem_gib']:.1f} GiB\n{m['profile']}", flush=True)
         res[name], outs[name] = m, out.float().cpu()

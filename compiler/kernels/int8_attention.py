@@ -156,34 +156,56 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rotate_quant(x, mean, r, out, scale, N, sxb, sxn, sxh, sob, son, soh, ssb, ssh, smb, smh,
-                     inv_sqrt_d, D: tl.constexpr, KEY: tl.constexpr):
-        """One (b, h) and ROWS tokens: (x - mean) R / sqrt(D) in INT8 with the kernel's per-thread
-        scales. Q (KEY=0): 64 rows, rows r and r + 8 of each 16-row tile share a scale (8 per
-        tile). K (KEY=1): 128 rows, rows 8i + 2t + j (j = 0, 1; i = 0..15) share scale t (4)."""
-        ROWS: tl.constexpr = 128 if KEY else 64
+    def kv_stats(k, v, ksum, vmax, N, skb, skn, skh, svb, svn, svh, spn, spb, sph,
+                 D: tl.constexpr, ROWS: tl.constexpr):
+        """One (b, h) and ROWS tokens of K and V, read once: K's column sums and V's column
+        |max| over those tokens (fp32), to partials (N / ROWS, B, H, D) the caller reduces."""
         blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = blk * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, D)
         inb = rows[:, None] < N
-        t = tl.load(x + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :], mask=inb, other=0.0)
+        tk = tl.load(k + b * skb + h * skh + rows[:, None] * skn + cols[None, :], mask=inb, other=0.0)
+        tv = tl.load(v + b * svb + h * svh + rows[:, None] * svn + cols[None, :], mask=inb, other=0.0)
+        off = blk * spn + b * spb + h * sph + cols
+        tl.store(ksum + off, tl.sum(tk.to(tl.float32), axis=0))
+        tl.store(vmax + off, tl.max(tl.abs(tv.to(tl.float32)), axis=0))
+
+    @triton.jit
+    def rotate_quant(x, mean, r, out, scale, N, sxb, sxn, sxh, sob, son, soh, ssb, ssh, smb, smh,
+                     inv_sqrt_d, D: tl.constexpr, KEY: tl.constexpr, TILES: tl.constexpr):
+        """One (b, h) and TILES x ROWS tokens: (x - mean) R / sqrt(D) in INT8 with the kernel's
+        per-thread scales. Q (KEY=0): 64 rows a tile, rows r and r + 8 of each 16-row tile share
+        a scale (8 per tile). K (KEY=1): 128 rows, rows 8i + 2t + j (j = 0, 1; i = 0..15) share
+        scale t (4). R (and K's mean) loaded once for the program's TILES tiles."""
+        ROWS: tl.constexpr = 128 if KEY else 64
+        pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cols = tl.arange(0, D)
+        rot = tl.load(r + cols[:, None] * D + cols[None, :])
         if KEY:   # K smoothed: its mean over tokens subtracted (softmax ignores it); padding stays 0
             mu = tl.load(mean + b * smb + h * smh + cols)
-            t = tl.where(inb, t - mu[None, :], 0.0).to(mu.dtype)
-        y = tl.dot(t, tl.load(r + cols[:, None] * D + cols[None, :])) * inv_sqrt_d     # (ROWS, D) fp32
-        amax = tl.max(tl.abs(y), axis=1)                                             # (ROWS,)
-        if KEY:
-            s = tl.max(tl.max(tl.reshape(amax, (16, 4, 2)), axis=2), axis=0) / 127.0 + 1e-7   # (4,)
-            srow = tl.reshape(tl.broadcast_to(s[None, :, None], (16, 4, 2)), (ROWS,))
-            tl.store(scale + b * ssb + h * ssh + blk * 4 + tl.arange(0, 4), s)
-        else:
-            s = tl.max(tl.reshape(amax, (4, 2, 8)), axis=1) / 127.0 + 1e-7                   # (4, 8)
-            srow = tl.reshape(tl.broadcast_to(s[:, None, :], (4, 2, 8)), (ROWS,))
-            tl.store(scale + b * ssb + h * ssh + blk * 32 + tl.reshape(
-                tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :], (32,)), tl.reshape(s, (32,)))
-        qv = y / srow[:, None]
-        qv = qv + tl.where(qv >= 0, 0.5, -0.5)       # round half away from zero, as SageAttention
-        tl.store(out + b * sob + h * soh + rows[:, None] * son + cols[None, :], qv.to(tl.int8), mask=inb)
+        for i in tl.static_range(TILES):
+            blk = pid * TILES + i
+            rows = blk * ROWS + tl.arange(0, ROWS)
+            inb = rows[:, None] < N
+            t = tl.load(x + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :], mask=inb, other=0.0)
+            if KEY:
+                t = tl.where(inb, t - mu[None, :], 0.0).to(mu.dtype)
+            y = tl.dot(t, rot) * inv_sqrt_d                                              # (ROWS, D) fp32
+            amax = tl.max(tl.abs(y), axis=1)                                             # (ROWS,)
+            live = blk * ROWS < N      # the grid's last program may hold tiles past the end
+            if KEY:
+                s = tl.max(tl.max(tl.reshape(amax, (16, 4, 2)), axis=2), axis=0) / 127.0 + 1e-7   # (4,)
+                srow = tl.reshape(tl.broadcast_to(s[None, :, None], (16, 4, 2)), (ROWS,))
+                tl.store(scale + b * ssb + h * ssh + blk * 4 + tl.arange(0, 4), s, mask=live)
+            else:
+                s = tl.max(tl.reshape(amax, (4, 2, 8)), axis=1) / 127.0 + 1e-7                   # (4, 8)
+                srow = tl.reshape(tl.broadcast_to(s[:, None, :], (4, 2, 8)), (ROWS,))
+                tl.store(scale + b * ssb + h * ssh + blk * 32 + tl.reshape(
+                    tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :], (32,)), tl.reshape(s, (32,)),
+                    mask=live)
+            qv = y / srow[:, None]
+            qv = qv + tl.where(qv >= 0, 0.5, -0.5)       # round half away from zero, as SageAttention
+            tl.store(out + b * sob + h * soh + rows[:, None] * son + cols[None, :], qv.to(tl.int8), mask=inb)
 
     @triton.jit
     def v_fp8(v, vscale, out, N, NP, svb, svn, svh, ssb, ssh, sob, soh,
@@ -203,27 +225,42 @@ def _kernels():
         tl.store(out + b * sob + h * soh + cols[:, None] * NP + (blk * 128 + p)[None, :],
                  tl.trans(t.to(tl.float8e4nv)))
 
-    return rotate_quant, v_fp8
+    return kv_stats, rotate_quant, v_fp8
 
 
-def quantize(q, k, v):
+# Launch settings: (rows, warps) of a K/V statistics program, (tiles, warps) of a Q and a K rotation
+# program. `python -m compiler.bench.quant8_probe` on an H200 (2026-11-28): the best or within 2 %
+# of it at the Wan 1.3B, 14B and TI2V-5B shapes; two tiles a program (R loaded once for both) take
+# the rotations from ~1.4 to ~2 TB/s.
+STATS = (256, 8)
+ROT_Q, ROT_K = (2, 4), (2, 4)
+
+
+def quantize(q, k, v, stats=STATS, rot_q=ROT_Q, rot_k=ROT_K):
     """(B, N, H, D) x3 -> what the sm90 kernel takes: q8, k8 (B, N, H, D) int8 with their scales
     (B, H, ceil(N/64)*32) and (B, H, ceil(N/128)*4), v8 (B, H, D, N padded to 128) fp8 with its
-    per-channel scales (B, H, D)."""
-    rotate_quant, v_fp8 = _kernels()
+    per-channel scales (B, H, D). Four passes over memory: K and V's statistics (K's mean over
+    tokens, V's per-channel |max|, in one read), Q and K rotated and quantised, V quantised."""
+    kv_stats, rotate_quant, v_fp8 = _kernels()
     b, n, h, d = q.shape
     r = signed_hadamard(d, str(q.device), q.dtype)
-    km = k.mean(dim=1)                                                       # (B, H, D)
+    rows, warps = stats
+    nb = (n + rows - 1) // rows
+    part = torch.empty(2, nb, b, h, d, dtype=torch.float32, device=q.device)   # K sums, V |max|
+    kv_stats[(nb, h, b)](k, v, part[0], part[1], n, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                         v.stride(1), v.stride(2), part.stride(1), part.stride(2), part.stride(3),
+                         D=d, ROWS=rows, num_warps=warps)
+    km = (part[0].sum(0) * (1.0 / n)).to(k.dtype)                          # (B, H, D), as k.mean(1)
+    vs = (part[1].amax(0) / 448.0).clamp_min(1e-12)                       # (B, H, D), fp32
     q8, k8 = torch.empty(q.shape, dtype=torch.int8, device=q.device), torch.empty(k.shape, dtype=torch.int8, device=q.device)
     qs = torch.empty(b, h, (n + 63) // 64 * 32, dtype=torch.float32, device=q.device)
     ks = torch.empty(b, h, (n + 127) // 128 * 4, dtype=torch.float32, device=q.device)
-    for x, mean, out, sc, rows, key in ((q, km, q8, qs, 64, False), (k, km, k8, ks, 128, True)):
-        rotate_quant[((n + rows - 1) // rows, h, b)](
-            x, mean, r, out, sc, n, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+    for x, out, sc, rows, (tiles, warps), key in ((q, q8, qs, 64, rot_q, False), (k, k8, ks, 128, rot_k, True)):
+        rotate_quant[((n + rows * tiles - 1) // (rows * tiles), h, b)](
+            x, km, r, out, sc, n, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
             out.stride(2), sc.stride(0), sc.stride(1), km.stride(0), km.stride(1), d ** -0.5, D=d, KEY=key,
-            num_warps=4 if key else 2)
+            TILES=tiles, num_warps=warps)
     np_ = (n + 127) // 128 * 128
-    vs = (v.abs().amax(dim=1).float() / 448.0).clamp_min(1e-12)             # (B, H, D)
     v8 = torch.empty(b, h, d, np_, dtype=torch.float8_e4m3fn, device=q.device)
     v_fp8[(np_ // 128, h, b)](v, vs, v8, n, np_, v.stride(0), v.stride(1), v.stride(2), vs.stride(0),
                               vs.stride(1), v8.stride(0), v8.stride(1), D=d, num_warps=8)
