@@ -196,13 +196,14 @@ def _kernels():
             if KEY:
                 s = tl.max(tl.max(tl.reshape(amax, (16, 4, 2)), axis=2), axis=0) / 127.0 + 1e-7   # (4,)
                 srow = tl.reshape(tl.broadcast_to(s[None, :, None], (16, 4, 2)), (ROWS,))
-                tl.store(scale + b * ssb + h * ssh + blk * 4 + tl.arange(0, 4), s, mask=live)
+                tl.store(scale + b * ssb + h * ssh + blk * 4 + tl.arange(0, 4), s,
+                         mask=tl.full((4,), 1, tl.int1) & live)
             else:
                 s = tl.max(tl.reshape(amax, (4, 2, 8)), axis=1) / 127.0 + 1e-7                   # (4, 8)
                 srow = tl.reshape(tl.broadcast_to(s[:, None, :], (4, 2, 8)), (ROWS,))
                 tl.store(scale + b * ssb + h * ssh + blk * 32 + tl.reshape(
                     tl.arange(0, 4)[:, None] * 8 + tl.arange(0, 8)[None, :], (32,)), tl.reshape(s, (32,)),
-                    mask=live)
+                    mask=tl.full((32,), 1, tl.int1) & live)
             qv = y / srow[:, None]
             qv = qv + tl.where(qv >= 0, 0.5, -0.5)       # round half away from zero, as SageAttention
             tl.store(out + b * sob + h * soh + rows[:, None] * son + cols[None, :], qv.to(tl.int8), mask=inb)
