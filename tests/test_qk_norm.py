@@ -104,8 +104,10 @@ def test_the_triton_kernel_under_the_interpreter_equals_the_reference():
     """The kernel's indexing (pairs as words, heads not a power of two, batch and row strides, the
     two roundings) run by Triton's CPU interpreter on odd sizes, B = 1-3, fp64 and fp32 tables,
     with 32-bit and with 64-bit offsets: the reference's values but for a last-bit tie now and
-    then (the row's sum in another order)."""
-    pytest.importorskip("triton")
+    then (the row's sum in another order). Triton is a dependency on Linux: there a missing Triton
+    fails the test."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Triton is a dependency on Linux only")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True,
                        timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -151,7 +151,7 @@ def signed_hadamard(d: int, device: str, dtype: torch.dtype) -> torch.Tensor:
 
 @functools.cache
 def _kernels():
-    """The Triton quantisation kernels (built on first use: CPU installs have no Triton)."""
+    """The Triton quantisation kernels (built on first use; on a CPU only Triton's interpreter runs them)."""
     import triton
     import triton.language as tl
 
@@ -159,7 +159,7 @@ def _kernels():
     def kv_stats(k, v, ksum, vmax, N, skb, skn, skh, svb, svn, svh, spn, spb, sph,
                  D: tl.constexpr, ROWS: tl.constexpr):
         """One (b, h) and ROWS tokens of K and V, read once: K's column sums and V's column
-        |max| over those tokens (fp32), to partials (N / ROWS, B, H, D) the caller reduces."""
+        |max| over those tokens (fp32), to partials (ceil(N / ROWS), B, H, D) the caller reduces."""
         blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = blk * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, D)
@@ -173,10 +173,10 @@ def _kernels():
     @triton.jit
     def rotate_quant(x, mean, r, out, scale, N, sxb, sxn, sxh, sob, son, soh, ssb, ssh, smb, smh,
                      inv_sqrt_d, D: tl.constexpr, KEY: tl.constexpr, TILES: tl.constexpr):
-        """One (b, h) and TILES x ROWS tokens: (x - mean) R / sqrt(D) in INT8 with the kernel's
-        per-thread scales. Q (KEY=0): 64 rows a tile, rows r and r + 8 of each 16-row tile share
-        a scale (8 per tile). K (KEY=1): 128 rows, rows 8i + 2t + j (j = 0, 1; i = 0..15) share
-        scale t (4). R (and K's mean) loaded once for the program's TILES tiles."""
+        """One (b, h) and TILES tiles of ROWS tokens: (x - mean) R / sqrt(D) in INT8 with the
+        kernel's per-thread scales. Q (KEY=0): 64-row tiles; rows r and r + 8 of each 16-row group
+        share a scale (8 a group, 32 a tile). K (KEY=1): 128-row tiles; rows 8i + 2t + j (j = 0, 1;
+        i = 0..15) share scale t (4 a tile). R (and K's mean) loaded once for the TILES tiles."""
         ROWS: tl.constexpr = 128 if KEY else 64
         pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cols = tl.arange(0, D)
@@ -230,9 +230,9 @@ def _kernels():
 
 
 # Launch settings: (rows, warps) of a K/V statistics program, (tiles, warps) of a Q and a K rotation
-# program. `python -m compiler.bench.quant8_probe` on an H200 (2026-11-28): the best or within 2 %
-# of it at the Wan 1.3B, 14B and TI2V-5B shapes; two tiles a program (R loaded once for both) take
-# the rotations from ~1.4 to ~2 TB/s.
+# program. `python -m compiler.bench.quant8_probe` on an H200 (2026-11-28): the best or within
+# 2.1 % of it at the Wan 1.3B and 14B shapes; two tiles a program (R loaded once for both) take the
+# rotations from ~1.4 to ~1.75 TB/s (benchmarks/2026-11-28-quant8-h200.md).
 STATS = (256, 8)
 ROT_Q, ROT_K = (2, 4), (2, 4)
 
