@@ -51,7 +51,7 @@ def main(argv):
     bad = [n for n in names if n not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variants {bad}; choose from {list(VARIANTS)}")
-    saved = {k: getattr(ia, k) for k in ("fused_norm_rope", "complex_rope", "quantize")}
+    saved = {k: getattr(ia, k) for k in set().union(*VARIANTS.values())}   # what any variant replaces
     res, outs = {}, {}
     for name in names:
         for k, v in {**saved, **VARIANTS[name]}.items():

@@ -380,6 +380,7 @@ def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
 # the Triton code's, transcribed: that the sm90 kernel reads it so, the attention tests below show.
 _QUANT_REFERENCE = r"""
 import torch
+from compiler.bench import quant8_probe
 from compiler.kernels import int8_attention as ia
 
 
@@ -427,18 +428,13 @@ def check(got, want):
 
 
 def inputs(b, n, h, d, device, exact_v=False):
-    g = torch.Generator(device).manual_seed(0)
-    q, k = (torch.randn(b, n, h, d, device=device, generator=g) for _ in range(2))
-    for t in (q, k):                      # channel outliers, 20-50x the std
-        t[..., :4] += torch.tensor([20.0, -30.0, 40.0, -50.0], device=device)
-    qkv = torch.randn(b, n, 3 * h * d, device=device, generator=g)
-    v = qkv[..., 2 * h * d:].unflatten(2, (h, d))
-    v[..., 4:8] *= 20
+    # the probe's: q, k with channel outliers, v a strided view of a fused projection, fp16
+    q, k, v = quant8_probe.inputs(b, n, h, d, torch.Generator(device).manual_seed(0))
     if exact_v:   # e4m3 values times 2^e per channel, |max| 448 * 2^e: V / its scale is exact
         e = 2.0 ** (torch.arange(d, device=device) % 5 - 2)
-        v.copy_((100 * v).clamp(-448, 448).to(torch.float8_e4m3fn).float() * e)
+        v.copy_((100 * v.float()).clamp(-448, 448).to(torch.float8_e4m3fn).float() * e)
         v[:, 0] = 448 * e
-    return q.half(), k.half(), qkv.half()[..., 2 * h * d:].unflatten(2, (h, d))   # v: a strided view
+    return q, k, v
 """
 
 _QUANT_CASES = r"""

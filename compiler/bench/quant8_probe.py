@@ -61,11 +61,12 @@ def old_quantize(q, k, v):
 def inputs(b, n, h, d, gen, dtype=torch.float16):
     """q, k contiguous (as `qk_norm_rope` writes them), v a view of the fused projection's output
     (B, N, 3 H D), with outlier channels: 4 channels of q and k offset by 20-50x the std, 4 of v
-    20x larger (the attention tests' `offset` and `scaled` kinds)."""
-    q, k = (torch.randn(b, n, h, d, device="cuda", generator=gen) for _ in range(2))
+    20x larger (the attention tests' `offset` and `scaled` kinds); on `gen`'s device."""
+    dev = gen.device
+    q, k = (torch.randn(b, n, h, d, device=dev, generator=gen) for _ in range(2))
     for t in (q, k):
-        t[..., :4] += torch.tensor([20.0, -30.0, 40.0, -50.0], device="cuda")
-    qkv = torch.randn(b, n, 3 * h * d, device="cuda", generator=gen)
+        t[..., :4] += torch.tensor([20.0, -30.0, 40.0, -50.0], device=dev)
+    qkv = torch.randn(b, n, 3 * h * d, device=dev, generator=gen)
     v = qkv[..., 2 * h * d:].unflatten(2, (h, d))
     v[..., 4:8] *= 20
     return q.to(dtype), k.to(dtype), qkv.to(dtype)[..., 2 * h * d:].unflatten(2, (h, d))
@@ -82,9 +83,8 @@ def compare(new, old) -> dict:
 
 
 def timings(sets, d) -> dict:
-    """us per call of each pass and of the whole quantisation, per launch setting; cycling through
-    `sets` of inputs so the L2 holds none of them."""
-    kv_stats, rotate_quant, v_fp8 = ia._kernels()
+    """us per call of the whole quantisation, old and new per launch setting, and of the old
+    path's two torch statistics; cycling through `sets` of inputs so the L2 holds none of them."""
     it = itertools.cycle(sets)
 
     def cyc(fn):
