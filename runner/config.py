@@ -308,12 +308,22 @@ class RunOptions:
 class RayOptions:
     address: str | None = key(None, "null: RAY_ADDRESS if set, else an embedded local Ray; "
                                      "or auto / host:port")
-    num_workers: int | None = key(None, "null: one per GPU in the cluster, or cpu_workers "
-                                        "when there is none")
-    cpu_workers: int = key(2, "workers when the cluster has no GPU")
+    num_workers: int | None = key(None, "a fixed pool of this many workers; null: an elastic "
+                                        "pool (min_workers, max_workers)")
+    cpu_workers: int = key(2, "CPU workers: with model.device=cpu, or a tiny model on a cluster "
+                              "without GPUs")
     cpus_per_worker: int = key(1, "CPU cores (and torch threads) of each CPU worker")
-    max_worker_restarts: int = key(3, "per worker: replacements started after deaths not pinned "
-                                      "on a row (see run.max_row_deaths)")
+    min_workers: int | None = key(None, "elastic pool: workers started at once and kept while "
+                                        "work is queued; null: the GPUs there are, at least 1")
+    max_workers: int | None = key(None, "elastic pool: at most this many workers; null: one per "
+                                        "GPU the cluster has or its autoscaler can add")
+    gpu_wait_s: float = key(600.0, "a job whose model needs GPUs and has no worker: asks the "
+                                   "autoscaler and waits this long for one, then exits 3")
+    gpu_gib: float | None = key(None, "GPU memory a worker needs to be placed on a node's GPU type; "
+                                      "null: the preset's stated need (docs/models.md)")
+    max_worker_restarts: int = key(3, "per worker and per hour it served: replacements after "
+                                      "deaths of its own (crash, out of memory, start-up), not "
+                                      "node losses or deaths pinned on a row (run.max_row_deaths)")
     worker_start_timeout_s: float = key(900.0, "a worker not ready after this many seconds "
                                                "(load + compile + warm-up) is given up; one "
                                                "waiting for another's compile artifact waits "
@@ -322,8 +332,18 @@ class RayOptions:
     def __post_init__(self):
         _positive("ray.max_worker_restarts", self.max_worker_restarts, allow_zero=True)
         _positive("ray.worker_start_timeout_s", self.worker_start_timeout_s)
-        if self.num_workers is not None:
-            _positive("ray.num_workers", self.num_workers)
+        for name in ("num_workers", "min_workers", "max_workers"):
+            if getattr(self, name) is not None:
+                _positive(f"ray.{name}", getattr(self, name))
+        if self.num_workers is not None and (self.min_workers or self.max_workers):
+            raise ConfigError(f"ray.num_workers={self.num_workers} is a fixed pool size: leave "
+                              f"ray.min_workers and ray.max_workers unset with it, or drop it")
+        if (self.min_workers or 0) > (self.max_workers or math.inf):
+            raise ConfigError(f"ray.min_workers={self.min_workers} exceeds ray.max_workers="
+                              f"{self.max_workers}; set min_workers <= max_workers")
+        _positive("ray.gpu_wait_s", self.gpu_wait_s, allow_zero=True)
+        if self.gpu_gib is not None:
+            _positive("ray.gpu_gib", self.gpu_gib)
         _positive("ray.cpu_workers", self.cpu_workers)
         _positive("ray.cpus_per_worker", self.cpus_per_worker)
 

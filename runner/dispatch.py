@@ -56,6 +56,23 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   it); left when no slot that takes them is ready and none is starting. A retried or split one
   joins the queue like any shard.
 - `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
+- Elastic (`cluster`, a `Cluster`: `runner.cluster.RayCluster` on Ray): the slots are not fixed.
+  Once a second the dispatcher reads the cluster's `View` and asks the cluster for room for the
+  workers the work left can keep busy (`Cluster.want`: between `n_workers`, the minimum, and
+  `max_workers`, less the slots retired for their own deaths), and starts a worker, a new rank,
+  on each place the view offers (`Pool.start(rank, node)`) up to that. A worker lost with its
+  node (`NodeLost`, or its node dead or draining in the view) is a node loss: never charged, its
+  rows go back as they were, its rank is not restarted (a new worker starts where there is room).
+  A draining node's workers get no new shards; one with nothing in flight is stopped, one still
+  busy is stopped and its shards requeued `DRAIN_MARGIN_S` before the node's deadline (none
+  given: it finishes what it holds). Once nothing is queued, a ready worker left without work for
+  `IDLE_STOP_S` is stopped (`on_stop(slot, why)` first: its metrics), so its node can go; the
+  worker-seconds spent ready without work are `idle_s`. With no worker ready or starting and
+  work left, the job waits for room (a line every `WAIT_LINE_S`) `gpu_wait_s` at most, then
+  stops with `NoRoom` (a `PersistentFault`: exit 3) naming what it waited for. Every loss is in
+  `losses` (`on_lost(info)` as it happens) with its cause and whether it was charged.
+- Restarts are counted per slot and per hour it served: a slot is replaced after a death of its
+  own while its charged deaths are at most `max_restarts` x max(1, hours served).
 - A loop iteration costs O(what happened) plus one `Pool.wait` over the shards in flight, not
   O(slots): starting and hungry (ready, with room for a shard) slots are kept as they change
   (`runner.bench.simulate` measures the loop at 1000 workers).
@@ -111,6 +128,15 @@ def fault_cause(shard: Shard, error: str) -> str:
     return error
 
 
+class NoRoom(PersistentFault):
+    """No worker ready or starting, work left, and no place for one within `gpu_wait_s`."""
+
+
+DRAIN_MARGIN_S = 30.0   # a draining node's busy worker is stopped this long before its deadline
+IDLE_STOP_S = 5.0       # a ready worker without work once nothing is queued: stopped after this
+WAIT_LINE_S = 15.0      # while waiting for room: a line this often
+
+
 class TaskError(Exception):
     """An exception raised by our code inside a worker, which lives on. `str()` is its cause,
     `Type: message` of the worker-side exception (see `cause`)."""
@@ -118,6 +144,25 @@ class TaskError(Exception):
 
 class WorkerLost(Exception):
     """The worker is gone (its process or node died, or it was killed). `str()` says how."""
+
+
+class NodeLost(WorkerLost):
+    """The worker is gone with its node (the node died, was preempted or drained): not the
+    worker's fault."""
+
+
+class Cluster(Protocol):
+    """An elastic pool's room (`runner.cluster.RayCluster`; simulated in runner.bench.simulate)."""
+
+    def poll(self) -> Any:
+        """A `runner.cluster.View`: `places` (a node id per worker that could start now),
+        `draining` (node id -> deadline, epoch s, 0: none), `dead` (node ids), `text()`."""
+
+    def want(self, n: int) -> None:
+        """Room for `n` workers in all, running ones included (the autoscaler's floor)."""
+
+    def exclude(self, node: str | None, why: str) -> None:
+        """Place no more workers on `node`'s kind (a worker found its GPU too small)."""
 
 
 class Pool(Protocol):
@@ -208,6 +253,10 @@ class Slot:
     checking: bool = False           # a canary of it is in flight
     made: dict = field(default_factory=dict)   # epoch -> ok rows it returned, not yet verified
     pace: Pace | None = None         # its progress clock once ready (`runner.watchdog`)
+    node: str | None = None          # the node it was placed on (elastic), or its ready info's
+    draining: float | None = None    # its node's drain deadline (epoch s, 0: none) once noticed
+    idle_from: float | None = None   # ready without work since (the clock's seconds)
+    ready_at: float | None = None    # when it became ready (the clock's seconds)
 
 
 class Dispatcher:
@@ -225,8 +274,28 @@ class Dispatcher:
                  on_canary_failed: Callable[[Slot, dict, list[dict], list[str]], None] | None = None,
                  later: list[Shard] = (), takes_later: Callable[[Slot], bool] = lambda s: False,
                  hang_timeout_s: float = 0.0, batch_size: int = 1,
-                 on_hung: Callable[[Slot, dict], None] | None = None):
+                 on_hung: Callable[[Slot, dict], None] | None = None,
+                 cluster: Cluster | None = None, max_workers: int | None = None,
+                 gpu_wait_s: float = 600.0, scale_in: bool = True,
+                 on_stop: Callable[[Slot, str], None] | None = None,
+                 on_lost: Callable[[dict], None] | None = None,
+                 wall: Callable[[], float] = time.time):
         self.pool, self.n_workers, self.rows_to = pool, n_workers, on_rows
+        # elastic (the module docstring): the room, the bounds, what is said and recorded
+        self.cluster, self.max_workers, self.gpu_wait_s = cluster, max_workers, gpu_wait_s
+        self.scale_in, self.on_stop, self.on_lost, self.wall = scale_in, on_stop, on_lost, wall
+        self.view = None                        # the cluster's last View
+        self.next_look = 0.0                    # the clock's time of the next look at it
+        self.next_rank = n_workers              # ranks of new elastic workers
+        self.retired = 0                        # slots given up for their own deaths
+        self.waiting_since: float | None = None  # no worker ready or starting since
+        self.next_wait_line = 0.0
+        self.losses: list[dict] = []            # every worker lost: cause, charged, rows back
+        self.served: dict[int, float] = {}      # rank -> seconds its workers served (restarts)
+        self.idle_s = 0.0                       # worker-seconds ready without work
+        # charged deaths on a node still alive in the view: a node's death is reported after its
+        # workers' (Ray's health checks): seen dead later, they are the node's, not charged
+        self.charged_on: dict[str, list[dict]] = {}
         # shards only some workers should take, once `shards` are handed out (module docstring)
         self.later, self.takes_later = deque(later), takes_later
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
@@ -261,9 +330,14 @@ class Dispatcher:
 
     def run(self) -> list[Slot]:
         """Until every shard is done (its rows to `on_rows`); returns the slots."""
-        for rank in range(self.n_workers):
-            self.slots.append(self._start(rank))
+        if self.cluster is None:
+            for rank in range(self.n_workers):
+                self.slots.append(self._start(rank))
+        else:
+            self.next_rank = 0
+            self._elastic()
         while self.queue or self.futures or self.later and self._later_taken():
+            self._elastic()
             self._check_alive()
             ready = self.pool.wait(list(self.futures) + list(self.warming), timeout=1.0)
             if self.on_tick:                 # about once a second: start-up phases, progress lines
@@ -282,13 +356,151 @@ class Dispatcher:
             self.pool.kill(s.actor)
             s.state = "dead"
         self.warming.clear()
+        now = self.clock()
+        for s in self.slots:                    # the idle time of those that served to the end
+            self._busy(s, now)
+        if self.cluster is not None:
+            self.cluster.want(0)                # no more demand: the autoscaler may shrink
         return self.slots
 
-    def _start(self, rank: int, restarts: int = 0) -> Slot:
-        actor, warm = self.pool.start(rank)
-        slot = Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts)
+    def _start(self, rank: int, restarts: int = 0, node: str | None = None) -> Slot:
+        actor, warm = self.pool.start(rank) if node is None else self.pool.start(rank, node)
+        slot = Slot(rank=rank, actor=actor, warm_ref=warm, started=self.clock(), restarts=restarts,
+                    node=node)
         self.warming[warm] = slot
         return slot
+
+    # -- the elastic pool (the module docstring) ---------------------------------------------------
+
+    def _elastic(self) -> None:
+        """Once a second: node losses and drains, the request for room, new workers, the tail."""
+        now = self.clock()
+        if self.cluster is None or now < self.next_look:
+            return
+        self.next_look = now + 1.0
+        v = self.view = self.cluster.poll()
+        for node in [n for n in self.charged_on if n in v.dead]:
+            self._uncharge(self.charged_on.pop(node))
+        for s in [s for s in self.slots if s.state != "dead"]:
+            node = self._node(s)
+            if node in v.dead:
+                self.lose(s, f"its node {node} died (Ray reports the node dead)", node_lost=True)
+            elif node in v.draining:
+                self._drain(s, v.draining[node])
+        live = [s for s in self.slots if s.state != "dead"]
+        target = self._target(live)
+        self.cluster.want(target)
+        places = list(v.places)
+        for s in live:                  # placed, maybe not yet seen in the view's free GPUs
+            if s.state == "starting" and s.node in places:
+                places.remove(s.node)
+        while len(live) < target and places:
+            slot = self._start(self.next_rank, node=places.pop(0))
+            self.next_rank += 1
+            self.slots.append(slot)
+            live.append(slot)
+        if self.scale_in and not self.queue and not self.later:
+            for s in [s for s in live if s.state == "ready" and not s.running and s.idle_from is
+                      not None and now - s.idle_from >= IDLE_STOP_S]:
+                self._stop(s, "idle: nothing left to hand it")
+
+    def _uncharge(self, losses: list[dict]) -> None:
+        """Deaths charged to their slots whose node turned out dead: the node's, not theirs."""
+        for loss in losses:
+            rank = loss["rank"]
+            self.charged[rank] = max(0, self.charged.get(rank, 0) - 1)
+            loss.update(kind="node lost", charged=False)
+            if loss.pop("retired", False):
+                self.retired -= 1
+            log.info("worker %d: its death was its node's (the node is dead now): not charged",
+                     rank)
+
+    def _target(self, live: list[Slot]) -> int:
+        """The workers the work left can keep busy, within the pool's bounds (0: no work)."""
+        if not (self.queue or self.futures or self.later):
+            return 0
+        busy = sum(1 for s in live if s.running or s.state == "starting")
+        useful = busy + len(self.queue) + len(self.later)
+        cap = self.max_workers
+        if cap is None:       # what the autoscaler can grow to; not known: twice what is there
+            v = self.view
+            cap = v.max_gpus if v is not None and v.max_gpus else max(
+                self.n_workers, 2 * (v.gpus if v is not None else 0) + 1)
+        cap -= self.retired
+        return max(0, min(cap, max(self.n_workers - self.retired, useful)))
+
+    def _node(self, slot: Slot) -> str | None:
+        return slot.node or (slot.ready_info or {}).get("node_id")
+
+    def _drain(self, slot: Slot, deadline: float) -> None:
+        """`slot`'s node is draining: no new shards; stopped when it holds nothing, or
+        `DRAIN_MARGIN_S` before the deadline with its shards requeued."""
+        left = deadline - self.wall() if deadline else None
+        if slot.draining is None:
+            slot.draining = deadline
+            self.hungry.pop(slot, None)
+            log.warning("worker %d: its node %s is draining (%s): it takes no new shards",
+                        slot.rank, self._node(slot),
+                        f"deadline in {left:.0f} s" if left is not None else "no deadline")
+        if slot.state == "starting" or left is not None and left <= DRAIN_MARGIN_S:
+            self.lose(slot, f"its node {self._node(slot)} was draining (preemption notice): "
+                            f"stopped before the deadline, its shards requeued", node_lost=True)
+        elif not slot.running:
+            self._stop(slot, "its node is draining")
+
+    def _stop(self, slot: Slot, why: str) -> None:
+        """Stop a worker the pool no longer needs (a drained node, the tail): not a loss."""
+        if self.on_stop:
+            self.on_stop(slot, why)
+        log.info("worker %d: stopped (%s)", slot.rank, why)
+        self._busy(slot, self.clock())
+        self._served(slot)
+        slot.state = "dead"
+        slot.last_error = f"stopped: {why}"
+        self.hungry.pop(slot, None)
+        self.pool.kill(slot.actor)
+
+    def _busy(self, slot: Slot, now: float) -> None:
+        """`slot` has work again (or is gone): its idle time so far counted."""
+        if slot.idle_from is not None:
+            self.idle_s += max(0.0, now - slot.idle_from)
+            slot.idle_from = None
+
+    def _served(self, slot: Slot) -> None:
+        if slot.ready_at is not None:
+            self.served[slot.rank] = self.served.get(slot.rank, 0.0) + self.clock() - slot.ready_at
+            slot.ready_at = None
+
+    def _budget(self, rank: int) -> float:
+        """Deaths of its own a slot may be replaced after: per hour it served, at least once."""
+        return self.max_restarts * max(1.0, self.served.get(rank, 0.0) / 3600.0)
+
+    def _waiting(self) -> bool:
+        """Elastic, work left, no worker ready or starting: waiting for room, `gpu_wait_s` at most
+        (then `NoRoom`); a line every `WAIT_LINE_S`. False once a worker is starting or ready."""
+        if any(s.state != "dead" for s in self.slots):
+            self.waiting_since = None
+            return False
+        target = self._target([])
+        if self.cluster is None or target == 0:
+            return False
+        now = self.clock()
+        if self.waiting_since is None:
+            self.waiting_since, self.next_wait_line = now, now
+        waited = now - self.waiting_since
+        room = self.view.text() if self.view is not None else "not read yet"
+        if waited > self.gpu_wait_s:
+            raise NoRoom(f"no worker could start in {self.gpu_wait_s:.0f} s (ray.gpu_wait_s): "
+                         f"waited for {target} GPU{'s' * (target != 1)} of a type that holds "
+                         f"the model; the cluster has {room}. Fix: add GPU nodes (or a GPU node "
+                         f"type to the autoscaler: docs/cloud.md), raise ray.gpu_wait_s, or run "
+                         f"on CPU (model.device=cpu). Finished outputs are kept: rerun the same "
+                         f"command to resume.")
+        if now >= self.next_wait_line:
+            self.next_wait_line = now + WAIT_LINE_S
+            log.info("waiting for GPUs: 0 of %d, %.0f s of ray.gpu_wait_s=%.0f; cluster has %s",
+                     target, waited, self.gpu_wait_s, room)
+        return True
 
     def _later_taken(self) -> bool:
         """A slot that takes the `later` shards is ready, or one may be (starting): else they are
@@ -301,8 +513,9 @@ class Dispatcher:
         return self.queue or (self.later if self.takes_later(slot) else self.queue)
 
     def _check_alive(self) -> None:
-        """No slot ready or starting: stop rather than wait for nothing."""
-        if any(s.state != "dead" for s in self.slots):
+        """No slot ready or starting: stop rather than wait for nothing (elastic: wait for room,
+        `gpu_wait_s` at most)."""
+        if any(s.state != "dead" for s in self.slots) or self._waiting():
             return
         errors = "; ".join(f"worker {s.rank}: {(s.last_error or '?').splitlines()[0][:300]}"
                            for s in self.slots)
@@ -322,7 +535,7 @@ class Dispatcher:
 
     def fill(self, slot: Slot) -> None:
         """Up to `inflight` shards (and canaries) on a ready slot; a suspect runs alone."""
-        while slot.state == "ready" and len(slot.running) < self.inflight:
+        while slot.state == "ready" and slot.draining is None and len(slot.running) < self.inflight:
             if self._canary_due(slot):
                 self._ask_canary(slot)
                 continue
@@ -333,13 +546,14 @@ class Dispatcher:
             shard = queue.popleft()
             if not slot.running:             # its idle time is no silence: the clock starts now
                 self.watchdog.begin(slot.pace, self.clock())
+                self._busy(slot, self.clock())
             _, finished = self.pool.submit(slot.actor, slot.next_seq, shard.items)
             slot.next_seq += 1
             slot.since += len(shard.items)
             self.submitted += 1
             slot.running.append(finished)
             self.futures[finished] = (slot, shard, slot.epoch)
-        if slot.state == "ready" and len(slot.running) < self.inflight:
+        if slot.state == "ready" and slot.draining is None and len(slot.running) < self.inflight:
             self.hungry[slot] = None
         else:
             self.hungry.pop(slot, None)
@@ -353,6 +567,11 @@ class Dispatcher:
             slot.ready_info = self.pool.result(slot.warm_ref)
         except (TaskError, WorkerLost) as e:
             error = f"start-up failed: {e}"
+            if isinstance(e, TaskError) and str(e).startswith("GpuTooSmall:") and self.cluster:
+                # the GPU type cannot hold the model: no worker there again, no death of its own
+                self.cluster.exclude(self._node(slot), str(e).split(": ", 1)[-1][:300])
+                self.lose(slot, error, node_lost=True, kind="GPU too small")
+                return
             if isinstance(e, TaskError):
                 # our start-up code raised: deterministic, so one retry (its cause shown), never a
                 # third identical attempt. A lost worker restarts as usual.
@@ -360,9 +579,11 @@ class Dispatcher:
                 if self.startup_errors[error] > 1:
                     log.error("worker %d: %s (the same error as before: not retried)",
                               slot.rank, error)
-            self.lose(slot, error, restart=self.startup_errors.get(error, 0) <= 1)
+            self.lose(slot, error, restart=self.startup_errors.get(error, 0) <= 1,
+                      node_lost=self._node_gone(slot, e))
             return
         slot.state, slot.canary_at = "ready", self.clock()
+        slot.ready_at = slot.idle_from = self.clock()
         slot.pace = Pace(since=self.clock())
         if self.on_ready:
             self.on_ready(slot)
@@ -376,7 +597,7 @@ class Dispatcher:
         try:
             rows = self.pool.result(finished)
         except WorkerLost as e:
-            self.lose(slot, str(e))
+            self.lose(slot, str(e), node_lost=self._node_gone(slot, e))
             return
         except TaskError as e:
             self._retire(finished, measure=False)     # progress, but not its pace: it raised
@@ -409,6 +630,8 @@ class Dispatcher:
         clock (`measure`: a shard's time taken into its pace)."""
         slot, shard, _ = self.futures.pop(finished)
         slot.running.remove(finished)
+        if not slot.running and slot.idle_from is None:
+            slot.idle_from = self.clock()
         if slot.pace is not None:
             work = units(shard.items) if measure and shard is not None else None
             self.watchdog.done(slot.pace, work, self.clock())
@@ -512,14 +735,29 @@ class Dispatcher:
             self.suspects.add(s.index)
         self.queue.extendleft(reversed(singles))
 
+    def _node_gone(self, slot: Slot, e: Exception) -> bool:
+        """A lost worker went with its node: `NodeLost`, or its node dead or draining in the
+        cluster's last view (the death may be reported before the view shows it: looked again)."""
+        if isinstance(e, NodeLost):
+            return True
+        if self.cluster is None or self._node(slot) is None:
+            return False
+        v = self.view = self.cluster.poll()
+        return self._node(slot) in v.dead or self._node(slot) in v.draining
+
     def lose(self, slot: Slot, error: str, restart: bool = True, blame: bool = True,
-             pin: Shard | None = None) -> None:
+             pin: Shard | None = None, node_lost: bool = False, kind: str | None = None) -> None:
         """The slot's worker is gone: keep what it finished, count the death for the rows it held
         (`_died_with`; not `blame`: they go back as they were; `pin`: only that shard's rows,
         the others go back as they were), restart it if its budget of deaths not pinned on a row
-        allows."""
+        allows. `node_lost`: gone with its node (module docstring): nothing blamed or charged,
+        and an elastic pool starts a new worker where there is room instead."""
         if slot.state == "dead":
             return
+        if node_lost:
+            blame, restart = False, self.cluster is None
+        self._busy(slot, self.clock())
+        self._served(slot)
         slot.state, slot.last_error = "dead", error
         self.warming.pop(slot.warm_ref, None)
         self.hungry.pop(slot, None)
@@ -541,21 +779,47 @@ class Dispatcher:
         blamed = [s for s in held if blame and (pin is None or s is pin)]
         self.queue.extendleft(reversed([s for s in held if s not in blamed]))
         pinned = [it.id for s in blamed for it in s.items]
-        if pinned:                           # pinned on them until each is seen to be innocent
+        if node_lost:                        # the node's doing: no one's budget
+            pass
+        elif pinned:                         # pinned on them until each is seen to be innocent
             self.unresolved[death] = set(pinned)
             self._died_with(blamed, death)
         else:
             self._charge(death)
         charged = self.charged.get(slot.rank, 0)
+        loss = self._record_loss(slot, error, kind or ("node lost" if node_lost else "worker's own"),
+                                 len(ids), not node_lost and not pinned)
+        if loss["charged"] and self.cluster is not None and loss["node"]:
+            self.charged_on.setdefault(loss["node"], []).append(loss)
         what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
             f"; in flight: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}" if ids else "")
-        if restart and charged <= self.max_restarts and (self.queue or self.futures or self.later):
-            log.warning("worker %d lost (%s); starting a replacement (deaths not pinned on a row: "
-                        "%d of ray.max_worker_restarts=%d)", slot.rank, what, charged,
-                        self.max_restarts)
-            self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1)
+        budget = self._budget(slot.rank)
+        if restart and charged <= budget and (self.queue or self.futures or self.later):
+            log.warning("worker %d lost (%s); starting a replacement (deaths of its own: %d of "
+                        "%g: ray.max_worker_restarts=%d per hour served)", slot.rank, what,
+                        charged, budget, self.max_restarts)
+            self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1,
+                                                             node=None)
+        elif node_lost:
+            log.warning("worker %d lost with its node (%s): not charged%s", slot.rank, what,
+                        "; a new worker starts where there is room" if self.cluster else "")
         else:
+            if self.queue or self.futures or self.later:
+                self.retired += 1            # its budget used (or a start-up that fails alike)
+                loss["retired"] = True
             log.warning("worker %d lost (%s); not restarted", slot.rank, what)
+
+    def _record_loss(self, slot: Slot, error: str, kind: str, rows: int, charged: bool) -> dict:
+        """One line of `losses` (and `on_lost`): who, where, why, what went back, if charged."""
+        info = slot.ready_info or {}
+        dev = info.get("device") or {}
+        loss = dict(rank=slot.rank, node=self._node(slot), gpu=dev.get("gpu") or dev.get("name"),
+                    kind=kind, cause=(error.splitlines() or ["?"])[0][:300], rows_back=rows,
+                    charged=charged, at=round(self.clock(), 1))
+        self.losses.append(loss)
+        if self.on_lost:
+            self.on_lost(loss)
+        return loss
 
     def _died_with(self, shards: list[Shard], death: int) -> None:
         """Every row of `shards` was in flight at `death`. A row at `max_deaths` is recorded failed
@@ -641,7 +905,7 @@ class Dispatcher:
         try:
             verdict = self.pool.result(future)
         except WorkerLost as e:
-            self.lose(slot, str(e))
+            self.lose(slot, str(e), node_lost=self._node_gone(slot, e))
             return
         except TaskError as e:               # it could not run: nothing is known either way
             self._retire(future)

@@ -357,12 +357,32 @@ def start_ray_pool(job: dict, limits: Constraints) -> Pool:
     def open_pool() -> Pool:
         from .raypool import RayPool, RayStartError
         try:
-            return RayPool.open(job["ray"], gpu=job["model"].device != "cpu",
+            return RayPool.open(job["ray"], gpu=gpu_need(job["model"]),
                                 worker_config=functools.partial(worker_config, job, limits),
-                                shared_cache=job["compile"].options.has("cache"), inflight=INFLIGHT)
+                                shared_cache=job["compile"].options.has("cache"), inflight=INFLIGHT,
+                                need_gib=placement_gib(job))
         except RayStartError as e:
             raise JobError(str(e)) from e
     return _interruptible(open_pool, "ray-start")
+
+
+def gpu_need(model) -> str:
+    """Whether the job's workers need GPUs: "no" with model.device=cpu; "if any" for a tiny
+    model with model.device=auto (CPU workers on a cluster without GPUs, as on a laptop); "yes"
+    otherwise: a full-size model never runs on CPU by accident (it waits for GPUs instead)."""
+    if model.device == "cpu":
+        return "no"
+    return "if any" if model.device == "auto" and model.source == "tiny" else "yes"
+
+
+def placement_gib(job: dict) -> float | None:
+    """The GPU memory a worker needs to be placed on a GPU type: ray.gpu_gib, else the preset's
+    stated need (with O3's FP8 weights where the preset states that need)."""
+    if job["ray"].gpu_gib is not None:
+        return job["ray"].gpu_gib
+    info, fp8 = job["model"].info, job["compile"].options.has("low_precision")
+    need = info.get("gpu_gib_fp8" if fp8 and "gpu_gib_fp8" in info else "gpu_gib")
+    return None if need is None else need * (2 if job["model"].dtype == "fp32" else 1)
 
 
 def _interruptible(fn: Callable[[], Pool], name: str) -> Pool:
@@ -440,6 +460,8 @@ class JobRun:
         self.canaries = 0                       # canaries that passed (the dispatcher's count)
         self.canary_failures: list[dict] = []   # each failed canary: worker, device, suspect ids
         self.hangs: list[dict] = []             # each hung worker: device, bound, rows it held
+        self.losses: list[dict] = []            # each worker lost: cause, node, charged, rows back
+        self.idle_s = 0.0                       # worker-seconds ready without work (dispatcher)
         self.stopped_metrics: list[dict] = []   # metrics of the workers stopped (canary, hang)
         self.ready_ranks: set[int] = set()      # slots ever ready (a replacement adds nothing)
         self.int8_off: dict[int, str] = {}      # rank -> why int8-attention's kernel did not run
@@ -473,7 +495,11 @@ class JobRun:
                                 on_canary_failed=self.on_canary_failed,
                                 later=later, takes_later=runs_int8_attention,
                                 hang_timeout_s=opts.hang_timeout_s,
-                                batch_size=opts.batch_size, on_hung=self.on_hung)
+                                batch_size=opts.batch_size, on_hung=self.on_hung,
+                                cluster=getattr(pool, "cluster", None),
+                                max_workers=ray.num_workers or ray.max_workers,
+                                gpu_wait_s=ray.gpu_wait_s, scale_in=ray.num_workers is None,
+                                on_stop=self._stopped_metrics, on_lost=self.on_lost)
         try:
             with self.progress.logging():
                 dispatcher.run()
@@ -495,6 +521,7 @@ class JobRun:
             self.progress.close()
             self._settle_snapshot()       # a stale snapshot must not land after the final write
             self.shards, self.canaries = dispatcher.submitted, dispatcher.canaries
+            self.idle_s = dispatcher.idle_s
         self.t_done = self.clock()
         self.driver_cpu_s = time.process_time() - self.cpu_start
 
@@ -568,6 +595,12 @@ class JobRun:
         summary and report, which name its host and GPU."""
         self._stopped_metrics(slot, "hung")
         self.hangs.append(dict(rank=slot.rank, at_s=round(self.clock() - self.t_start, 1), **info))
+
+    def on_lost(self, loss: dict) -> None:
+        """A worker lost (the dispatcher's record: cause, node, charged): kept for the summary,
+        its time as seconds since the job started."""
+        loss["at_s"] = round(loss.pop("at", self.clock()) - self.t_start, 1)
+        self.losses.append(loss)
 
     def _stopped_metrics(self, slot, why: str) -> None:
         """The metrics of a worker the dispatcher is about to stop (a failed canary, a hang), asked
@@ -749,7 +782,7 @@ class JobRun:
         timing["aborted"] = self.aborted
         timing["skipped_empty"] = self.skipped   # rows never run: empty prompts, on_empty=skip
         timing.update(canaries=self.canaries, canary_failures=self.canary_failures,
-                      hangs=self.hangs)
+                      hangs=self.hangs, losses=self.losses, idle_worker_s=round(self.idle_s, 1))
         return timing
 
     def _metrics(self) -> list[dict]:

@@ -32,6 +32,11 @@ class ModelLoadError(RuntimeError):
     pass
 
 
+class GpuTooSmall(ModelLoadError):
+    """This worker's GPU has too little memory for the preset (`check_gpu_memory`): the driver of
+    an elastic pool places no more workers on that GPU type (`runner.cluster`)."""
+
+
 def video_length(spec: ModelSpec) -> int | None:
     """The one frame count the model takes (its family's `exact_frames`, read from the denoiser's
     config: Latte's temporal embedding), else None (image models, or any k * frame_step + 1)."""
@@ -211,7 +216,7 @@ def check_gpu_memory(spec: ModelSpec, free_bytes: int | None = None, gpu: str = 
         gpu = torch.cuda.get_device_name()
     free = free_bytes / 2**30
     if free < need:
-        raise ModelLoadError(
+        raise GpuTooSmall(
             f"model.preset={spec.preset} ({spec.dtype}) needs about {need:.0f} GiB of GPU memory "
             f"(its weights and one call at the published size: docs/models.md, GPU memory); "
             f"{gpu} has {free:.1f} GiB free. Fix: run it on GPUs with more memory (an H200 has "

@@ -1,18 +1,24 @@
 """The driver's only Ray code: a `dispatch.Pool` of Ray actors, and the connection to Ray.
 
 Contract:
-- `RayPool.open(opts, gpu, worker_config, shared_cache, inflight)` connects to the cluster (`ray.address`, or
-  RAY_ADDRESS, else a new embedded local Ray, quiet: see `connect`), counts its GPUs and returns the
-  pool: `size` workers, one per GPU (`ray.num_workers` overrides; `ray.cpu_workers` CPU actors where
-  there is no GPU or `model.device=cpu`), each a `runner.actor.WorkerActor` built from
-  `worker_config(on_gpu)`, spread over nodes, never restarted by Ray itself (the dispatcher decides).
+- `RayPool.open(opts, gpu, worker_config, shared_cache, inflight, need_gib)` connects to the
+  cluster (`ray.address`, or RAY_ADDRESS, else a new embedded local Ray, quiet: see `connect`) and
+  returns the pool. `gpu`: "yes" (the model needs GPUs), "no" (`model.device=cpu`) or "if any" (a
+  tiny model: GPU workers where the cluster has or can add GPUs, else CPU ones). GPU workers make
+  an elastic pool: `cluster` (a `runner.cluster.RayCluster` for workers needing `need_gib`) and
+  `size` (`ray.num_workers`, else `ray.min_workers`, else the GPUs there are, at least 1) for the
+  dispatcher, each worker placed on the node the dispatcher picks (`start(rank, node)`: one GPU
+  and one CPU there). CPU workers are a fixed pool of `ray.cpu_workers` (`cluster` None). Each is a
+  `runner.actor.WorkerActor` built from `worker_config(on_gpu)`, never restarted by Ray itself
+  (the dispatcher decides).
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
 - The Pool calls map one to one onto actor calls (`warmup`, told when it was asked: the worker's
   start-up deadline counts from then; `start_shard` + `finish_shard`,
   `canary`, `phases`, `metrics`, `progress`); `close` disconnects from Ray (quiet); `result` turns Ray's errors into
   `TaskError` (our code raised in the worker: its cause, `Type: message`) or `WorkerLost` (the
   actor or its node is gone: what it died of, `lost_cause`: its first line a cause that deaths
-  share, "out of memory: ..." when it was killed for memory, the particulars on the next); `stop`
+  share, "out of memory: ..." when it was killed for memory, the particulars on the next;
+  `NodeLost` when Ray says the node died or was preempted); `stop`
   kills and waits until each actor's process is gone, so nothing it writes lands after the caller
   goes on.
 - Only this module (and the worker's side: `runner.worker`, `runner.compile_cache`) imports Ray:
@@ -31,7 +37,7 @@ import ray
 
 from . import oom
 from .config import RayOptions
-from .dispatch import TaskError, WorkerLost, cause
+from .dispatch import NodeLost, TaskError, WorkerLost, cause
 
 log = logging.getLogger("runner")
 
@@ -39,35 +45,54 @@ log = logging.getLogger("runner")
 class RayPool:
     """`Pool` over Ray actors made by `make_actor(rank)` (a `WorkerContract` under `ray.remote`)."""
 
-    def __init__(self, make_actor: Callable[[int], Any], size: int):
-        self.make_actor, self.size = make_actor, size
+    def __init__(self, make_actor: Callable[..., Any], size: int, cluster=None):
+        self.make_actor, self.size, self.cluster = make_actor, size, cluster
         self.warming: dict[Any, Any] = {}    # warm-up ref -> its actor, until its result is read
         self.memory: dict[str, dict | None] = {}   # actor id -> its `oom.baseline` (ready info)
 
     @classmethod
-    def open(cls, opts: RayOptions, gpu: bool, worker_config: Callable[[bool], Any],
-             shared_cache: bool, inflight: int) -> "RayPool":
+    def open(cls, opts: RayOptions, gpu: str, worker_config: Callable[[bool], Any],
+             shared_cache: bool, inflight: int, need_gib: float | None = None) -> "RayPool":
         from .actor import WorkerActor
+        from .cluster import RayCluster
         connect(opts)
-        gpus = int(ray.cluster_resources().get("GPU", 0)) if gpu else 0
-        size = opts.num_workers or (gpus or opts.cpu_workers)
-        resources = dict(num_gpus=1, num_cpus=1) if gpus else dict(num_cpus=opts.cpus_per_worker)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        on_gpu = gpu == "yes" or gpu == "if any" and bool(gpus or RayCluster.max_gpus())
         broker = None
         if shared_cache:
             from .compile_cache import CacheBroker
             broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
-        cfg = worker_config(bool(gpus))
+        cfg = worker_config(on_gpu)
         # Threaded: a shard's two calls (start_shard, finish_shard) for each of the `inflight`
         # shards, a canary, metrics() or phases(), and progress() (the watchdog's: answered while
         # all the others wait on a hung call); the worker orders the GPU work itself.
-        remote = ray.remote(WorkerActor).options(max_restarts=0, scheduling_strategy="SPREAD",
-                                                 max_concurrency=2 * inflight + 3, **resources)
-        log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
-                 "warms up)", size, "GPU" if gpus else "CPU")
-        return cls(lambda rank: remote.remote(rank, cfg, broker), size)
+        common = dict(max_restarts=0, max_concurrency=2 * inflight + 3)
+        if not on_gpu:
+            size = opts.num_workers or opts.cpu_workers
+            remote = ray.remote(WorkerActor).options(scheduling_strategy="SPREAD",
+                                                     num_cpus=opts.cpus_per_worker, **common)
+            log.info("starting %d CPU worker%s (each loads the model, compiles or loads the "
+                     "compile cache, warms up)", size, "s" * (size != 1))
+            return cls(lambda rank, node=None: remote.remote(rank, cfg, broker), size)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        remote = ray.remote(WorkerActor).options(num_gpus=1, num_cpus=1, **common)
 
-    def start(self, rank: int) -> tuple[Any, Any]:
-        actor = self.make_actor(rank)
+        def make(rank: int, node: str | None = None):
+            where = (dict(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                     if node else dict(scheduling_strategy="SPREAD"))
+            return remote.options(**where).remote(rank, cfg, broker)
+        size = opts.num_workers or opts.min_workers or max(1, gpus)
+        if opts.max_workers is not None:
+            size = min(size, opts.max_workers)
+        log.info("GPU workers: %s; %d GPU%s in the cluster now (each worker loads the model, "
+                 "compiles or loads the compile cache, warms up)",
+                 f"{size}, fixed (ray.num_workers)" if opts.num_workers else
+                 f"{size} to {opts.max_workers or 'one per GPU the cluster can add'} "
+                 f"(ray.min_workers, ray.max_workers)", gpus, "s" * (gpus != 1))
+        return cls(make, size, RayCluster(need_gib))
+
+    def start(self, rank: int, node: str | None = None) -> tuple[Any, Any]:
+        actor = self.make_actor(rank, node)
         ref = actor.warmup.remote(time.time())   # the start-up deadline counts from now
         self.warming[ref] = actor
         return actor, ref
@@ -105,7 +130,10 @@ class RayPool:
             # Ray versions where RayActorError subclasses RayTaskError
             if isinstance(e, errors.RayTaskError) and not isinstance(e, errors.RayActorError):
                 raise TaskError(cause(e)) from e
-            raise WorkerLost(lost_cause(e, self.memory.get(getattr(e, "actor_id", None)))) from e
+            text = lost_cause(e, self.memory.get(getattr(e, "actor_id", None)))
+            if getattr(e, "preempted", False) or _NODE_DIED in str(e):
+                raise NodeLost(text) from e
+            raise WorkerLost(text) from e
         if actor is not None and isinstance(value, dict):      # a warm-up's ready info
             self.memory[actor._actor_id.hex()] = value.get("memory")
         return value
@@ -157,6 +185,7 @@ class RayPool:
 _EXIT = re.compile(r"Worker exit type: (\w+) Worker exit detail: (.*?\.)(?=\s|$)")
 _NODE_MEMORY = re.compile(r"Memory on the node \(IP: ([^,]+),.*?\) was ([^(]*?) \(")
 _WHERE = re.compile(r"\tpid: (\d+)\n(?:.*\n)*?\tip: (\S+)")
+_NODE_DIED = "its node has died"   # ActorDiedError's text when the actor's node is gone (2.60)
 _KILLED_PID = re.compile(r"Selected to kill: .*?\bpid=(\d+)")       # the memory monitor's choice
 
 

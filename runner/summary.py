@@ -168,6 +168,24 @@ def hang_lines(s: dict) -> list[str]:
     return lines
 
 
+def loss_lines(s: dict) -> list[str]:
+    """The workers lost during the run, one line each: when, which node, why, whether it was
+    charged against ray.max_worker_restarts (a node's loss never is), how many rows went back;
+    and the worker-seconds an elastic pool's workers spent ready without work."""
+    lines = []
+    for x in s.get("losses") or ():
+        where = f" on node {x['node'][:12]}" if x.get("node") else ""
+        gpu = f" ({x['gpu']})" if x.get("gpu") else ""
+        lines.append(f"LOST: worker {x['rank']}{where}{gpu} at {x.get('at_s', 0):.1f} s, "
+                     f"{x['kind']}: {x['cause']}; {x['rows_back']} row"
+                     f"{'s' * (x['rows_back'] != 1)} back to the queue; "
+                     + ("charged to ray.max_worker_restarts" if x["charged"] else "not charged"))
+    if s.get("idle_worker_s"):
+        lines.append(f"idle: {s['idle_worker_s']:.0f} worker-seconds ready without work (workers "
+                     f"left without work once the queue ran dry were stopped)")
+    return lines
+
+
 def int8_fallback_lines(s: dict) -> list[str]:
     """Outputs of this directory made without int8-attention's kernel (their workers could not
     run it), in one line: how many, which workers of this run fell back and why (summary.txt);
@@ -219,7 +237,7 @@ def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
-    text += "".join(f"\n{line}\n" for line in canary_lines(s) + hang_lines(s)
+    text += "".join(f"\n{line}\n" for line in canary_lines(s) + hang_lines(s) + loss_lines(s)
                     + int8_fallback_lines(s))
     failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
     if failures:   # last: what the user acts on (the console's last lines)
