@@ -135,6 +135,9 @@ class NoRoom(PersistentFault):
 DRAIN_MARGIN_S = 30.0   # a draining node's busy worker is stopped this long before its deadline
 IDLE_STOP_S = 5.0       # a ready worker without work once nothing is queued: stopped after this
 WAIT_LINE_S = 15.0      # while waiting for room: a line this often
+# A worker lost without its node reported dead: no new worker on that node for this long, the
+# bound within which Ray reports a node whose raylet died (its health checks: 5 x 3 s + margin)
+SUSPECT_S = 30.0
 
 
 class TaskError(Exception):
@@ -296,6 +299,9 @@ class Dispatcher:
         # charged deaths on a node still alive in the view: a node's death is reported after its
         # workers' (Ray's health checks): seen dead later, they are the node's, not charged
         self.charged_on: dict[str, list[dict]] = {}
+        self.loss_of: dict[int, dict] = {}      # death number -> its line of `losses`
+        self.owed: list[Slot] = []              # dead slots to replace on the next place (elastic)
+        self.suspect: dict[str, float] = {}     # node -> no worker placed there until then
         # shards only some workers should take, once `shards` are handed out (module docstring)
         self.later, self.takes_later = deque(later), takes_later
         self.inflight, self.max_retries, self.max_restarts = inflight, max_retries, max_restarts
@@ -337,7 +343,6 @@ class Dispatcher:
             self.next_rank = 0
             self._elastic()
         while self.queue or self.futures or self.later and self._later_taken():
-            self._elastic()
             self._check_alive()
             ready = self.pool.wait(list(self.futures) + list(self.warming), timeout=1.0)
             if self.on_tick:                 # about once a second: start-up phases, progress lines
@@ -349,6 +354,7 @@ class Dispatcher:
                     self.on_warm(self.warming[f])
                 elif f in self.futures:      # (not retired meanwhile with its lost worker)
                     self.on_done(f)
+            self._elastic()                  # after the losses just read: their nodes known
             # every path that retires a shard or readies a slot marks it hungry: refill those
             for s in sorted(self.hungry, key=lambda s: s.rank) if self.queue or self.later else ():
                 self.fill(s)
@@ -390,14 +396,20 @@ class Dispatcher:
         live = [s for s in self.slots if s.state != "dead"]
         target = self._target(live)
         self.cluster.want(target)
-        places = list(v.places)
+        now = self.clock()
+        places = [p for p in v.places if self.suspect.get(p, 0) <= now]
         for s in live:                  # placed, maybe not yet seen in the view's free GPUs
             if s.state == "starting" and s.node in places:
                 places.remove(s.node)
         while len(live) < target and places:
-            slot = self._start(self.next_rank, node=places.pop(0))
-            self.next_rank += 1
-            self.slots.append(slot)
+            if self.owed:                        # a replacement after a death of its own
+                dead = self.owed.pop(0)
+                slot = self._start(dead.rank, dead.restarts + 1, node=places.pop(0))
+                self.slots[self.slots.index(dead)] = slot
+            else:
+                slot = self._start(self.next_rank, node=places.pop(0))
+                self.next_rank += 1
+                self.slots.append(slot)
             live.append(slot)
         if self.scale_in and not self.queue and not self.later:
             for s in [s for s in live if s.state == "ready" and not s.running and s.idle_from is
@@ -405,10 +417,16 @@ class Dispatcher:
                 self._stop(s, "idle: nothing left to hand it")
 
     def _uncharge(self, losses: list[dict]) -> None:
-        """Deaths charged to their slots whose node turned out dead: the node's, not theirs."""
-        for loss in losses:
-            rank = loss["rank"]
-            self.charged[rank] = max(0, self.charged.get(rank, 0) - 1)
+        """Deaths on a node that turned out dead: the node's, not their slots' (uncharged) nor
+        their rows' (unpinned: no row fails for a node's death)."""
+        for loss in {id(x): x for x in losses}.values():
+            rank, death = loss["rank"], loss["death"]
+            if loss["charged"]:
+                self.charged[rank] = max(0, self.charged.get(rank, 0) - 1)
+            self.unresolved.pop(death, None)
+            for seen in self.deaths.values():
+                if death in seen:
+                    seen.remove(death)
             loss.update(kind="node lost", charged=False)
             if loss.pop("retired", False):
                 self.retired -= 1
@@ -789,7 +807,11 @@ class Dispatcher:
         charged = self.charged.get(slot.rank, 0)
         loss = self._record_loss(slot, error, kind or ("node lost" if node_lost else "worker's own"),
                                  len(ids), not node_lost and not pinned)
-        if loss["charged"] and self.cluster is not None and loss["node"]:
+        loss["death"] = death
+        self.loss_of[death] = loss
+        if self.cluster is not None and loss["node"] and not node_lost:
+            # charged, or pinned on its rows: either may turn out to be the node's (`_uncharge`)
+            self.suspect[loss["node"]] = self.clock() + SUSPECT_S
             self.charged_on.setdefault(loss["node"], []).append(loss)
         what = "; ".join(line[:200] for line in error.splitlines()[:2]) + (
             f"; in flight: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}" if ids else "")
@@ -798,8 +820,10 @@ class Dispatcher:
             log.warning("worker %d lost (%s); starting a replacement (deaths of its own: %d of "
                         "%g: ray.max_worker_restarts=%d per hour served)", slot.rank, what,
                         charged, budget, self.max_restarts)
-            self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1,
-                                                             node=None)
+            if self.cluster is None:
+                self.slots[self.slots.index(slot)] = self._start(slot.rank, slot.restarts + 1)
+            else:                                # on the next place that fits (`_elastic`)
+                self.owed.append(slot)
         elif node_lost:
             log.warning("worker %d lost with its node (%s): not charged%s", slot.rank, what,
                         "; a new worker starts where there is room" if self.cluster else "")
@@ -859,6 +883,11 @@ class Dispatcher:
     def _charge(self, death: int) -> None:
         rank = self.death_of[death][0]
         self.charged[rank] = self.charged.get(rank, 0) + 1
+        loss = self.loss_of.get(death)
+        if loss is not None:                 # a death first pinned on rows, found to be its own
+            loss["charged"] = True
+            if self.cluster is not None and loss["node"]:
+                self.charged_on.setdefault(loss["node"], []).append(loss)
 
     def _death_message(self, it: Item) -> str:
         """A row failed for its deaths: the cause first (its first line is what the summary
