@@ -310,6 +310,17 @@ class RayOptions:
                                      "or auto / host:port")
     num_workers: int | None = key(None, "null: one per GPU in the cluster, or cpu_workers "
                                         "when there is none")
+    min_workers: int | None = key(None, "null: start with the GPUs there are, at least 1")
+    max_workers: int | None = key(None, "null: one per GPU the cluster has or can grow to, as "
+                                        "the autoscaler's config says")
+    gpu_wait_s: float = key(600.0, "a model that needs GPUs (model.device=auto with a pretrained "
+                                   "or random model, or cuda) and no GPU worker running or "
+                                   "placeable: the autoscaler is asked for GPUs and the job waits "
+                                   "this long, then exits 3 naming what it waited for")
+    gpu_gib: float | None = key(None, "a worker is only placed on a node whose GPU type "
+                                      "(accelerator_type:<T>) has at least this much memory "
+                                      "(an unknown type is tried, the worker checks itself); "
+                                      "null: the preset's gpu_gib (docs/models.md)")
     cpu_workers: int = key(2, "workers when the cluster has no GPU")
     cpus_per_worker: int = key(1, "CPU cores (and torch threads) of each CPU worker")
     max_worker_restarts: int = key(3, "per worker: replacements started after deaths not pinned "
@@ -324,6 +335,15 @@ class RayOptions:
         _positive("ray.worker_start_timeout_s", self.worker_start_timeout_s)
         if self.num_workers is not None:
             _positive("ray.num_workers", self.num_workers)
+        for name in ("min_workers", "max_workers"):
+            if getattr(self, name) is not None:
+                _positive(f"ray.{name}", getattr(self, name))
+        if None not in (self.min_workers, self.max_workers) and self.min_workers > self.max_workers:
+            raise ConfigError(f"ray.min_workers={self.min_workers} is above "
+                              f"ray.max_workers={self.max_workers}")
+        _positive("ray.gpu_wait_s", self.gpu_wait_s, allow_zero=True)
+        if self.gpu_gib is not None:
+            _positive("ray.gpu_gib", self.gpu_gib)
         _positive("ray.cpu_workers", self.cpu_workers)
         _positive("ray.cpus_per_worker", self.cpus_per_worker)
 
