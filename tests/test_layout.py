@@ -68,6 +68,23 @@ def test_the_library_never_imports_its_probes():
     assert bad == []
 
 
+def benchmark_imports(edges) -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of `benchmarks` (the records' folder) by a module
+    of the packages, at any level."""
+    return [(n, m) for n, imps in edges.items() for m, names in imps
+            if m.split(".")[0] == "benchmarks"]
+
+
+def test_nothing_under_benchmarks_is_imported_by_the_packages():
+    """benchmarks/ holds records and their entry points (issue 76): runner/ and compiler/ never
+    import from it (their tools are `runner.bench` and `compiler.bench`), so a record's folder can
+    be pruned without touching what runs."""
+    _, edges = graph()
+    assert benchmark_imports(edges) == []
+    mutated = {"runner.x": [("benchmarks.qk_ab", ("main",))], "compiler.y": [("benchmarks", ())]}
+    assert benchmark_imports(mutated) == [("runner.x", "benchmarks.qk_ab"), ("compiler.y", "benchmarks")]
+
+
 def test_no_module_imports_another_modules_private_names():
     mods, edges = graph()
     bad = [(n, m, x) for n, imps in edges.items() for m, names in imps

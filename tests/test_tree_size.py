@@ -47,7 +47,8 @@ def test_the_tracked_tree_fits_beside_the_gpu_bundle():
 def test_benchmark_data_keeps_figures_not_media():
     media = [p for p in tracked() if p.startswith("benchmarks/data/") and p.lower().endswith(MEDIA)]
     assert media == [], ("benchmarks/data keeps figures (tables, logs, metrics, plots), not a run's "
-                         "media; benchmarks/keep.sh copies what to keep. Remove: " + ", ".join(media))
+                         "media (its summary.json, metrics/ and logs, not its media/). Remove: "
+                         + ", ".join(media))
 
 
 def test_the_message_names_the_largest_files_first():

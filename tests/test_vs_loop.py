@@ -143,3 +143,19 @@ def test_a_job_arm_without_residual_reuse_has_no_first_blocks():
     assert vs_loop.arm_first_blocks("job", sc, "O3+residual") == sc.first_blocks
     assert vs_loop.first_blocks_note([dict(arm="cachedit", first_blocks=1),
                                       dict(arm="job", first_blocks=None)]) is None
+
+
+def test_a_loop_warmed_up_untimed_gives_one_item_a_rate(tmp_path):
+    """`loop_warmup=N`: one untimed call at N steps first, then every item counts: one video gives
+    a figure (MLPerf's 720P A14B video fits one device call so); without it one item gives none."""
+    from runner.bench import vs_loop
+    small = ["generation.height=64", "generation.width=64", "generation.num_inference_steps=2"]
+    warm, = vs_loop.main(["job=demo_image", "prompts=1", f"out={tmp_path}/w", "arms=loop",
+                          "loop_warmup=2", *small])   # PixArt's DPM-Solver: >= 2 steps
+    assert warm["items"] == 1 and warm["items_per_s"] > 0 and warm["loop_warmup_steps"] == 2
+    assert warm["call_items_per_s"] >= warm["items_per_s"] and warm["ready_s"] > 0
+    assert os.listdir(tmp_path / "w" / "loop") == ["v00000.png"]      # the warm-up writes nothing
+    cold, = vs_loop.main(["job=demo_image", "prompts=1", f"out={tmp_path}/c", "arms=loop", *small])
+    assert cold["items"] == 1 and cold["items_per_s"] is None and cold["loop_warmup_steps"] is None
+    with pytest.raises(SystemExit, match="loop_warmup='x'"):
+        vs_loop.main(["job=demo_image", f"out={tmp_path}/x", "loop_warmup=x"])

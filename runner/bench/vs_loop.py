@@ -53,6 +53,11 @@ second at the same time, as two child processes of this command: one table in ab
 first item's fill and the last write). A loop's `call_items_per_s` is its rate without the serial write (pipe calls only: outputs kept as
 arrays), for a peer whose loop would not write files. `peak_mem_gb`: the GPU memory peak (torch's
 allocator, weights included): a loop's over its whole run, the job's while serving.
+`loop_warmup=N` (default 0: none): each loop first makes one untimed call of the first prompt at N
+steps (the same shapes: torch.compile compiles every graph the timed calls run; a two-expert
+model's both experts when N >= 2), not written; its rate then counts every item from the end of
+that call, so one video (`prompts=1`) gives a steady figure: a long setting (MLPerf's 720P A14B
+video) within one device call.
 `images=auto|all|half|none`: which generated prompts carry an image (`auto`: all of them for a
 model that takes one; `half`: every other row, for a model where it is optional: Wan 2.2 TI2V;
 not with the cachedit arms, which cache the one pipeline object the rows call: TI2V's image rows
@@ -84,13 +89,15 @@ IMAGES = ("auto", "all", "half", "none")
 
 
 USAGE = (f"python -m runner.bench.vs_loop job=NAME [prompts=N] [modes=none,O3] "
-         f"[arms={','.join(ARMS)}] [lanes=1|2] [images={'|'.join(IMAGES)}] [out=DIR] [key=value ...]")
+         f"[arms={','.join(ARMS)}] [lanes=1|2] [images={'|'.join(IMAGES)}] [loop_warmup=STEPS] "
+         f"[out=DIR] [key=value ...]")
 
 
 def _args(argv: list[str]) -> tuple[dict, list[str]]:
     opts, rest = parse_args(argv, {"job": None, "prompts": "40", "modes": "none,O3",
                                    "arms": ",".join(ARMS), "out": "vs_loop",
-                                   "lanes": "1", "record": "vs_loop.json", "images": "auto"},
+                                   "lanes": "1", "record": "vs_loop.json", "images": "auto",
+                                   "loop_warmup": "0"},
                            USAGE, passthrough=True)
     bad = set(opts["arms"].split(",")) - set(ARMS)
     if opts["lanes"] not in ("1", "2"):
@@ -99,6 +106,9 @@ def _args(argv: list[str]) -> tuple[dict, list[str]]:
     if opts["images"] not in IMAGES:
         raise SystemExit(f"images={opts['images']!r}: one of {', '.join(IMAGES)} (which prompts carry "
                          "an image; auto: all of them for a model that takes one)")
+    if not opts["loop_warmup"].isdigit():
+        raise SystemExit(f"loop_warmup={opts['loop_warmup']!r}: the steps of the loops' untimed first "
+                         "call (0: none)")
     if not opts["job"] or bad:
         raise SystemExit(f"usage: {USAGE}" + (f"\nunknown arms {sorted(bad)}" if bad else ""))
     return opts, rest
@@ -129,8 +139,9 @@ def _draw(out: str, i: int) -> str:
     return f"images/v{i:05d}.png"
 
 
-def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
-    """The ten-line script a user writes instead of the runner (`arm`: a key of LOOPS)."""
+def run_loop(job: dict, prompts: list[dict], out: str, arm: str, warmup_steps: int = 0) -> dict:
+    """The ten-line script a user writes instead of the runner (`arm`: a key of LOOPS); with
+    `warmup_steps`, after one untimed call of the first prompt at that many steps."""
     import torch
     from diffusers.utils import export_to_video
 
@@ -167,6 +178,14 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     os.makedirs(out, exist_ok=True)
     util = UtilSampler.start(cuda)
     ends, calls = [], []   # end of each item (written); seconds of each pipe call alone
+    warmed = None          # the end of the untimed warm-up call, if any
+    if warmup_steps and prompts and not (spec.family.image and prompts[0].get("image")):
+        pipe(prompt=prompts[0]["prompt"], height=g.height, width=g.width,
+             num_inference_steps=warmup_steps, guidance_scale=g.guidance_scale,
+             generator=torch.Generator(spec.device).manual_seed(prompts[0]["seed"]), **extra)
+        if cuda:
+            torch.cuda.synchronize()
+        warmed = time.perf_counter()
     for p in prompts:
         runner, kw = pipe, dict(extra)
         if spec.family.image and p.get("image"):
@@ -188,13 +207,18 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str) -> dict:
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None   # weights included
     pipe = runner = result = i2v = None   # noqa: F841  (the job's arm after this needs the memory)
     release_gpu()
-    window = (ends[0], ends[-1]) if len(ends) > 1 else None
-    rate = (len(ends) - 1) / (window[1] - window[0]) if window else None
-    return dict(items=len(ends), ready_s=ends[0] - t0 if ends else None,
-                items_per_s=rate, ends_items_per_s=rate,
+    if warmed is not None and ends:   # every item counts, from the end of the warm-up call
+        window, counted, timed = (warmed, ends[-1]), len(ends), calls
+    else:
+        window = (ends[0], ends[-1]) if len(ends) > 1 else None
+        counted, timed = len(ends) - 1, calls[1:]
+    rate = counted / (window[1] - window[0]) if window else None
+    return dict(items=len(ends), ready_s=((warmed if warmed is not None else ends[0]) - t0
+                                          if ends else None),
+                items_per_s=rate, ends_items_per_s=rate, loop_warmup_steps=warmup_steps or None,
                 gpu_util=util.mean(*window) if util and window else None,
                 # the rate without the loop's serial write (outputs kept as arrays): pipe calls only
-                call_items_per_s=(len(calls) - 1) / sum(calls[1:]) if len(calls) > 1 else None,
+                call_items_per_s=len(timed) / sum(timed) if timed else None,
                 computed_steps=sum(mask) if mask else None, peak_mem_gb=peak)
 
 
@@ -515,7 +539,8 @@ def main(argv: list[str]) -> list[dict]:
     for arm in dict.fromkeys(arms):   # in the order given (a table cut short keeps the first)
         if arm in LOOPS:
             done(dict(arm=arm, mode=loop_label(arm, sc), first_blocks=arm_first_blocks(arm, sc),
-                      **_arm(run_loop, job, prompts, os.path.join(opts["out"], arm), arm)))
+                      **_arm(run_loop, job, prompts, os.path.join(opts["out"], arm), arm,
+                             *([int(opts["loop_warmup"])] if int(opts["loop_warmup"]) else []))))
         for mode in modes if arm == "job" else ():
             done(dict(arm="job", mode=mode, first_blocks=arm_first_blocks("job", sc, mode),
                       **_arm(run_job, opts, rest, path, mode),
