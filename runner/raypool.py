@@ -32,6 +32,7 @@ import ray
 from . import oom
 from .config import RayOptions
 from .dispatch import TaskError, WorkerLost, cause
+from .outputs import plural
 
 log = logging.getLogger("runner")
 
@@ -62,8 +63,8 @@ class RayPool:
         # all the others wait on a hung call); the worker orders the GPU work itself.
         remote = ray.remote(WorkerActor).options(max_restarts=0, scheduling_strategy="SPREAD",
                                                  max_concurrency=2 * inflight + 3, **resources)
-        log.info("starting %d %s workers (each loads the model, compiles or loads the compile cache, "
-                 "warms up)", size, "GPU" if gpus else "CPU")
+        log.info("starting %s (each loads the model, compiles or loads the compile cache, warms "
+                 "up)", plural(size, f"{'GPU' if gpus else 'CPU'} worker"))
         return cls(lambda rank: remote.remote(rank, cfg, broker), size)
 
     def start(self, rank: int) -> tuple[Any, Any]:
