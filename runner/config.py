@@ -900,6 +900,23 @@ def _job_summary(name: str) -> str:
     return ""
 
 
+def jobs_markdown() -> str:
+    """The shipped jobs as a markdown list, each with its file's first comment line
+    (tests/test_ux.py checks docs/configuration.md holds exactly this)."""
+    return "\n".join(f"- `{j}`: {_job_first_sentence(j)}" for j in available_jobs())
+
+
+def _job_first_sentence(name: str) -> str:
+    """The first sentence of a job file's leading comment block."""
+    lines = []
+    for line in (JOBS_DIR / f"{name}.yaml").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    return text.split(". ", 1)[0].rstrip(".") + "."
+
+
 def help_text() -> str:
     jobs = available_jobs()
     w = max(map(len, jobs))
@@ -933,4 +950,7 @@ names it; or the store of the images does not answer), 130 interrupted (Ctrl-C),
 
 
 if __name__ == "__main__":
-    print(markdown_table() if "--markdown" in sys.argv[1:] else keys_text())
+    if "--jobs" in sys.argv[1:]:
+        print(jobs_markdown())
+    else:
+        print(markdown_table() if "--markdown" in sys.argv[1:] else keys_text())

@@ -64,6 +64,31 @@ def test_the_documented_key_table_is_generated_from_the_schema():
     assert [r.count("|") for r in rows] == [5] * len(rows)
 
 
+def test_the_documented_job_list_is_generated_from_jobs():
+    """docs/configuration.md's job list is `python -m runner.config --jobs` (it missed five jobs)."""
+    from runner.config import available_jobs, jobs_markdown
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    start = doc.index("<!-- job-list")
+    body = doc[doc.index("\n", start) + 1:doc.index("<!-- /job-list -->")].strip()
+    assert body == jobs_markdown(), ("docs/configuration.md's job list is stale: paste "
+                                     "`python -m runner.config --jobs`")
+    assert [line.split("`")[1] for line in body.splitlines()] == available_jobs()
+
+
+def test_every_job_file_says_how_to_run_without_weights():
+    """Each job file's leading comment names a weightless source (or the job is tiny itself)."""
+    from omegaconf import OmegaConf
+    from runner.config import JOBS_DIR, available_jobs
+    silent = []
+    for job in available_jobs():
+        text = (JOBS_DIR / f"{job}.yaml").read_text()
+        comment = " ".join(line for line in text.splitlines() if line.startswith("#"))
+        tiny = OmegaConf.load(JOBS_DIR / f"{job}.yaml").model.get("source") == "tiny"
+        if not tiny and "model.source=random" not in comment and "model.source=tiny" not in comment:
+            silent.append(job)
+    assert silent == []
+
+
 @pytest.mark.parametrize("arg,needle", [
     ("ray.num_workers=two", "ray.num_workers='two' has the wrong type: expected int or null"),
     ("compile.compile_vae=sometimes", "expected bool or null"),
