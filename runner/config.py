@@ -126,7 +126,8 @@ def parse_adapters(value, experts: tuple[str, ...]) -> tuple[Adapter, ...]:
                               f"{list(ADAPTER_KEYS)}")
         unknown = sorted(set(entry) - set(ADAPTER_KEYS))
         if unknown:
-            raise ConfigError(f"{where}: unknown keys {unknown}; valid: {list(ADAPTER_KEYS)}")
+            raise ConfigError(f"{where}: unknown keys {unknown}"
+                              f"{did_you_mean(unknown[0], ADAPTER_KEYS)}; valid: {list(ADAPTER_KEYS)}")
         scale = entry.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
                 or abs(scale) == float("inf"):
@@ -174,7 +175,8 @@ class ModelSpec:
     def __post_init__(self):
         from .families import PRESETS
         if self.preset not in PRESETS:
-            raise ValueError(f"unknown model preset {self.preset!r}; valid: {sorted(PRESETS)}")
+            raise ValueError(f"unknown model preset {self.preset!r}"
+                             f"{did_you_mean(self.preset, PRESETS)}; valid: {sorted(PRESETS)}")
         if self.source not in SOURCES:
             raise ValueError(f"unknown model.source {self.source!r}; valid: {list(SOURCES)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -583,7 +585,8 @@ def _job_path(job: str) -> Path:
         return p
     p = JOBS_DIR / f"{job}.yaml"
     if not p.is_file():
-        raise ConfigError(f"unknown job {job!r}; valid: {available_jobs()} (or job=path/to/file.yaml)")
+        raise ConfigError(f"unknown job {job!r}{did_you_mean(job, available_jobs())}; valid: "
+                          f"{available_jobs()} (or job=path/to/file.yaml)")
     return p
 
 
@@ -620,12 +623,17 @@ def parse_cli(argv: list[str]) -> tuple[str | None, DictConfig]:
         raise ConfigError(f"bad command-line override: {e}") from e
 
 
+def did_you_mean(name: str, valid, prefix: str = "") -> str:
+    """The hint for a misspelt `name`: ` (did you mean 'x'?)` naming the closest of `valid`,
+    or nothing when none is close."""
+    hint = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1)
+    return f" (did you mean {prefix + hint[0]!r}?)" if hint else ""
+
+
 def _unknown(name: str, valid: list[str], source: str, prefix: str) -> ConfigError:
-    hint = difflib.get_close_matches(name, valid, n=1)
     return ConfigError(
-        f"unknown config key {prefix + name!r} in {source}"
-        + (f" (did you mean {prefix + hint[0]!r}?)" if hint else "")
-        + f"; valid keys{' under ' + repr(prefix[:-1]) if prefix else ''}: {valid}")
+        f"unknown config key {prefix + name!r} in {source}{did_you_mean(name, valid, prefix)}"
+        f"; valid keys{' under ' + repr(prefix[:-1]) if prefix else ''}: {valid}")
 
 
 def _check_keys(cfg: DictConfig, source: str) -> None:
@@ -706,7 +714,8 @@ def load_config(argv: list[str]) -> DictConfig:
         or base.model.preset
     preset_path = CONF_DIR / "models" / f"{preset}.yaml"
     if not preset_path.is_file():
-        raise ConfigError(f"unknown model.preset {preset!r}; valid: {available_presets()}")
+        raise ConfigError(f"unknown model.preset {preset!r}"
+                          f"{did_you_mean(preset, available_presets())}; valid: {available_presets()}")
     preset_cfg = _load_yaml(preset_path, "model preset")
     _check_keys(preset_cfg, f"model preset {preset_path}")
 
@@ -911,6 +920,23 @@ def _job_summary(name: str) -> str:
     return ""
 
 
+def jobs_markdown() -> str:
+    """The shipped jobs as a markdown list, each with its file's first comment line
+    (tests/test_ux.py checks docs/configuration.md holds exactly this)."""
+    return "\n".join(f"- `{j}`: {_job_first_sentence(j)}" for j in available_jobs())
+
+
+def _job_first_sentence(name: str) -> str:
+    """The first sentence of a job file's leading comment block."""
+    lines = []
+    for line in (JOBS_DIR / f"{name}.yaml").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines)
+    return text.split(". ", 1)[0].rstrip(".") + "."
+
+
 def help_text() -> str:
     jobs = available_jobs()
     w = max(map(len, jobs))
@@ -935,6 +961,7 @@ common keys (key=value; values are YAML; later wins: model preset < job file < c
 {keys_text(COMMON_KEYS)}
 
 every key, its type, default and meaning: python -m runner.config (docs/configuration.md);
+the summary table's columns: python -m runner --explain (and every job's summary.txt);
 compile modes and step reuse: docs/compiler.md; failures and resume: docs/failures.md; models: docs/models.md.
 exit status: 0 all ok (or a dry run: run.dry_run=true), 1 some prompts failed, 2 bad input,
 3 stopped early on a persistent fault (the same error on every output, e.g. a full disk: summary.txt
@@ -943,4 +970,7 @@ names it; or the store of the images does not answer), 130 interrupted (Ctrl-C),
 
 
 if __name__ == "__main__":
-    print(markdown_table() if "--markdown" in sys.argv[1:] else keys_text())
+    if "--jobs" in sys.argv[1:]:
+        print(jobs_markdown())
+    else:
+        print(markdown_table() if "--markdown" in sys.argv[1:] else keys_text())

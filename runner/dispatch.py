@@ -95,6 +95,7 @@ from typing import Any, Callable, Protocol
 
 from . import canary
 from .images import INPUT_FAULT
+from .outputs import plural
 from .prompts import Item, Shard
 from .results import error_cause, failed_row
 from .storage import StoreTimeout
@@ -538,7 +539,7 @@ class Dispatcher:
         errors = "; ".join(f"worker {s.rank}: {(s.last_error or '?').splitlines()[0][:300]}"
                            for s in self.slots)
         raise DispatchError(f"every worker is gone and none could be restarted ({errors}); "
-                            f"{len(self.queue)} shards were not run. Finished outputs are kept: "
+                            f"{plural(len(self.queue), 'shard')} not run. Finished outputs are kept: "
                             f"rerun the same command to resume.")
 
     def _time_out(self, ready: list) -> None:
@@ -896,7 +897,7 @@ class Dispatcher:
         errors = [self.death_of[d][1].splitlines() or ["?"] for d in deaths]
         last = errors[-1]
         verb = "hung" if last[0].startswith("no progress") else "killed"
-        text = (f"{verb} its worker {len(deaths)} times (run.max_row_deaths={self.max_deaths}): "
+        text = (f"{verb} its worker {plural(len(deaths), 'time')} (run.max_row_deaths={self.max_deaths}): "
                 f"{last[0]}\nrow {it.id!r} ({it.source}): prompt {_short(it.prompt)!r}")
         if it.image is not None:
             text += f", image {it.image!r}"

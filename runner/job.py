@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import warnings
@@ -60,7 +61,9 @@ from .prompts import (MAX_LISTED, Constraints, Item, PromptError, Shard, case_co
 from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fallback_settings_id,
                       fingerprint, remove_temp_files, settings_id, start_fresh, write_parquet)
 from .storage import Store, StoreTimeout, case_insensitive, resolve, uri_of
-from .summary import json_text, summarize, summary_text, work_after
+from .outputs import plural
+from .summary import LEGEND, WIDTH, json_text, summarize, summary_text, work_after
+from .terminal import legend_due, plain_off_terminal
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
@@ -131,6 +134,9 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
     if any(a in ("-h", "--help") for a in argv) or not argv:
         print(help_text(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv == ["--explain"]:
+        print(textwrap.fill(LEGEND, WIDTH))
+        return 0
     _configure_logging()
     _handle_stop_signals()
     try:
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
 def _configure_logging() -> None:
     """The runner's own lines at INFO; libraries' at WARNING (matplotlib's font-cache notice and
     the like stay off), and no Python warnings of libraries on the user's terminal, unless the
-    user asked for them (`python -W ...`, PYTHONWARNINGS)."""
+    user asked for them (`python -W ...`, PYTHONWARNINGS). Off a terminal, no colour codes."""
+    plain_off_terminal()      # first: the log handler below takes the stream as it is then
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     # matplotlib (report.html's plots) says "building the font cache" at WARNING on a first run
@@ -285,7 +292,7 @@ def check_input(job: dict) -> Checked:
     step_cache.check_steps(job["step_cache"], items)   # compute_steps within every row's steps
     skipped = sum(raw_rows.values()) - len(items)      # empty prompts, prompts.on_empty=skip
     if skipped:
-        log.warning("%d rows with an empty prompt skipped (prompts.on_empty=skip)", skipped)
+        log.warning("%s with an empty prompt skipped (prompts.on_empty=skip)", plural(skipped, "row"))
     return Checked(limits, files, items, skipped)
 
 
@@ -320,8 +327,9 @@ def _run_locked(cfg, job: dict, checked: Checked, store: Store, start_pool: Star
         return _nothing_to_do(results, items, ending, len(plan.fallback))
     later = fallback_shards(plan, items, job["run"].shard_size, len(shards))
     _write_config(cfg, store)
-    log.info("%d prompts in %d files; %d already done; %d shards to run; outputs in %s",
-             len(items), len(checked.files), len(plan.done), len(shards), out.job_dir)
+    log.info("%s in %s; %d already done; %s to run; outputs in %s", plural(len(items), "prompt"),
+             plural(len(checked.files), "file"), len(plan.done), plural(len(shards), "shard"),
+             out.job_dir)
     _log_plan(plan, out.job_dir)
     _retire(results, plan)      # no old output stays under a changed row's name, whatever follows
     # 4. Workers and stream: shards handed out, rows recorded as they arrive.
@@ -340,8 +348,8 @@ def fallback_shards(plan: Plan, items: list[Item], shard_size: int, first: int) 
     if not plan.fallback:
         return []
     remake = {it.id for it in plan.fallback}
-    log.info("%d outputs were made without int8-attention's kernel by an earlier run: remade by "
-             "workers that run it, if any", len(remake))
+    log.info("%s made without int8-attention's kernel by an earlier run: remade by workers "
+             "that run it, if any", plural(len(remake), "output"))
     keep = {it.id for it in items} - remake
     return [Shard(first + k, s.items) for k, s in enumerate(plan_shards(items, shard_size, keep))]
 
@@ -425,8 +433,8 @@ def _retire(results: Results, plan: Plan) -> None:
         raise JobError(f"cannot remove the old outputs of changed rows ({first_line(e)}); fix "
                        f"access to output.dir, then rerun") from e
     if retired:
-        log.info("removed the old outputs of %d changed rows before regenerating them: %s",
-                 len(retired), _few(retired, 5))
+        log.info("removed the old outputs of %s before regenerating them: %s",
+                 plural(len(retired), "changed row"), _few(retired, 5))
 
 
 def _head(job: dict) -> dict:
@@ -586,9 +594,10 @@ class JobRun:
         self.canary_failures.append(dict(rank=slot.rank, at_s=round(now - self.t_start, 1),
                                          device=dev, verdict=describe(verdict),
                                          suspect=len(suspect), suspect_ids=suspect[:10]))
-        log.error("worker %d (%s) failed its canary (%s): it is stopped; its %d outputs made since "
-                  "its last good canary are marked suspect (%s): a rerun regenerates them",
-                  slot.rank, where(dev), describe(verdict), len(suspect), _few(suspect, 5))
+        log.error("worker %d (%s) failed its canary (%s): it is stopped; what it made since its "
+                  "last good canary (%s) is marked suspect (%s): a rerun regenerates it",
+                  slot.rank, where(dev), describe(verdict), plural(len(suspect), "output"),
+                  _few(suspect, 5))
 
     def on_hung(self, slot, info: dict) -> None:
         """A worker was declared hung (the dispatcher logged it and stops it): kept for the
@@ -683,6 +692,9 @@ class JobRun:
                             for r in table),
                 settings=self.results.fallback, workers=self.int8_off)
         text = summary_text(summary, metrics, self.plan, table)
+        # the legend on a terminal once, always in summary.txt (issue 75: after every run)
+        shown = (text if legend_due(LEGEND, sys.stdout)
+                 else summary_text(summary, metrics, self.plan, table, legend=False))
         self.ending.write("summary.json", self.store.write_text, "summary.json", json_text(summary))
         self.ending.write("summary.txt", self.store.write_text, "summary.txt", text)
         for m in metrics:
@@ -692,7 +704,7 @@ class JobRun:
         if not self.store.local:        # the page's staging directory: the last page is written
             from .report import remove_stage
             remove_stage(self.store)
-        self._print(summary, text)
+        self._print(summary, shown)
         if self.stopped is not None:
             raise Stopped(str(self.stopped), "finished outputs and the summary so far are written"
                           if "summary.txt" not in self.ending.not_written else
@@ -818,7 +830,7 @@ class JobRun:
         wait_s = min(15.0, max(1.0, self.ending.left(default=15.0)))
         left = self.pool.stop([s.actor for s in self.slots], timeout_s=wait_s)
         if left:
-            log.warning("%d stopped worker(s) still running after %.0f s", left, wait_s)
+            log.warning("%s still running after %.0f s", plural(left, "stopped worker"), wait_s)
         self.ending.write("removing temporary files", remove_temp_files, self.store)
 
     def _close_pool(self) -> None:
@@ -855,14 +867,14 @@ def _report(store: Store, *args, **kw) -> None:
 
 def _log_plan(plan: Plan, job_dir: str) -> None:
     if plan.suspect:
-        log.warning("%d outputs are suspect (a worker's canary failed after it made them): "
-                    "regenerating them: %s", len(plan.suspect), _few(plan.suspect, 5))
+        log.warning("%s suspect (a worker's canary failed after it made them): regenerating "
+                    "them: %s", plural(len(plan.suspect), "output"), _few(plan.suspect, 5))
     if plan.changed:
-        log.warning("%d rows changed since their outputs were made (%s): regenerating them",
-                    len(plan.changed), plan.changed_by_file())
+        log.warning("%s changed since their outputs were made (%s): regenerating them",
+                    plural(len(plan.changed), "row"), plan.changed_by_file())
     if plan.gone:
-        log.warning("%d outputs in %s are of ids no longer in the input (kept, listed in "
-                    "summary.txt): %s", len(plan.gone), job_dir, _few(plan.gone))
+        log.warning("%s in %s of ids no longer in the input (kept, listed in summary.txt): "
+                    "%s", plural(len(plan.gone), "output"), job_dir, _few(plan.gone))
 
 
 def _few(ids: list[str], n: int = 10) -> str:
@@ -887,12 +899,13 @@ def _dry_run(cfg, job, items, store: Store) -> dict:
              + (" (output.overwrite=true: everything regenerated)" if cfg.output.overwrite else "") + ":",
              f"  {len(items) - len(plan.done)} to run ({len(plan.changed)} changed{changed}"
              + (f", {len(plan.suspect)} suspect" if plan.suspect else "") + ")",
-             *([f"  {stale} old outputs of changed rows would be removed before they run: "
+             *([f"  {plural(stale, 'old output')} of changed rows would be removed before they run: "
                 f"{_few(sorted(plan.stale), 5)}"] if stale else []),
              f"  {len(plan.done)} already done",
              *([f"    {without_kernel_line(len(plan.fallback))}"] if plan.fallback else []),
              f"  {len(plan.gone)} no longer in the input (kept){gone}",
-             f"  {len(shards)} shards of up to {opts.shard_size} rows; workers: {workers}"]
+             f"  {plural(len(shards), 'shard')} of up to {plural(opts.shard_size, 'row')}; "
+             f"workers: {workers}"]
     held = lock_holder(store)
     if held is not None:
         lines.append(f"  note: a driver runs in this directory now (pid {held.get('pid')} on host "
@@ -927,7 +940,7 @@ def _open_results(cfg, out, store: Store) -> Results:
         _check_same_config(cfg, out, store)
     removed = remove_temp_files(store)
     if removed:
-        log.info("removed %d half-written files left by an earlier run", removed)
+        log.info("removed %s left by an earlier run", plural(removed, "half-written file"))
     return Results(store, settings_id(cfg), fallback_settings_id(cfg)).load()
 
 
@@ -1003,7 +1016,7 @@ def _nothing_to_do(results: Results, items, ending: Ending, without_kernel: int 
     else:
         kept = f"results in {table_path}"
 
-    print(f"nothing to do: all {len(ids)} prompts already done ({kept}); "
+    print(f"nothing to do: all {plural(len(ids), 'prompt')} already done ({kept}); "
           f"output.overwrite=true regenerates them")
     if without_kernel:
         print(without_kernel_line(without_kernel))

@@ -97,15 +97,27 @@ def _removed_on_error(path):
         raise
 
 
-def format_table(rows: list[dict], columns: list[str]) -> str:
-    """A plain fixed-width table (no extra dependency)."""
+def format_table(rows: list[dict], columns: list[str], width: int | None = None) -> str:
+    """A plain fixed-width table (no extra dependency). With `width`, a table wider than that is
+    cut into blocks of columns, one under the other, each led by the first column (the rows'
+    key), so that no line is wider than `width` (unless one column alone is)."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
               for i, c in enumerate(columns)]
-    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+    blocks, block = [], [0]
+    for i in range(1, len(columns)):
+        if width is not None and sum(widths[j] + 2 for j in block) + widths[i] > width:
+            blocks.append(block)
+            block = [0]
+        block.append(i)
+    blocks.append(block)
+    out = []
+    for block in blocks:
+        out += ["" if out else None]
+        out += ["  ".join(columns[i].ljust(widths[i]) for i in block).rstrip(),
+                "  ".join("-" * widths[i] for i in block)]
+        out += ["  ".join(row[i].rjust(widths[i]) for i in block) for row in cells]
+    return "\n".join(line for line in out if line is not None)
 
 
 def _fmt(v) -> str:
@@ -114,3 +126,9 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`n` and `word`, in the plural unless `n` is 1: "1 shard", "4 shards" (`many` for a word
+    whose plural is not word + "s")."""
+    return f"{n} {word if n == 1 else many or word + 's'}"

@@ -7,7 +7,9 @@ Contract:
   (compiling, warming up from the compile cache, ...), which a threaded actor answers while it warms
   up. The driver polls from its wait loop (dispatch wakes every second); a poll never blocks: one
   call per worker is in flight at a time, and one `pool.wait` looks at all of them. It reaches the
-  workers only through the job's `dispatch.Pool` (no Ray here).
+  workers only through the job's `dispatch.Pool` (no Ray here). A phase that goes on is said again
+  with its seconds so far ("worker 0: compiling and warming up, 45 s"): 15 s into it, then every
+  15 s up to a minute, then every minute (an O3 compile would otherwise show nothing for minutes).
 - `Progress` counts finished items. It starts at the first worker's ready, so its rate and ETA count
   generation, not start-up (the same clock as the summary's items/s). On a terminal it is a tqdm
   bar; otherwise (a log file, `ray job logs`) a plain line every `every_s` seconds and one at the end,
@@ -34,6 +36,15 @@ class Watched:
     rank: int
     call: Any = None
     seen: int = 0
+    phase: str = "starting, then loading model"
+    since: float = 0.0           # when the driver saw `phase` begin (monotonic)
+    told: float = 0.0            # when it last said it
+
+
+def _next_line_after(running_s: float) -> float:
+    """Seconds into a phase at which it is said again, given it was last said `running_s` in."""
+    step = 15.0 if running_s < 60 else 60.0
+    return (running_s // step + 1) * step
 
 
 class PhasePrinter:
@@ -58,6 +69,7 @@ class PhasePrinter:
         for w in watched:
             if w.call in done:
                 self._read(w)
+            self._still(w)
         if len(self.watched) > len(watched):     # slots no longer starting: nothing more to show
             self.watched = {w.rank: w for w in watched}
 
@@ -78,7 +90,8 @@ class PhasePrinter:
         if w is None or w.worker is not slot.actor:          # a new worker (or its replacement)
             # its process may still wait for a node's resources: its own phases start at warm-up
             log.info("worker %d: starting, then loading model", slot.rank)
-            w = self.watched[slot.rank] = Watched(slot.actor, slot.rank)
+            now = time.monotonic()
+            w = self.watched[slot.rank] = Watched(slot.actor, slot.rank, since=now, told=now)
             self._ask(w)
         return w
 
@@ -97,8 +110,18 @@ class PhasePrinter:
             return
         for phase, _ in events:
             log.info("worker %d: %s", w.rank, phase)
+            w.phase, w.since = phase, time.monotonic()
+            w.told = w.since
         w.seen += len(events)
         self._ask(w)
+
+
+    def _still(self, w: Watched) -> None:
+        """`w`'s phase said again, with its seconds so far, when a line is due."""
+        now = time.monotonic()
+        if now - w.since >= _next_line_after(w.told - w.since):
+            w.told = now
+            log.info("worker %d: %s, %s", w.rank, w.phase, _duration(now - w.since))
 
 
 def _duration(s: float) -> str:

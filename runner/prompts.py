@@ -49,7 +49,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from . import storage
-from .config import GenerationDefaults
+from .config import GenerationDefaults, did_you_mean
 
 log = logging.getLogger("runner")
 _ID_BAD = re.compile(r"[^A-Za-z0-9._-]")
@@ -449,7 +449,8 @@ def _with_adapters(table, file, first_row, items, limits: Constraints, bad) -> l
     for it in items:
         name = cells[it.row - first_row]
         if name is not None and name not in limits.adapters:
-            bad(f"{file}:{it.row}: adapter={name!r} is not a per-row adapter of this job; "
+            bad(f"{file}:{it.row}: adapter={name!r} is not a per-row adapter of this job"
+                f"{did_you_mean(name, limits.adapters)}; "
                 f"model.adapters with per_row: true name {list(limits.adapters)} (null: none)")
             continue
         out.append(replace(it, adapter=name) if name is not None else it)

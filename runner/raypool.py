@@ -38,6 +38,7 @@ import ray
 from . import oom
 from .config import RayOptions
 from .dispatch import NodeLost, TaskError, WorkerLost, cause
+from .outputs import plural
 
 log = logging.getLogger("runner")
 
@@ -71,8 +72,8 @@ class RayPool:
             size = opts.num_workers or opts.cpu_workers
             remote = ray.remote(WorkerActor).options(scheduling_strategy="SPREAD",
                                                      num_cpus=opts.cpus_per_worker, **common)
-            log.info("starting %d CPU worker%s (each loads the model, compiles or loads the "
-                     "compile cache, warms up)", size, "s" * (size != 1))
+            log.info("starting %s (each loads the model, compiles or loads the compile cache, "
+                     "warms up)", plural(size, "CPU worker"))
             return cls(lambda rank, node=None: remote.remote(rank, cfg, broker), size)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         remote = ray.remote(WorkerActor).options(num_gpus=1, num_cpus=1, **common)

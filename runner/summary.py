@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from .outputs import format_table
+from .outputs import format_table, plural
 from .results import format_errors, group_errors
 
 MAX_IDS = 10    # ids listed per failure cause (summary.txt, summary.json's error_ids)
@@ -48,6 +48,8 @@ LEGEND = ("\"ready at X s\", \"all ready at\": seconds since the job started (af
           "call), denoising and VAE decoding, from CUDA events around each (GPU figures null on "
           "CPU). Seconds per stage: summed per worker; encoding and writing overlap with "
           "generating.")
+# under the table when the legend is not shown (summary.txt always has it)
+LEGEND_POINTER = "(the columns: summary.txt's legend, or python -m runner --explain)"
 COLUMNS = ["rank", "host", "items", "failed", "restarts", "model_load_s", "warmup_s", "steady_it_s",
            "e2e_mean_s", "e2e_p95_s", "peak_mem_gb", "busy_fraction", "gpu_util", "gpu_ms_text",
            "gpu_ms_denoise", "gpu_ms_decode"]
@@ -148,8 +150,9 @@ def canary_lines(s: dict) -> list[str]:
     for f in s.get("canary_failures") or ():
         ids = ", ".join(f["suspect_ids"]) + (" ..." if f["suspect"] > len(f["suspect_ids"]) else "")
         lines.append(f"SUSPECT: worker {f['rank']} ({where(f['device'])}) failed its canary at "
-                     f"{f['at_s']:.1f} s ({f['verdict']}); it was stopped, and the {f['suspect']} "
-                     f"outputs it made since its last good canary are marked suspect"
+                     f"{f['at_s']:.1f} s ({f['verdict']}); it was stopped, and the "
+                     f"{plural(f['suspect'], 'output')} it made since its last good canary "
+                     f"{'is' if f['suspect'] == 1 else 'are'} marked suspect"
                      + (f": {ids}" if ids else "") + "; a rerun regenerates them")
     return lines
 
@@ -194,7 +197,7 @@ def int8_fallback_lines(s: dict) -> list[str]:
     if not f or not f["outputs"]:
         return []
     who = "; ".join(f"worker {rank}: {why}" for rank, why in sorted(f["workers"].items()))
-    return [f"int8-attention: {f['outputs']} outputs made without its kernel ("
+    return [f"int8-attention: {plural(f['outputs'], 'output')} made without its kernel ("
             + (who or "by an earlier run") + f"), recorded under settings {f['settings']} (the "
             f"job's without it); a rerun where the kernel runs remakes them"]
 
@@ -204,36 +207,74 @@ def failed_rows(table: list[dict]) -> list[dict]:
     return [r for r in table if r["status"] == "failed"]
 
 
-def summary_text(s: dict, metrics: list[dict], plan, table: list[dict]) -> str:
-    # a worker the driver stopped (its canary failed, it hung) has its own line, saying so
-    stopped = ["stopped"] if any(w.get("stopped") for w in s["workers_detail"]) else []
-    table_txt = format_table(s["workers_detail"], COLUMNS + stopped) + "\n" + textwrap.fill(LEGEND, 100)
+WIDTH = 100     # the summary's columns: a terminal's width, and a file read in one
+
+
+# counts whose total the summary's head gives: a column of zeros says nothing more
+ZERO_IS_EMPTY = ("failed", "restarts")
+
+
+def present(rows: list[dict], columns: list[str]) -> list[str]:
+    """`columns` less those without a value in any row (the GPU figures of CPU workers) and the
+    `ZERO_IS_EMPTY` counts that are 0 in every row."""
+    return [c for c in columns
+            if any(r.get(c) not in ((None, 0) if c in ZERO_IS_EMPTY else (None,)) for r in rows)]
+
+
+def workers_text(workers: list[dict]) -> str:
+    """The per-worker table; workers of more than one GPU type (or GPUs and CPUs) in one table
+    per type, each headed by the type, so that one type's figures compare with each other."""
+    stopped = ["stopped"] if any(w.get("stopped") for w in workers) else []
+    groups: dict[str, list[dict]] = {}
+    for w in workers:
+        groups.setdefault(w.get("gpu_name") or "CPU", []).append(w)
+    if len(groups) <= 1:
+        return format_table(workers, present(workers, COLUMNS + stopped), WIDTH)
+    return "\n\n".join(
+        f"{name}: {plural(len(ws), 'worker')}, {plural(sum(w.get('items') or 0 for w in ws), 'item')}"
+        f"\n{format_table(ws, present(ws, COLUMNS + stopped), WIDTH)}"
+        for name, ws in sorted(groups.items()))
+
+
+def head_text(s: dict) -> str:
+    """The summary's first lines: outcome, model, workers and rates."""
     rate = f"{s['items_per_s']:.3g} items/s" if s["items_per_s"] else "-"
     suspect = f", {s['suspect']} suspect" if s.get("suspect") else ""
-    text = (f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed{suspect}"
-            f", {s['not_run']} not run ({s['resumed']} done by an earlier run)"
-            f"{', INTERRUPTED' if s['interrupted'] else ''}; model {s['model']} "
-            f"({s['source']}), compile {s['compile_mode']}\n"
-            f"{s['workers']} workers ({s['worker_restarts']} restarts), first ready at "
-            f"{s['startup_s']:.1f} s; generated in {s['generate_s']:.1f} s = {rate}"
-            + (f"; all ready at {s['all_ready_s']:.1f} s, then {s['steady_items_per_s']:.3g} items/s"
-               if "steady_items_per_s" in s else "") + f"\n\n{table_txt}\n")
+    lines = [f"job {s['job']}: {s['ok']}/{s['items']} ok, {s['failed']} failed{suspect}, "
+             f"{s['not_run']} not run ({s['resumed']} done by an earlier run)"
+             f"{', INTERRUPTED' if s['interrupted'] else ''}",
+             f"model {s['model']} ({s['source']}), compile {s['compile_mode']}",
+             f"{plural(s['workers'], 'worker')} ({plural(s['worker_restarts'], 'restart')}), first "
+             f"ready at {s['startup_s']:.1f} s; generated in {s['generate_s']:.1f} s = {rate}"]
+    if "steady_items_per_s" in s:
+        lines.append(f"all ready at {s['all_ready_s']:.1f} s, then "
+                     f"{s['steady_items_per_s']:.3g} items/s")
+    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in lines)
+
+
+def summary_text(s: dict, metrics: list[dict], plan, table: list[dict],
+                 legend: bool = True) -> str:
+    """summary.txt (`legend`: the table's legend under it; without: a line saying where it
+    is). Its head and tables fit `WIDTH` columns; a failure, suspect or hang line is one line
+    each, whatever its width (grepped for by id)."""
+    under = textwrap.fill(LEGEND, WIDTH) if legend else LEGEND_POINTER
+    text = f"{head_text(s)}\n\n{workers_text(s['workers_detail'])}\n{under}\n"
     for w in s.get("workers_not_ready") or ():
         text += f"worker {w['rank']}: not ready when the job ended ({not_ready_text(w)})\n"
     if metrics:   # where each worker's serving seconds went
         stages = list(metrics[0]["time_s"])
         text += "\nseconds per stage:\n" + format_table(
-            [{"rank": m["rank"], **m["time_s"]} for m in metrics], ["rank", *stages]) + "\n"
+            [{"rank": m["rank"], **m["time_s"]} for m in metrics], ["rank", *stages], WIDTH) + "\n"
     if plan.gone:
-        text += (f"\n{len(plan.gone)} outputs of ids no longer in the input (kept): "
+        text += (f"\n{plural(len(plan.gone), 'output')} of ids no longer in the input (kept): "
                  f"{', '.join(plan.gone)}\n")
     if s.get("changed_not_run"):
-        text += (f"\n{s['changed_not_run']} rows changed since their outputs were made: the old "
+        text += (f"\n{plural(s['changed_not_run'], 'row')} changed since their outputs were made: the old "
                  f"outputs were removed, their regeneration did not run (not run above)\n")
     if s.get("skipped_empty"):
-        text += f"\n{s['skipped_empty']} rows with an empty prompt skipped (prompts.on_empty=skip)\n"
+        text += f"\n{plural(s['skipped_empty'], 'row')} with an empty prompt skipped (prompts.on_empty=skip)\n"
     if s.get("unrecorded_media"):
-        text += (f"\n{s['unrecorded_media']} files in media/ were written after the last record "
+        text += (f"\n{plural(s['unrecorded_media'], 'file')} in media/ were written after the last record "
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"

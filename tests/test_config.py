@@ -1,7 +1,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from runner.config import ConfigError, load_config, split
+from runner.config import ConfigError, load_config, parse_adapters, split
 
 
 def test_merge_order_defaults_preset_job_cli(tmp_path):
@@ -61,6 +61,17 @@ def test_int_is_accepted_for_float_and_values_may_contain_equals():
                        "generation.negative_prompt=a=b, c==d"])
     assert cfg.generation.guidance_scale == 5
     assert cfg.generation.negative_prompt == "a=b, c==d"
+
+
+def test_misspelt_job_preset_and_adapter_key_suggest_the_closest():
+    """Issue 75: did-you-mean for job names, presets and adapter keys, as for config keys."""
+    with pytest.raises(ConfigError, match=r"unknown job 'demo_imag' \(did you mean 'demo_image'\?\)"):
+        load_config(["job=demo_imag"])
+    with pytest.raises(ConfigError, match=r"unknown model.preset 'pixart_alpha_102' \(did you "
+                                          r"mean 'pixart_alpha_1024'\?\)"):
+        load_config(["job=demo_image", "model.preset=pixart_alpha_102"])
+    with pytest.raises(ConfigError, match=r"unknown keys \['sacle'\] \(did you mean 'scale'\?\)"):
+        parse_adapters([{"path": "a.safetensors", "sacle": 0.5}], ("transformer",))
 
 
 def test_unknown_job_and_preset_list_valid_names():

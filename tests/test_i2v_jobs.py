@@ -144,7 +144,7 @@ def test_i2v_job_from_local_images_fails_bad_rows_and_a_rerun_redoes_a_replaced_
     assert os.stat(job / "media" / "a.mp4").st_mtime_ns > before["a"]       # made again
     assert os.stat(job / "media" / "b.mp4").st_mtime_ns == before["b"]      # kept
     # a changed; d's failed row recorded the hash of the (undecodable) bytes read, still the same
-    assert "1 rows changed since their outputs were made" in err
+    assert "1 row changed since their outputs were made" in err
     assert "(1 done by an earlier run)" in out                   # b
 
 

@@ -384,3 +384,12 @@ def test_hostile_inputs_exit_2_before_ray_naming_the_key_or_row(tmp_path, write_
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and needle in last, r.stderr[-2000:]
     assert "Ray" not in r.stderr and not (tmp_path / "out").exists()      # nothing started
+
+
+def test_a_misspelt_row_adapter_suggests_the_closest(write_prompts):
+    """Issue 75: a row's `adapter` naming no per-row adapter of the job says which one it may mean."""
+    p = write_prompts({"prompt": ["a", "b"], "adapter": ["anime", "animee"]})
+    limits = dataclasses.replace(IMAGE, adapters=("anime", "pixel"))
+    with pytest.raises(PromptError, match=r"adapter='animee' is not a per-row adapter of this job "
+                                          r"\(did you mean 'anime'\?\)"):
+        check(p, limits)

@@ -64,6 +64,31 @@ def test_the_documented_key_table_is_generated_from_the_schema():
     assert [r.count("|") for r in rows] == [5] * len(rows)
 
 
+def test_the_documented_job_list_is_generated_from_jobs():
+    """docs/configuration.md's job list is `python -m runner.config --jobs` (it missed five jobs)."""
+    from runner.config import available_jobs, jobs_markdown
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    start = doc.index("<!-- job-list")
+    body = doc[doc.index("\n", start) + 1:doc.index("<!-- /job-list -->")].strip()
+    assert body == jobs_markdown(), ("docs/configuration.md's job list is stale: paste "
+                                     "`python -m runner.config --jobs`")
+    assert [line.split("`")[1] for line in body.splitlines()] == available_jobs()
+
+
+def test_every_job_file_says_how_to_run_without_weights():
+    """Each job file's leading comment names a weightless source (or the job is tiny itself)."""
+    from omegaconf import OmegaConf
+    from runner.config import JOBS_DIR, available_jobs
+    silent = []
+    for job in available_jobs():
+        text = (JOBS_DIR / f"{job}.yaml").read_text()
+        comment = " ".join(line for line in text.splitlines() if line.startswith("#"))
+        tiny = OmegaConf.load(JOBS_DIR / f"{job}.yaml").model.get("source") == "tiny"
+        if not tiny and "model.source=random" not in comment and "model.source=tiny" not in comment:
+            silent.append(job)
+    assert silent == []
+
+
 @pytest.mark.parametrize("arg,needle", [
     ("ray.num_workers=two", "ray.num_workers='two' has the wrong type: expected int or null"),
     ("compile.compile_vae=sometimes", "expected bool or null"),
@@ -234,6 +259,109 @@ def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(caplog):
     assert [r.getMessage() for r in caplog.records] == ["worker 1: starting, then loading model"]
 
 
+def test_a_long_phase_is_said_again_with_its_seconds(monkeypatch, caplog):
+    """Issue 75: an O3 compile printed nothing for 100 s. A phase still running is said again
+    15, 30, 45, 60 s into it, then once a minute; a new phase starts its own count."""
+    import logging
+    from types import SimpleNamespace
+    from runner import progress as p
+    now = [0.0]
+    monkeypatch.setattr(p.time, "monotonic", lambda: now[0])
+    pool = PhasesPool()
+    slot = SimpleNamespace(rank=0, actor="w0", state="starting")
+    printer = p.PhasePrinter(pool, every_s=0)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        for t in range(200):                              # the dispatch loop's ticks, 1 a second
+            now[0] = float(t)
+            if t == 20:                                   # the model loaded: compiling
+                pool.recorded.append(("compiling and warming up", 20.0))
+            printer.poll([slot])
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["worker 0: starting, then loading model",
+                    "worker 0: starting, then loading model, 15 s",
+                    "worker 0: compiling and warming up",
+                    *(f"worker 0: compiling and warming up, {s}" for s in
+                      ("15 s", "30 s", "45 s", "60 s", "2 min"))], said
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary on the terminal (issue 75: 175 columns, a 15-line legend after every run).
+
+def _worker(rank, gpu=None, **figures):
+    """A `summary.worker_detail` row: every figure set, GPU ones only for a GPU worker."""
+    from runner.summary import worker_detail
+    ms = dict(text_encode=1.5, denoise=812.0, decode=95.3) if gpu else {}
+    m = dict(rank=rank, host=f"node-{rank}", gpu_name=gpu, items=40, failed=0, restarts=0,
+             model_load_s=61.2, warmup_s=98.7, steady_it_s=12.3, e2e_mean_s=4.12, e2e_p95_s=4.48,
+             busy_fraction=0.97, peak_mem_gb=31.4 if gpu else None,
+             gpu_util=0.99 if gpu else None, gpu_ms_per_item=ms)
+    return worker_detail({**m, **figures})
+
+
+def test_the_worker_table_fits_100_columns_and_drops_empty_columns():
+    from runner.summary import WIDTH, workers_text
+    gpu = workers_text([_worker(0, "NVIDIA H200"), _worker(1, "NVIDIA H200", failed=2)])
+    assert max(map(len, gpu.splitlines())) <= WIDTH
+    assert "gpu_ms_denoise" in gpu and "failed" in gpu and "restarts" not in gpu   # all 0
+    assert gpu.count("rank") == 2        # too wide for one block: two, each led by the rank
+    cpu = workers_text([_worker(0), _worker(1)])
+    assert max(map(len, cpu.splitlines())) <= WIDTH and cpu.count("rank") == 1
+    for empty in ("peak_mem_gb", "gpu_util", "gpu_ms_text", "failed", "restarts"):
+        assert empty not in cpu
+    assert "busy_fraction" in cpu and "steady_it_s" in cpu
+
+
+def test_workers_of_different_gpu_types_are_grouped_by_type():
+    from runner.summary import WIDTH, workers_text
+    text = workers_text([_worker(0, "NVIDIA H200"), _worker(1, "NVIDIA A100-SXM4-80GB"),
+                         _worker(2, "NVIDIA H200"), _worker(3)])
+    assert max(map(len, text.splitlines())) <= WIDTH
+    heads = [line for line in text.splitlines() if ": " in line and "worker" in line]
+    assert heads == ["CPU: 1 worker, 40 items", "NVIDIA A100-SXM4-80GB: 1 worker, 40 items",
+                     "NVIDIA H200: 2 workers, 80 items"]
+    h200 = text.split("NVIDIA H200: ")[1]
+    assert [line.split()[0] for line in h200.splitlines()[1:] if line.strip()[:1].isdigit()] \
+        == ["0", "2", "0", "2"]               # its rows, in both blocks of columns
+    cpu = text.split("CPU: ")[1].split("NVIDIA")[0]
+    assert "gpu_util" not in cpu               # each group drops its own empty columns
+
+
+def test_the_legend_is_shown_on_a_terminal_once(monkeypatch, tmp_path):
+    from runner.summary import LEGEND
+    from runner.terminal import legend_due
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert not legend_due(LEGEND, FakeStream(tty=False))      # a log file: summary.txt has it
+    assert legend_due(LEGEND, FakeStream(tty=True))
+    assert not legend_due(LEGEND, FakeStream(tty=True))       # the second run's: not again
+    assert legend_due(LEGEND + " A new column.", FakeStream(tty=True))   # a changed legend: again
+    (tmp_path / "runner").chmod(0o500)                        # state not writable: shown
+    try:
+        assert legend_due(LEGEND, FakeStream(tty=True))
+    finally:
+        (tmp_path / "runner").chmod(0o700)
+
+
+def test_colour_codes_are_kept_off_a_log_file():
+    """Ray forwards worker lines with coloured prefixes; a file kept them as raw escapes."""
+    import subprocess
+    import sys
+    code = ("import logging, sys; from runner import job; job._configure_logging(); "
+            "print('\\x1b[2m\\x1b[36m(WorkerActor pid=7)\\x1b[0m loaded', file=sys.stderr); "
+            "logging.getLogger('runner').info('\\x1b[1;31mred\\x1b[0m line'); "
+            "import os; print(os.environ['RAY_COLOR_PREFIX'])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stderr and "(WorkerActor pid=7) loaded" in r.stderr, r.stderr
+    assert r.stderr.rstrip().endswith("runner: red line") and r.stdout == "0\n"
+
+
+def test_plurals():
+    from runner.outputs import plural
+    assert [plural(n, "shard") for n in (0, 1, 2)] == ["0 shards", "1 shard", "2 shards"]
+    assert plural(1, "CPU worker") == "1 CPU worker" and plural(3, "entry", "entries") == "3 entries"
+
+
 def test_a_stop_signal_raises_in_the_dispatch_loop_not_where_it_lands(monkeypatch):
     """SIGTERM (or Ctrl-C) raises nothing where it lands, which could be inside a lock of Ray or
     of the snapshot executor (a driver then hung at exit after its summary); `_check_stop`, called
@@ -305,9 +433,18 @@ def test_cli_run_with_overrides_is_quiet_shows_phases_and_a_noop_rerun_keeps_the
                       "generating: 8/8 items")}
     assert list(at.values()) == sorted(at.values()), err
     assert "\r" not in err and "%|" not in err
-    assert "steady_it_s: denoising steps/s" in r.stdout            # the legend under the table
+    # issue 75: the summary fits 100 columns, empty columns dropped; the legend in summary.txt,
+    # not under every run's table (stdout is not a terminal here)
+    summary = r.stdout[r.stdout.index("job demo_image: "):]
+    assert max(map(len, summary.splitlines())) <= 100, summary
+    table = summary.split("\n\n")[1]
+    assert "rank" in table and "steady_it_s" in table and "gpu_ms_denoise" not in table
+    assert "peak_mem_gb" not in table and "restarts" not in table
+    assert all(set(line.split()) != {"-"} for line in table.splitlines()), table
+    assert "steady_it_s: denoising steps/s" not in r.stdout and "--explain" in summary
 
     job_dir = tmp_path / "demo_image"
+    assert "steady_it_s: denoising steps/s" in " ".join((job_dir / "summary.txt").read_text().split())
     for row in check_job_dir(job_dir, "png", n_workers=1):        # the overrides took effect
         assert iio.imread(job_dir / row["output"]).shape == (96, 64, 3)
     assert OmegaConf.load(job_dir / "config.yaml").generation.height == 96
