@@ -27,23 +27,58 @@ provider otherwise starts nodes against port 6379). Shutdown kills this cluster'
 temp dir (a non-head `Node` takes the head's), so their raylets' and log monitors' command lines
 name it, and their agents are the raylets' children; nodes added by `add_node` name it too.
 
-Autoscaler v1 by default (`autoscaler_v2=True` for v2): both launch and release nodes reliably
-here. v1 is what KubeRay runs unless told otherwise; v2 is `ray up`'s default from 2.60
-(RAY_UP_enable_autoscaler_v2) and releases idle nodes by draining them (DRAIN_NODE_REASON_IDLE_
-TERMINATION) first. Idle nodes go after IDLE_TIMEOUT_MIN (6 s) and a launch asks for every node
-needed at once (UPSCALING_SPEED).
+Autoscaler v1 (the default; what KubeRay runs unless told otherwise). v2 (`autoscaler_v2=True`,
+`ray up`'s default from 2.60) cannot run with this wheel: its monitor reads the missing
+example.yaml itself, as the fake provider's defaults (`providers._get_default_config`), fails
+every round and launches nothing; `start()` says so at once. Idle nodes go after
+IDLE_TIMEOUT_MIN (6 s) and a launch asks for every node the demand needs at once
+(UPSCALING_SPEED).
 
 Node IPs: Ray turns `--node-ip-address=127.0.0.1` into the machine's own address (`services.
 resolve_ip_for_localhost`), for the session's cluster too, so every node of this cluster has that
 IP (node ids tell them apart); the GCS listens on all interfaces, so `address` is 127.0.0.1:PORT.
 
-Health checks (HEALTH_CHECKS, the head's --system-config; every raylet of the cluster takes the
-GCS's): a node whose raylet is SIGKILLed is marked dead within DEAD_WITHIN_S; measured: see
-DEAD_WITHIN_S. Ray's defaults (3 s period, 5 failures, 10 s timeout) take up to ~30-45 s.
+Health checks (HEALTH_CHECKS, the head's --system-config, which every raylet of the cluster takes
+from the GCS): a check every 500 ms, 3 failed in a row -> dead. A SIGKILLed raylet refuses the
+checks at once, so it is dead ~1.5 s after the kill at most (period x threshold, plus the 500 ms
+timeout where it does not refuse); measured 1.1-1.5 s (kill to the GCS's "dead", 4 runs, load
+4-10 on the 2 cores). DEAD_WITHIN_S (10 s) is the bound tests assert, with CI's margin. Ray's
+defaults (3 s period, 5 failures, 10 s timeout) would take 15 s, by the same arithmetic.
 
-Costs on the 2-core machine (see COSTS below for the figures and how they were measured).
+Costs on the 2-core machine (test_costs_of_the_cluster_and_a_node, 2026-12-02, the machine shared
+with other agents: load 4-16): starting the cluster 18 CPU-s, 18 s wall at load 4 and 40-50 s at
+load 9-16 (GCS, head raylet, the autoscaler, the head's dashboard process and Ray client server,
+log monitor, dashboard and runtime-env agents: `ray start` has no flag to skip the agents or the
+client server); idle, 0.04 CPU-s a second; a node the autoscaler launches 5.4 CPU-s, 11-12 s wall
+from the request (raylet, its log monitor, dashboard and runtime-env agents; no prestarted
+workers), plus 1.5 CPU-s for the short-lived driver that asks for it. Share one cluster per
+module (scope="module") and `reset()` between tests.
 
-What a driver sees (Ray 2.60, measured with this module; see FINDINGS below).
+FINDINGS (Ray 2.60, v1, measured with this module; what a driver sees of an actor whose node
+goes, `max_restarts=0`):
+- (a) node SIGKILLed: `ray.get` of an in-flight call raises `ray.exceptions.ActorDiedError`
+  (subclass of RayActorError), `.preempted` False, text "The actor died unexpectedly before
+  finishing this task. ... The actor died because its node has died. Node Id: <hex>\n\tthe
+  actor's node was terminated unexpectedly: health check failed due to missing too many
+  heartbeats"; 1.1 s after the kill, the same moment the GCS marks the node dead. Later calls
+  raise the same at once.
+- (b) drained with DRAIN_NODE_REASON_PREEMPTION (deadline 4 s), killed at the deadline: nothing
+  fails before the kill (the in-flight call runs on through the drain); then the same
+  `ActorDiedError` with `.preempted` True and "...the actor's node was preempted: <the drain's
+  reason_message>", 1.1 s after the kill. While draining, the driver's
+  `ray._private.state.state.get_draining_nodes()` is {node id hex: deadline ms}, and the node is
+  still alive in `ray.nodes()`. A drained node with nothing running (no actor, no task) exits at
+  once, without waiting for the deadline (dead as AUTOSCALER_DRAIN_PREEMPTED).
+- `ray.nodes()` entries of dead nodes carry "DeathReason" (int, `NodeDeathInfo.Reason`:
+  2 UNEXPECTED_TERMINATION for a kill, 3 AUTOSCALER_DRAIN_PREEMPTED after a preemption drain, 1
+  EXPECTED_TERMINATION for the autoscaler's idle release) and "DeathReasonMessage" ("health check
+  failed due to missing too many heartbeats" / the drain's reason_message / "Terminated by
+  autoscaler."); `nodes()` here gives the names.
+- `ray._private.state.state.get_max_resources_from_cluster_config()` is None here, under v1 and
+  (from the code) v2 alike: it reads a ClusterConfig that only a ReportClusterConfig call
+  publishes, and nothing in the 2.60 wheel's Python makes one. Once `report_cluster_config()`
+  has (as a platform that reports it would): {"GPU": 3, "CPU": 5, ...}, i.e. the sum over node
+  types of max_workers x resources (the head counted once).
 """
 from __future__ import annotations
 
@@ -109,7 +144,7 @@ HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
                  "health_check_failure_threshold": 3}
 SYSTEM_CONFIG = {**HEALTH_CHECKS, "enable_worker_prestart": False,
                  "prestart_worker_first_driver": False}
-DEAD_WITHIN_S = 10.0       # bound for tests: measured below (FINDINGS), with margin for CI
+DEAD_WITHIN_S = 10.0       # bound for tests: measured 1.1-1.5 s (module docstring), CI's margin
 
 START_TIMEOUT_S = 180      # `ray start --head`; 42 s seen on the 2-core machine under load
 NODE_TIMEOUT_S = 120       # a node launched or added until alive in the GCS
@@ -168,6 +203,7 @@ class AutoscalingRay:
                                        autoscaler_v2, **kwargs)
         self.system_config = {**SYSTEM_CONFIG, **(system_config or {})}
         self._extra_env = dict(env or {})
+        self.env_head: dict = {}   # the head's processes' environment (add_node's base)
         self.temp_dir: str | None = None
         self.gcs_port: int | None = None
         self._gcs = None
@@ -232,7 +268,8 @@ class AutoscalingRay:
                 out = r.stdout[-3000:] + r.stderr[-3000:]
                 ok = r.returncode == 0
             except subprocess.TimeoutExpired as e:
-                out, ok = f"`ray start --head` ran over {timeout} s: {e.stdout!r} {e.stderr!r}", False
+                out = f"`ray start --head` ran over {timeout} s: {e.stdout!r} {e.stderr!r}"
+                ok = False
             if ok:
                 self.env_head = env
                 return self
@@ -319,7 +356,8 @@ class AutoscalingRay:
             death = n.death_info if n.HasField("death_info") else None
             out.append(Node(
                 node_id=hex_id, alive=is_alive, is_head=n.is_head_node,
-                resources=dict(n.resources_total), node_type=_node_type(n), draining=hex_id in draining,
+                resources=dict(n.resources_total), node_type=_node_type(n),
+                draining=hex_id in draining,
                 death_reason=death.DESCRIPTOR.fields_by_name["reason"].enum_type
                 .values_by_number[death.reason].name if death else None,
                 death_message=death.reason_message if death else None))
@@ -337,7 +375,8 @@ class AutoscalingRay:
         naming what there was."""
         end = time.monotonic() + timeout
         while True:
-            nodes = [x for x in self.worker_nodes() if resource is None or x.resources.get(resource)]
+            nodes = [x for x in self.worker_nodes()
+                     if resource is None or x.resources.get(resource)]
             if len(nodes) == n:
                 return nodes
             if time.monotonic() > end:

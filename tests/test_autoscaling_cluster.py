@@ -139,7 +139,8 @@ def test_costs_of_the_cluster_and_a_node():
         with autoscaling_cluster(GPU_NODES, head_resources={"CPU": 2}) as c:
             start_wall = time.monotonic() - t0
             ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            start_cpu = c.cpu_seconds() + (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime)
+            start_cpu = c.cpu_seconds() + (ru1.ru_utime + ru1.ru_stime
+                                           - ru0.ru_utime - ru0.ru_stime)
             idle0 = c.cpu_seconds()
             time.sleep(10)
             idle_cpu = c.cpu_seconds() - idle0
