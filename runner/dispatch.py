@@ -623,7 +623,10 @@ class Dispatcher:
             self._count_fault(shard, str(e))
             self.retry(shard, str(e))
             return
-        self._retire(finished)
+        # rows failed without a model call (a missing image) took no model time: counted as
+        # work done they made the pace look fast and a legitimate long call hung (issue 75)
+        made = {r["id"] for r in rows if r["status"] == "ok"}
+        self._retire(finished, made=[it for it in shard.items if it.id in made])
         self._input_faults(rows)
         self.streak.clear()
         if self.canary_on and epoch >= slot.good:     # (a canary after it passed: verified)
@@ -644,15 +647,17 @@ class Dispatcher:
             f"rows not generated stay pending. Finished outputs are kept: once the store "
             f"answers, rerun the same command to resume.")
 
-    def _retire(self, finished, measure: bool = True) -> None:
+    def _retire(self, finished, measure: bool = True, made: list[Item] | None = None) -> None:
         """A shard (or canary) of `slot` came back: off its running list, and progress on its
-        clock (`measure`: a shard's time taken into its pace)."""
+        clock (`measure`: a shard's time taken into its pace, as the work of `made`, the items
+        it made an output of: None, all of the shard's; none, not measured)."""
         slot, shard, _ = self.futures.pop(finished)
         slot.running.remove(finished)
         if not slot.running and slot.idle_from is None:
             slot.idle_from = self.clock()
         if slot.pace is not None:
-            work = units(shard.items) if measure and shard is not None else None
+            made = shard.items if made is None and shard is not None else made
+            work = units(made) if measure and made else None
             self.watchdog.done(slot.pace, work, self.clock())
         if slot.state == "ready":
             self.hungry[slot] = None

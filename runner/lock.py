@@ -2,7 +2,8 @@
 
 Contract: `job_lock(job_dir)` is a context manager that creates `<job_dir>/.lock` (O_EXCL, so only
 one driver can) holding JSON {host, pid, started}, and removes it on exit, whatever the exit path
-(exception, Ctrl-C, SIGTERM turned into an exception; `atexit` as a last resort). A lock whose
+(exception, Ctrl-C, SIGTERM turned into an exception; `atexit` as a last resort); one that cannot
+be removed (its directory turned read-only) is named in a warning, never raised. A lock whose
 holder is gone (same host, pid not alive) is stale and taken over. Otherwise `LockedError` says
 who holds it and what to do: wait for that driver, stop it, or, if it is gone (its host died),
 remove the file. A SIGKILLed driver leaves its lock behind; the next run on the same host finds
@@ -139,11 +140,20 @@ def holder(job_dir: "str | Store") -> dict | None:
 
 
 def release(path: str) -> None:
-    """Remove the lock if it is still ours (a driver never removes another driver's lock)."""
+    """Remove the lock if it is still ours (a driver never removes another driver's lock). Never
+    raises: a lock that cannot be removed (its directory turned read-only mid-job) is named in a
+    warning, and the job's own outcome, or its error, is what the driver reports (issue 75: the
+    remove's EROFS replaced a job's exit 3 with a traceback)."""
     holder = _read(path)
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove the lock %s (%s: %s); the next run on host %s takes "
+                        "it over once this driver has ended (elsewhere, remove it by hand)",
+                        path, type(e).__name__, e.strerror or e, socket.gethostname())
 
 
 # -- object stores ---------------------------------------------------------------------------
@@ -250,5 +260,6 @@ def job_lock(job_dir: "str | Store", release_s=None):
     try:
         yield path
     finally:
-        release(path)
+        # once tried here, not again at exit: a lock that could not be removed is said once
         atexit.unregister(release)
+        release(path)

@@ -12,7 +12,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 from conftest import GUARD_S, fault_dir, fault_env, free_ports, stop_ray
-from test_faults import record_rows
+from test_faults import finish_within, record_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
@@ -110,7 +110,7 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
             assert time.time() - t0 < GUARD_S, "job made no progress"
             time.sleep(0.2)
         cluster.remove_node(doomed)
-        out, err = p.communicate(timeout=GUARD_S)
+        out, err = finish_within(p, GUARD_S, "the job that lost a node")
         assert p.returncode == 0, err[-4000:]
         assert "lost" in err
         table = pq.read_table(job_dir / "results.parquet").to_pylist()

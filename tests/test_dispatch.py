@@ -537,6 +537,68 @@ def test_a_starting_slot_left_at_the_end_is_killed():
     assert job.status() == ok_but(12) and job.pool.killed == [1]
 
 
+# -- the watchdog ---------------------------------------------------------------------------------
+
+class TimedPool(FakePool):
+    """A FakePool whose calls take time on its clock: `seconds={id: s}`: the GPU work of a shard
+    holding `id` takes `s` seconds (its worker silent meanwhile); `no_call={ids}`: those rows come
+    back failed at once without a model call, as a row whose image is missing does. `progress`
+    answers at once, as a worker's own thread does: seconds since its last GPU work ended."""
+
+    def __init__(self, seconds=None, no_call=(), **kw):
+        super().__init__(**kw)
+        self.seconds, self.no_call, self.last_end, self.asked = dict(seconds or {}), set(no_call), {}, 0
+
+    def progress(self, w):
+        self.asked += 1
+        return Future(w, "progress", state="ok", value=self.now - self.last_end[w])
+
+    def _step(self) -> bool:
+        for w in self.workers:                   # a timed call at a worker's head: due from now
+            f = w.calls[0] if w.calls else None
+            if f is not None and f.kind == "start" and not hasattr(f, "due"):
+                f.due = self.now + max((self.seconds.get(i, 0.0) for i in f.sub.ids), default=0.0)
+        heads = [w.calls[0] for w in self.workers if w.calls and w.calls[0].plan != "hang"
+                 and getattr(w.calls[0], "due", 0.0) <= self.now]
+        if not heads:
+            return False
+        f = min(heads, key=lambda f: f.n)
+        {"warm": self._warm, "start": self._start, "finish": self._finish,
+         "canary": self._canary}[f.kind](f)
+        if f.kind in ("warm", "start"):
+            self.last_end[f.worker] = self.now
+        if f.kind == "finish" and f.state == "ok":
+            f.value = [dict(r, status="failed", error="FileNotFoundError: no such image")
+                       if r["id"] in self.no_call else r for r in f.value]
+        return True
+
+
+def test_rows_failed_without_a_model_call_do_not_shorten_the_watchdogs_bound(caplog):
+    """Issue 75: the first rows fail without a model call (their images missing), their shards
+    back at once. Counted as work done, they made the worker's measured pace ~0 s a unit, its
+    bound the 60-s floor, and a legitimate 70-s call was killed twice and its row failed. Those
+    rows are no measure of the worker's pace: nothing measured, the bound is the ceiling, and the
+    70-s call is neither asked about nor killed."""
+    pool = TimedPool(seconds={"p06": 70.0}, no_call=[f"p{i:02d}" for i in range(6)])
+    job = Job(pool, n=9, workers=1, shard_size=3, hang_timeout_s=1800)
+    job.run()
+    assert job.status() == {**{f"p{i:02d}": "failed" for i in range(6)},
+                            "p06": "ok", "p07": "ok", "p08": "ok"}
+    assert pool.killed == [] and pool.asked == 0 and "is hung" not in caplog.text
+    assert pool.now >= 70                        # the call did take its 70 s
+
+
+def test_a_shard_of_missing_images_and_made_rows_is_measured_by_the_made_ones_only():
+    """The same with a shard of one made row (10 s) and two missing images: its pace is 10 s for
+    the made row's units, not for three rows' (3.3 s a row: a bound of 60 s, the floor), so the
+    next shard's 80-s call is within its bound (10 x 10 s) and not killed."""
+    pool = TimedPool(seconds={"p00": 10.0, "p03": 80.0}, no_call=["p01", "p02"])
+    job = Job(pool, n=6, workers=1, shard_size=3, hang_timeout_s=1800)
+    job.run()
+    assert job.status() == ok_but(6, "p01", "p02") and pool.killed == [] and pool.asked == 0
+    assert pool.now >= 90
+
+
 # -- the boundaries -------------------------------------------------------------------------------
 
 def test_the_worker_implements_the_contract():

@@ -2,6 +2,7 @@
 helpers the other CLI tests share. Faults are injected from outside the runner
 (tests/faults/sitecustomize.py) or by killing processes. The job's failure and resume rules
 themselves are tested without Ray, in seconds: test_jobrun.py."""
+import contextlib
 import json
 import os
 import re
@@ -40,8 +41,25 @@ def cli(args, faults="", wait=True, **env):
     if not wait:
         p.env = e            # for ray_workers_of
         return p
-    out, err = p.communicate(timeout=GUARD_S)
+    out, err = finish_within(p, GUARD_S, "the job")
     return p.returncode, out, err
+
+
+def finish_within(p: subprocess.Popen, timeout_s: float, what: str) -> tuple[str, str]:
+    """`p.communicate()` within `timeout_s`: past it the run (a session of its own: the driver
+    and what it started) is killed and the test fails naming `what`, the guard and the run's
+    last lines, so a feature that is broken fails its test instead of hanging it (and leaves no
+    job running into the next tests)."""
+    try:
+        return p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:           # not started in a session of its own
+            p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"{what} did not end within its guard of {timeout_s:.0f} s; killed. Its last "
+                    f"output:\n{out[-1500:]}\n{err[-3000:]}", pytrace=False)
 
 
 def rows(job_dir):
@@ -70,23 +88,27 @@ def record_rows(job_dir):
             for line in open(os.path.join(d, n))]
 
 
-def wait_for_journal(job_dir, n, timeout=GUARD_S):
-    """Until the record holds n rows."""
+def wait_for_journal(job_dir, n, timeout=GUARD_S, proc: subprocess.Popen | None = None):
+    """Until the record holds n rows; fails at once if `proc` (the job) ended before."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if len(record_rows(job_dir)) >= n:
             return
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before its record held "
+                                 f"{n} rows:\n{err[-3000:]}")
         time.sleep(0.2)
-    raise AssertionError(f"the record never reached {n} rows")
+    raise AssertionError(f"the record never reached {n} rows in {timeout:.0f} s")
 
 
 def test_worker_process_killed_from_outside(job):
     p = cli(job["args"], faults="slow:0.4", wait=False)
-    wait_for_journal(job["dir"], 2)
+    wait_for_journal(job["dir"], 2, proc=p)
     pids = ray_workers_of(p.env)
     assert pids, "no worker process found"
     os.kill(pids[0], signal.SIGKILL)
-    out, err = p.communicate(timeout=GUARD_S)
+    out, err = finish_within(p, GUARD_S, "the job whose worker was killed")
     assert p.returncode == 0, err[-3000:]
     assert_complete(job["dir"])
 
@@ -139,6 +161,16 @@ def test_a_row_that_kills_its_one_worker_fails_alone_and_the_job_goes_on(tmp_pat
 HANG_S = 10
 
 
+def hang_guard_s(baseline_s: float) -> float:
+    """The hung-row job's guard once its first rows are recorded, `baseline_s` after its start
+    (the driver's start, a worker's start-up and model load, 3 rows: this machine's speed now,
+    measured in the same run). Left: 2 hangs of HANG_S (looked at once a second), 2 replacement
+    workers (each a start-up, within a baseline), the other rows and the job's end (a third
+    baseline), 60 s of slack. With the watchdog off the job never ends: the test fails at this
+    guard (minutes), where it waited GUARD_S (15 minutes) and left the job running."""
+    return 3 * baseline_s + 2 * (HANG_S + 1) + 60
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it(job, workers):
     """Issue 60: a row whose generate call never returns (tests/faults: `hang`) hung a 2-worker
@@ -147,16 +179,23 @@ def test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it(job, workers):
     floor), its worker is declared hung after HANG_S without progress, killed and replaced; the
     row runs alone, hangs again, and is failed at its second hang naming the cause. The job ends
     by itself, exit 1, every other row ok, no worker process of the job left; a rerun retries
-    the row (and only it). Bound: 2 hangs of HANG_S, 3 worker start-ups and 12 tiny items: well
-    under 4 minutes on 2 shared cores."""
+    the row (and only it). Bound: 2 hangs of HANG_S, 3 worker start-ups and 12 tiny items, held
+    by the guard `hang_guard_s` (from this run's own start-up: a fixed 240 s was the machine's
+    speed)."""
     args = [a for a in job["args"] if not a.startswith("ray.cpu_workers")] + [
         f"ray.cpu_workers={workers}", f"run.hang_timeout_s={HANG_S}"]
     t0 = time.time()
     p = cli(args, faults="hang:p04", wait=False)
-    out, err = p.communicate(timeout=GUARD_S)
-    took = time.time() - t0
+    try:
+        wait_for_journal(job["dir"], 3, proc=p)     # the first shard: the job's start measured
+    except AssertionError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        raise
+    guard = hang_guard_s(time.time() - t0)
+    out, err = finish_within(p, guard, f"the job with a hung row (hang:p04, run.hang_timeout_s="
+                                       f"{HANG_S})")
     assert p.returncode == 1, err[-4000:]
-    assert took < 240, took
     table = assert_complete(job["dir"], failed={"p04"})
     error = {r["id"]: r["error"] for r in table}["p04"]
     assert error.startswith(f"hung its worker 2 times (run.max_row_deaths=2): no progress for "
@@ -241,9 +280,9 @@ def test_a_disk_filling_mid_job_is_exit_3_with_the_error_last(tmp_path, write_pr
                 "generation.height=64", "generation.width=64", "generation.num_inference_steps=2",
                 "run.shard_size=2", "run.batch_size=1", "ray.cpu_workers=2"]
         proc = cli(args, faults="slow:0.02", wait=False)
-        wait_for_journal(out / "j", 2)
+        wait_for_journal(out / "j", 2, proc=proc)
         fill_disk(out, "filler")
-        stdout, err = proc.communicate(timeout=GUARD_S)
+        stdout, err = finish_within(proc, GUARD_S, "the job on a full disk")
     assert proc.returncode == 3, err[-4000:]
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and "No space left on device" in lines[-1], err[-4000:]

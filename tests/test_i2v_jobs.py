@@ -204,7 +204,7 @@ def test_an_image_store_frozen_mid_job_stops_it_exit_3_and_a_rerun_makes_the_res
     pending (not in the record). Once the store answers, a rerun makes exactly the rest."""
     from conftest import GUARD_S
     from s3server import moto_server
-    from test_faults import wait_for_journal
+    from test_faults import finish_within, wait_for_journal
     n = 40
     ids = [f"r{i:02d}" for i in range(n)]
     with moto_server() as server:          # its own server: freezing the session's would stall others
@@ -224,11 +224,12 @@ def test_an_image_store_frozen_mid_job_stops_it_exit_3_and_a_rerun_makes_the_res
                 "output.results_every_s=0"]
         job = tmp_path / "out" / "j"
         p = cli(args, faults="slow:0.3", wait=False)
-        wait_for_journal(str(job), 4)
+        wait_for_journal(str(job), 4, proc=p)
         os.kill(server.proc.pid, signal.SIGSTOP)
         t_stall = time.time()
         try:
-            out, err = p.communicate(timeout=GUARD_S)
+            # the guard: twice the bound asserted (a stall not noticed fails here, not at GUARD_S)
+            out, err = finish_within(p, 2 * 60, "the job on a frozen image store")
             took = time.time() - t_stall
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)

@@ -919,6 +919,37 @@ def test_a_record_that_cannot_be_written_mid_job_is_exit_3_and_a_rerun_does_the_
     assert_complete(d)
 
 
+
+def test_an_output_dir_turning_read_only_mid_job_is_exit_3_naming_the_lock_left(
+        prompts, small_disk, monkeypatch, capsys, caplog, within_60_s):
+    """Issue 75: the job directory's filesystem turns read-only mid-job (a real remount, between a
+    shard's media files and its record). The stop was right, but removing the lock raised (EROFS)
+    over it, and again at exit: two tracebacks and exit 1. Now: exit 3 with the record's error
+    last, no traceback, and one warning naming the lock left behind and who takes it over."""
+    import subprocess
+    from runner import results
+    real, calls = results.Results.add, []
+
+    def read_only_at_the_second_record(self, rows):
+        calls.append(rows)
+        if len(calls) == 2:
+            subprocess.run(["mount", "-o", "remount,ro", str(small_disk.path)], check=True)
+        return real(self, rows)
+    monkeypatch.setattr(results.Results, "add", read_only_at_the_second_record)
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert Cluster().main(job_args(prompts, small_disk.path)) == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err[-1].startswith("error: the job's record could not be written (OSError: [Errno "
+                              "30] Read-only file system: "), err[-5:]
+    assert err[-1].endswith("Finished outputs are kept: fix the storage and rerun the same "
+                            "command to resume."), err[-5:]
+    assert not [line for line in err if "Traceback" in line], err
+    lock = small_disk.path / "j" / ".lock"
+    assert lock.exists()                                   # it could not be removed ...
+    assert caplog.text.count(f"could not remove the lock {lock} ") == 1, caplog.text   # ... said once
+    assert "Read-only file system" in caplog.text and "takes it over" in caplog.text
+    subprocess.run(["mount", "-o", "remount,rw", str(small_disk.path)], check=True)
+
 # -- issue 47: input images ----------------------------------------------------------------------
 
 def reading_fate(item) -> str:

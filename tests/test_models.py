@@ -201,6 +201,13 @@ def test_a_checkpoint_of_another_family_is_refused_on_the_driver_naming_its_pres
     with the wrong settings (a TI2V-5B or A14B directory under a Wan 2.1 preset)."""
     import time
     from runner.models import check_pretrained
+    # this machine's time for a whole check of its own family's directory, now (a fixed 0.5 s
+    # bound was the machine's speed); a refusal reads no weights: as quick as that
+    whole_s = {}
+    for mine in ONE_PRESET.values():
+        t = time.monotonic()
+        check_pretrained(ModelSpec(mine, source="pretrained", path=str(saved(mine))))
+        whole_s[mine] = time.monotonic() - t
     for mine in ONE_PRESET.values():
         for theirs in ONE_PRESET.values():
             spec = ModelSpec(mine, source="pretrained", path=str(saved(theirs)))
@@ -211,7 +218,7 @@ def test_a_checkpoint_of_another_family_is_refused_on_the_driver_naming_its_pres
             with pytest.raises(ModelLoadError) as e:
                 check_pretrained(spec)
             msg = str(e.value)
-            assert time.monotonic() - t < 0.5 and "\n" not in msg
+            assert time.monotonic() - t < max(0.5, 5 * max(whole_s.values())) and "\n" not in msg
             assert msg.startswith(f"model.path {str(saved(theirs))!r} is a {PRESETS[theirs].pipeline} "
                                   f"checkpoint"), msg
             assert f"model.preset={theirs}" in msg or f" {theirs} " in msg or f" {theirs} for" in msg, msg
@@ -279,12 +286,16 @@ def test_an_incomplete_or_damaged_directory_is_refused_on_the_driver_naming_the_
     else:
         shutil.copytree(saved("pixart_alpha_512"), d)
     spec = ModelSpec("pixart_alpha_512", source="pretrained", path=str(d), local_files_only=True)
+    t = time.monotonic()
     check_pretrained(spec)                    # whole, it passes (the sharded copy too)
+    whole_s = time.monotonic() - t            # this machine's time for the check, now
     want = _damage(d, how)
     t = time.monotonic()
     with pytest.raises(ModelLoadError) as e:
         check_pretrained(spec)
-    assert time.monotonic() - t < 0.5
+    # headers and indexes, not weights: as quick as the whole check (a fixed 0.5 s was the speed
+    # of the machine; reading the weights would take many times the check)
+    assert time.monotonic() - t < max(0.5, 5 * whole_s)
     msg = str(e.value)
     assert msg.startswith(f"model.path {str(d)!r} is incomplete or damaged: {want}"), msg
     assert "hf download PixArt-alpha/PixArt-XL-2-512x512 --local-dir DIR" in msg
@@ -492,20 +503,27 @@ def _dry_run(tmp_path, endpoint, *args):
 @pytest.mark.parametrize("where", ["unresolvable", "silent"])
 def test_a_pretrained_dry_run_without_the_hub_is_one_line_naming_hf_download(tmp_path, where,
                                                                              silent_server):
-    """Unresolvable: what a machine without network sees; the whole run within 5 s. Silent:
-    the hub's wait is the probe's bound (from the probe's connection to the exit: the Python
-    start-up before it is the machine's, seconds on CI's 2 loaded cores)."""
+    """Unresolvable: what a machine without network sees; no wait for the hub at all. Silent:
+    the hub's wait is the probe's bound (from the probe's connection to the exit). The machine's
+    own share (Python's start-up, imports, checks, the exit: seconds on CI's 2 loaded cores; a
+    fixed 5 s failed once at 7.06 s) is measured in this run: the same dry run with random
+    weights, which asks no hub."""
     from runner.models import HUB_PROBE_S
     endpoint = "http://hub.invalid" if where == "unresolvable" else silent_server.url
+    base, t0, t1 = _dry_run(tmp_path, endpoint, "model.source=random")
+    assert base.returncode == 0, base.stderr[-2000:]
+    baseline = t1 - t0
     r, started, ended = _dry_run(tmp_path, endpoint)
     assert r.returncode == 2, r.stderr[-2000:]
     if where == "unresolvable":
-        assert ended - started < 5.0, ended - started
+        # a probe waited out (or retried) would add HUB_PROBE_S to the machine's share
+        assert ended - started < baseline + HUB_PROBE_S, (ended - started, baseline)
     else:
         assert len(silent_server.accepted_at) == 1                 # one probe, no client retries
-        # + 3 s: the error and the interpreter's exit, ~0.5 s quiet, 2.1 s seen at load 13 on 2
-        # cores (1.5 s flaked there); a second probe would add HUB_PROBE_S and a connection
-        assert ended - silent_server.accepted_at[0] < HUB_PROBE_S + 3.0
+        # + the error and the interpreter's exit (~0.5 s quiet, 2.1 s seen at load 13 on 2
+        # cores), within the whole baseline run; a second probe would add HUB_PROBE_S and a
+        # connection (the count above)
+        assert ended - silent_server.accepted_at[0] < HUB_PROBE_S + max(3.0, baseline), baseline
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr[-2000:]                       # no retries, no warnings
     assert lines[0].startswith("error: cannot reach the Hugging Face hub")

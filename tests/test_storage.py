@@ -297,7 +297,7 @@ def test_calls_on_a_stalled_store_fail_in_bounded_time_naming_the_store(stalled_
     t = time.monotonic()
     with pytest.raises(storage.StoreTimeout, match=r"no answer after 4 s"):
         store.write_bytes_atomic("media/big.mp4", b"v" * (2 << 20))
-    assert 3.9 < time.monotonic() - t < 6.0
+    assert 3.9 < time.monotonic() - t < 8.0       # one timeout of 4 s, not two (not a speed)
     # once the store answers again, a write that timed out lands whole (writes are atomic)
     stalled_s3.resume()
     assert wait_for(lambda: store.exists("media/big.mp4"), 60)
