@@ -95,9 +95,13 @@ def environment() -> dict:
         triton_version = triton.__version__
     except Exception:
         triton_version = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    # the GPU's name and architecture: an elastic cluster mixes GPU types (an A100 must never load
+    # an H100's kernels: sm_80 against sm_90a), and names alone may not tell two apart
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    arch = "sm_%d%d" % torch.cuda.get_device_capability() if cuda else None
     return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda, "gpu": gpu,
-            "diffusers": diffusers.__version__, "compiler": source_digest()}
+            "arch": arch, "diffusers": diffusers.__version__, "compiler": source_digest()}
 
 
 def _config_dict(module) -> dict | None:

@@ -26,7 +26,7 @@ def test_key_is_stable_and_file_name_safe(pipe):
 
 
 @pytest.mark.parametrize("field, value", [("torch", "9.9.9"), ("triton", "0.0"), ("cuda", "99.9"),
-                                          ("gpu", "NVIDIA H200")])
+                                          ("gpu", "NVIDIA H200"), ("arch", "sm_80")])
 def test_key_changes_with_environment(pipe, monkeypatch, field, value):
     before = cache.cache_key(pipe, "O2", SHAPES)
     env = cache.environment()
