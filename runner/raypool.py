@@ -76,12 +76,12 @@ class RayPool:
                      "warms up)", plural(size, "CPU worker"))
             return cls(lambda rank, node=None: remote.remote(rank, cfg, broker), size)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        remote = ray.remote(WorkerActor).options(num_gpus=1, num_cpus=1, **common)
+        actor_class = ray.remote(WorkerActor)
 
         def make(rank: int, node: str | None = None):
-            where = (dict(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                     if node else dict(scheduling_strategy="SPREAD"))
-            return remote.options(**where).remote(rank, cfg, broker)
+            where = (NodeAffinitySchedulingStrategy(node, soft=False) if node else "SPREAD")
+            return actor_class.options(num_gpus=1, num_cpus=1, scheduling_strategy=where,
+                                       **common).remote(rank, cfg, broker)
         size = opts.num_workers or opts.min_workers or max(1, gpus)
         if opts.max_workers is not None:
             size = min(size, opts.max_workers)
