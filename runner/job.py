@@ -989,7 +989,7 @@ def constraints(model) -> Constraints:
     from .models import ModelLoadError, check_pretrained, video_length
     try:
         check_pretrained(model)
-        adapters.check(model)      # each adapter's file and keys against the model's denoiser
+        hashes = adapters.check(model)   # each adapter's file and keys against its denoiser
     except (ModelLoadError, adapters.AdapterError) as e:
         raise JobError(str(e)) from e
     fam = model.family
@@ -998,7 +998,8 @@ def constraints(model) -> Constraints:
                        frame_step=fam.frame_step, min_steps=info.get("min_steps", fam.min_steps),
                        max_steps=info.get("max_steps", fam.max_steps), image=fam.image,
                        published=published_setting(model.preset, fam.kind == "video"),
-                       adapters=tuple(a.name for a in model.adapters if a.per_row))
+                       adapters=tuple(a.name for a in model.adapters if a.per_row),
+                       adapter_hashes=tuple(adapters.row_hashes(model.adapters, hashes).items()))
 
 
 def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:

@@ -27,10 +27,23 @@ def _denoiser(preset="wan21_t2v_1_3b", expert="transformer"):
         return getattr(_spec(preset).family.build(_spec(preset).info, True), expert)
 
 
+# Per-row adapters in the switch tests change disjoint Linears: a switch from one to the other
+# that left the first's change on the Linears the second does not touch is then seen
+SELF_ATTN = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0")
+CROSS_ATTN = ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+FFN = ("ffn.net.0.proj", "ffn.net.2")
+
+
 def _lora_file(tmp_path, layout="original", preset="wan21_t2v_1_3b", expert="transformer", seed=0,
-               rank=4, extra=None, **kw):
+               rank=4, extra=None, linears=None, **kw):
+    """A random adapter's file; `linears` (block Linears as diffusers names them, original layout):
+    only those Linears' pairs."""
     model = _denoiser(preset, expert)
     tensors = model_family(preset).random_adapter(model, layout, rank=rank, seed=seed, **kw)
+    if linears is not None:
+        names = [f".{LORA_NAMES[n]}." for n in linears]
+        tensors = {k: t for k, t in tensors.items() if any(n in k for n in names)}
+        assert tensors, linears
     tensors.update(extra or {})
     f = tmp_path / f"{layout}{seed}.safetensors"
     save_file(tensors, str(f))
@@ -258,6 +271,39 @@ def test_per_row_adapters_switch_full_differences_of_linears_and_refuse_others(t
             assert torch.equal(p, q), (name, n)
 
 
+def test_a_switch_between_adapters_of_other_linears_writes_every_weight_in_place(tmp_path):
+    """Per-row adapters A (self-attention Linears) and B (cross-attention and feed-forward), each
+    switch in turn against a pipeline of that adapter fused job-wide (or none): every parameter
+    equal, so a switch from A to B that left A's change on the self-attention (B does not touch
+    it) fails here; and every write in place (the storage a compiled step and its CUDA graph
+    read never moves)."""
+    fa = _lora_file(tmp_path, seed=1, linears=SELF_ATTN)
+    fb = _lora_file(tmp_path, seed=2, linears=CROSS_ATTN + FFN)
+    rows = _spec(adapters=[{"path": fa, "name": "A", "per_row": True, "scale": 0.8},
+                           {"path": fb, "name": "B", "per_row": True}])
+    adapters.check(rows)
+    pipe, base = build_pipeline(rows), build_pipeline(rows)
+    want = {None: base}
+    for name, f, scale in (("A", fa, 0.8), ("B", fb, 1.0)):
+        want[name] = build_pipeline(rows)
+        job_wide = _spec(adapters=[{"path": f, "scale": scale}])
+        assert adapters.fuse(want[name], job_wide.adapters, diffs=diff_parameter) == 2 * len(
+            SELF_ATTN if name == "A" else CROSS_ATTN + FFN)
+    switch = adapters.Switch(pipe, rows.adapters, diffs=diff_parameter)
+    storage = {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()}
+    for name in ("A", "B", None, "B", "A", None, "A"):
+        switch.use(name)
+        for (n, p), (_, q) in zip(pipe.transformer.named_parameters(),
+                                  want[name].transformer.named_parameters()):
+            assert torch.equal(p, q), f"use({name!r}): {n} is not that adapter's"
+        assert {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()} == storage, \
+            f"use({name!r}) moved a weight to new storage"
+    # the adapters do change what the other leaves alone (else the check above is empty)
+    for n in ("blocks.0.attn1.to_q.weight", "blocks.0.ffn.net.2.weight"):
+        a, b, c = (want[k].transformer.get_parameter(n) for k in ("A", "B", None))
+        assert torch.equal(a, c) != torch.equal(b, c), n
+
+
 def test_resume_with_another_scale_is_refused(tmp_path, capsys):
     """The real CLI (its own process and Ray) makes the outputs; a rerun with another scale into
     the same directory is refused before any worker, as another model is."""
@@ -445,9 +491,12 @@ def _wan16():
     return WanTransformer3DModel.from_config(cfg).half()
 
 
-def test_a_weight_written_after_fusion_and_fp8_is_what_fusing_it_before_gives():
-    """`set_linear_weight` into a fused QKV's FP8 rows and an FP8 feed-forward: the buffers are
-    what converting the model with that weight from the start gives, bit for bit, in place."""
+@pytest.mark.parametrize("fp8", [True, False])
+def test_a_weight_written_after_fusion_and_fp8_is_what_fusing_it_before_gives(fp8):
+    """`set_linear_weight` into a fused QKV's rows and a feed-forward Linear, 16-bit or FP8: the
+    weights are what converting the model with that weight from the start gives, bit for bit,
+    in place (every parameter's and buffer's storage where it was: a compiled step's CUDA graph
+    replays from it)."""
     from compiler.kernels.quant import fp8_feedforward
     from compiler.transforms import FP8Linear, fuse_qkv, set_linear_weight, to_fp8
     new = {"blocks.0.attn1.to_k": None, "blocks.1.attn2.to_v": None, "blocks.0.ffn.net.2": None}
@@ -459,15 +508,24 @@ def test_a_weight_written_after_fusion_and_fp8_is_what_fusing_it_before_gives():
     blocks = (type(before.blocks[0]).__name__,)
     for m in (before, after):
         fuse_qkv(m)
-        to_fp8(m, blocks)
-        fp8_feedforward(m)
-    storage = {n: b.data_ptr() for n, b in after.named_buffers()}
+        if fp8:
+            to_fp8(m, blocks)
+            fp8_feedforward(m)
+
+    def tensors(m):
+        return list(m.named_parameters()) + list(m.named_buffers())
+    storage = {n: t.data_ptr() for n, t in tensors(after)}
     for path, w in new.items():
         set_linear_weight(after, path, w)
-    assert {n: b.data_ptr() for n, b in after.named_buffers()} == storage   # written in place
-    for (n, b1), (_, b2) in zip(before.named_buffers(), after.named_buffers()):
+    assert {n: t.data_ptr() for n, t in tensors(after)} == storage   # written in place
+    for (n, b1), (_, b2) in zip(tensors(before), tensors(after)):
         assert torch.equal(b1.float(), b2.float()), n
-    assert isinstance(after.blocks[0].attn1.to_qkv, FP8Linear)
+    assert isinstance(after.blocks[0].attn1.to_qkv, FP8Linear) == fp8
+    if not fp8:      # the 16-bit weights written are the fused QKV's rows and the Linear's own
+        qkv = after.blocks[0].attn1.to_qkv.weight
+        d = qkv.shape[0] // 3
+        assert torch.equal(qkv[d:2 * d], new["blocks.0.attn1.to_k"])
+        return
     # a broken write (rows of the wrong projection) is caught by the same comparison
     set_linear_weight(after, "blocks.0.attn1.to_q", new["blocks.0.attn1.to_k"])
     assert not torch.equal(before.blocks[0].attn1.to_qkv.w8.float(),
