@@ -82,6 +82,9 @@ class Constraints:
     adapters: tuple[str, ...] = ()   # the names a row's `adapter` may take (per-row adapters)
     # (per-row adapter name or None, `Item.adapters_sha256` of its rows) (`adapters.row_hashes`)
     adapter_hashes: tuple[tuple[str | None, str | None], ...] = ()
+    # a step- or guidance-distilled preset's (name, published steps, published guidance): rows
+    # asking otherwise run, with a warning (`distilled_warning`)
+    distilled: tuple[str, int, float] | None = None
 
     @property
     def video(self) -> bool:
@@ -692,7 +695,26 @@ def check_prompts(paths: tuple[str, ...], gen: GenerationDefaults, limits: Const
     if limits.image:
         from . import images
         images.check_sample(items, PromptError, max_image_bytes)
+    why = distilled_warning(items, limits.distilled)
+    if why:
+        log.warning("%s", why)
     return files, rows, items
+
+
+def distilled_warning(items: list[Item], distilled: tuple[str, int, float] | None) -> str | None:
+    """Rows of a distilled preset asking for other steps or guidance, counted in one line."""
+    if distilled is None:
+        return None
+    preset, steps, guidance = distilled
+    other_steps = sum(it.num_inference_steps != steps for it in items)
+    cfg = sum(it.guidance_scale > guidance for it in items)
+    if not other_steps and not cfg:
+        return None
+    asked = [f"{other_steps} rows other than {steps} steps"] if other_steps else []
+    asked += [f"{cfg} rows guidance above {guidance:g} (a second denoiser call a step)"] if cfg else []
+    return (f"{preset} is distilled for {steps} steps at guidance {guidance:g}; "
+            f"{' and '.join(asked)}: they run, but not as the model was trained (outputs "
+            f"blurred or burnt, no better than at {steps} steps)")
 
 
 def case_collisions(items: list[Item]) -> list[tuple[Item, Item]]:

@@ -501,6 +501,28 @@ def test_i2v_a14b_lightning_runs_two_steps_on_each_expert_from_the_rows_image(tm
     assert pipe._guidance_scale == pipe._guidance_scale_2 == 3.5
 
 
+def test_distilled_presets_warn_of_other_steps_or_guidance_and_anyflow_refuses_200(tmp_path,
+                                                                                   capsys, caplog):
+    """LightX2V at 50 steps and guidance 7 (the base model's setting) runs, with one warning
+    naming both; AnyFlow (distilled for 1-32 steps) at 200 is refused, exit 2, naming the bound."""
+    import logging
+    f = _lora_file(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert _run(tmp_path, f"model.adapters=[{{path: '{f}'}}]", "run.dry_run=true",
+                    "generation.num_inference_steps=50", "generation.guidance_scale=7.0") == 0
+    text = caplog.text
+    assert "wan21_t2v_14b_lightx2v is distilled for 4 steps at guidance 1" in text, text
+    assert "rows other than 4 steps" in text and "rows guidance above 1" in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        assert _run(tmp_path, f"model.adapters=[{{path: '{f}'}}]", "run.dry_run=true") == 0
+    assert "distilled for" not in caplog.text           # as published: no word
+    assert job.main(["job=anyflow_batch", "model.source=tiny", "run.dry_run=true",
+                     "generation.num_inference_steps=200", f"output.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "200" in err and "32" in err, err
+
+
 def test_step_reuse_refused_on_distilled_presets_and_cfg_reuse_without_guidance(tmp_path, capsys):
     f = _lora_file(tmp_path)
     assert _run(tmp_path, "step_cache.method=residual", f"model.adapters=[{{path: '{f}'}}]") == 2
