@@ -622,11 +622,11 @@ def apply(denoiser, linears: dict, params: dict, scale: float) -> list[str]:
 
 
 def _not_finite(names: list[str], flags: list) -> list[str]:
+    """The names whose flag (a 0-d bool tensor on the weights' device) is False: one sync."""
     import torch
     if not flags:
         return []
-    ok = torch.stack([f.cpu() for f in flags]) if len({f.device for f in flags}) > 1 else \
-        torch.stack(flags)
+    ok = torch.stack(flags).cpu()
     return [names[i] for i in (~ok).nonzero().flatten().tolist()]
 
 
