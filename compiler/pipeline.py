@@ -117,12 +117,21 @@ def _apply_switches(opts: CompileOptions) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+# Row sizes (height x width x frames) one compiled pipeline serves, each with graphs of its own
+# (`dynamic: false` specialises on shapes); a row of a size past them fails with Dynamo's
+# FailOnRecompileLimitHit (fullgraph): `compile.dynamic` serves any number of sizes.
+SIZES = 8
+
+
 def _raise_recompile_limit(n_blocks: int) -> None:
     """Dynamo keeps at most `recompile_limit` graphs per code object; all instances of a block class
-    share one code object, and a UNet's ResnetBlock2D comes in ~10 shapes (channels x resolution)."""
+    share one code object, and a UNet's ResnetBlock2D comes in ~10 shapes (channels x resolution).
+    That is per row size: tiny Wan's VAE `resblock` hit a limit of 26 on its second size (64x48
+    then 48x64, 5 frames) and every row of it failed; the limit holds `SIZES` sizes."""
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, n_blocks + 8)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * (n_blocks + 8))
+    cfg.recompile_limit = max(cfg.recompile_limit, SIZES * (n_blocks + 8))
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
+                                          4 * SIZES * (n_blocks + 8))
 
 
 def compile_kwargs(opts: CompileOptions, denoiser: bool = True) -> dict:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .config import Adapter
+from .images import StoreUnreachable
 
 __all__ = ["Adapter", "AdapterError", "Change", "Switch", "check", "fuse", "load", "apply", "fused",
            "local_file", "split"]
@@ -70,9 +71,21 @@ def local_file(a: Adapter, local_files_only: bool = False) -> str:
             raise AdapterError(f"{a.shown}: the directory holds {len(found)} .safetensors files "
                                f"({found[:5]}); name one with weight_name")
         return os.path.join(path, found[0])
+    if os.path.exists(path):      # a FIFO, a device (/dev/zero), a socket: never read
+        raise AdapterError(f"{a.shown}: not a regular file or directory ({_kind_of(path)}); "
+                           f"give the adapter's .safetensors file")
     if os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.endswith(".safetensors"):
         raise AdapterError(f"{a.shown}: no such file or directory")
     return _hub_file(a, local_files_only)
+
+
+def _kind_of(path: str) -> str:
+    """What a path that is neither a regular file nor a directory is, in words."""
+    import stat
+    mode = os.stat(path).st_mode
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device"
+            if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
 
 
 def _hub_file(a: Adapter, local_files_only: bool) -> str:
@@ -100,8 +113,9 @@ def _hub_file(a: Adapter, local_files_only: bool) -> str:
 
 
 def _fetch_uri(a: Adapter, uri: str) -> str:
-    """An object-store adapter copied once into ~/.cache/runner/adapters (keyed by URI, size and
-    modification time)."""
+    """An object-store adapter copied once into `CACHE` (keyed by URI, size and modification
+    time). A store that does not answer is `AdapterStoreUnreachable` (exit 3: not the input's
+    fault); a cache that cannot take the copy names its directory and leaves no partial file."""
     import pyarrow.fs as pafs
 
     from .storage import resolve
@@ -111,7 +125,7 @@ def _fetch_uri(a: Adapter, uri: str) -> str:
         store = resolve(parent)
         info = store.info(name)
     except (OSError, ValueError) as e:
-        raise AdapterError(f"{a.shown}: cannot read {full!r} ({e})") from e
+        raise _store_error(a, full, e) from e
     if info.type != pafs.FileType.File:
         raise AdapterError(f"{a.shown}: {full!r} is not an object (a missing key, or a prefix); "
                            f"give the .safetensors object, or weight_name inside the prefix")
@@ -119,16 +133,49 @@ def _fetch_uri(a: Adapter, uri: str) -> str:
     # keyed by the object's modification time too: an adapter retrained and uploaded again under
     # its URI is as many bytes (the same ranks and shapes), and must not be the old copy
     key = hashlib.sha256(f"{full}:{size}:{info.mtime_ns}".encode()).hexdigest()[:16]
-    dest = Path(os.path.expanduser("~/.cache/runner/adapters")) / key / name
+    dest = Path(os.path.expanduser(CACHE)) / key / name
     if not dest.is_file() or dest.stat().st_size != size:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{name}.{os.getpid()}.tmp")
         try:
-            tmp.write_bytes(store.read_bytes(name))
+            data = store.read_bytes(name)
         except (OSError, ValueError) as e:
-            raise AdapterError(f"{a.shown}: cannot read {full!r} ({e})") from e
-        os.replace(tmp, dest)
+            raise _store_error(a, full, e) from e
+        _write_cached(a, dest, data)
     return str(dest)
+
+
+CACHE = "~/.cache/runner/adapters"      # object-store adapters' local copies
+
+
+class AdapterStoreUnreachable(StoreUnreachable):
+    """An adapter's object store did not answer (exit 3, naming it, as an image store)."""
+
+
+def _store_error(a: Adapter, full: str, e: BaseException) -> Exception:
+    """The store's error as ours: unreachable (exit 3) or about this object (exit 2)."""
+    from .storage import unreachable
+    why = unreachable(e)
+    if why is not None:
+        return AdapterStoreUnreachable(
+            f"{a.shown}: the adapter's store {full.split('/', 3)[2]!r} {why}; check the store's "
+            f"endpoint, the network and the store itself (docs/cloud.md), then rerun")
+    return AdapterError(f"{a.shown}: cannot read {full!r} ({(str(e).splitlines() or [''])[0][:200]})")
+
+
+def _write_cached(a: Adapter, dest: Path, data: bytes) -> None:
+    """`data` as `dest` in the adapter cache, through a temporary file removed on any failure."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        import errno
+        what = ("the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                else f"{type(e).__name__}: {e.strerror or e}")
+        raise AdapterError(f"{a.shown}: cannot keep its {len(data)}-byte copy in the adapter cache "
+                           f"{dest.parent.parent} ({what}); free space there or set HOME to a "
+                           f"disk with room") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,22 +262,25 @@ def _linears_only(a: Adapter, other: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 # The driver's check: the file, its layout, and every key against the denoiser on the meta device
 
-def check(spec) -> None:
+def check(spec) -> list[str]:
     """Every adapter of `spec` (a `ModelSpec`) is a whole safetensors file whose every key fits
-    its denoiser; an `AdapterError` names the first that does not. No weights are read: the
-    adapter's tensors are meta tensors but for scalars (alphas) and small vectors (norm diffs)."""
+    its denoiser and whose values are finite and within range (`_check_values`); an
+    `AdapterError` names the first that is not. Returns each adapter's content hash
+    (`file_sha256`, in `spec.adapters`' order: what rows are made from, `row_hashes`). No weights
+    of the model are read: the adapter's large tensors are meta tensors for the key checks."""
     if not spec.adapters:
-        return
+        return []
     from .checkpoint import safetensors_problem
     denoisers = _meta_denoisers(spec, {a.expert for a in spec.adapters})
     diffs = spec.family.lora_diffs     # the family's full differences, where it has them
+    hashes = []
     for a in spec.adapters:
         file = local_file(a, spec.local_files_only)
         why = safetensors_problem(Path(file), a.shown)
         if why:
             raise AdapterError(f"{why}: not an adapter file (a LoRA in safetensors format); "
                                f"download it again or give another file")
-        raw = _meta_state_dict(file)
+        raw = _meta_state_dict(a, file)
         if diffs:
             raw, deltas = split(raw, diffs)
             _check_unknown(a, raw)
@@ -239,28 +289,137 @@ def check(spec) -> None:
             _check_dropped(a, raw)
             deltas = {}
         _check_fit(spec, a, _convert(spec, a, raw) if raw else {}, denoisers[a.expert], deltas)
+        _check_values(a, file, spec.dtype)
+        hashes.append(file_sha256(file))
+    return hashes
 
 
 _DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def _meta_state_dict(file: str) -> dict:
-    """The file's tensors: small ones read, the rest meta tensors of their shape and dtype."""
+def _meta_state_dict(a: Adapter, file: str) -> dict:
+    """The file's tensors: small ones read, the rest meta tensors of their shape and dtype. A
+    header safetensors refuses (byte ranges that do not fit the shapes, an unknown dtype) is an
+    `AdapterError` naming the file."""
     import math
     import torch
     from safetensors import safe_open
     out = {}
+    try:
+        with safe_open(file, "pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                shape, dt = sl.get_shape(), sl.get_dtype()
+                if math.prod(shape) <= SMALL:
+                    out[k] = f.get_tensor(k)
+                else:
+                    out[k] = torch.empty(shape, dtype=getattr(torch, _DTYPES.get(dt, "float32")),
+                                         device="meta")
+    except Exception as e:     # safetensors' SafetensorError (no base class but Exception)
+        raise AdapterError(f"{a.shown}: {file} is not a valid safetensors file ("
+                           f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+                           f"download it again or give another file") from e
+    return out
+
+
+# A fused change of a weight past the square root of the model dtype's largest value makes the
+# products of two activations it feeds (attention's q . k) overflow: every output NaN. No
+# fine-tune moves a weight that far (the base weights are ~1e-2; a LoRA's change smaller still).
+_RANGE = {"fp16": 65504.0 ** 0.5, "auto": 65504.0 ** 0.5}   # auto: fp16 on a GPU
+_RANGE_WIDE = 3.4e38 ** 0.5                                  # bf16, fp32
+
+
+def _check_values(a: Adapter, file: str, dtype: str) -> None:
+    """Every tensor of the file finite, and each Linear's change bounded within `_RANGE` at the
+    adapter's scale: |(B @ A)_ij| <= max_i |B_i| max_j |A_j| (Cauchy-Schwarz) times its
+    alpha / rank, and a full difference's largest entry. Read one tensor at a time."""
+    import torch
+    from safetensors import safe_open
+    norms, alphas = {}, {}    # a pair's prefix -> {"down"/"up": the largest row / column norm}
+    worst, where = 0.0, ""
     with safe_open(file, "pt") as f:
         for k in f.keys():
-            sl = f.get_slice(k)
-            shape, dt = sl.get_shape(), sl.get_dtype()
-            if math.prod(shape) <= SMALL:
-                out[k] = f.get_tensor(k)
-            else:
-                out[k] = torch.empty(shape, dtype=getattr(torch, _DTYPES.get(dt, "float32")),
-                                     device="meta")
+            t = f.get_tensor(k)
+            if not t.is_floating_point():
+                continue
+            t = t.float()
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterError(f"{a.shown}: {k} holds NaN or inf values (a training run "
+                                   f"that diverged, or a damaged file); give another adapter")
+            prefix, side = _pair_side(k)
+            if side == "alpha":
+                alphas[prefix] = float(t.reshape(-1)[0])
+            elif side == "down":       # A (r, in): its columns' norms
+                norms.setdefault(prefix, {})["down"] = (float(t.norm(dim=0).max()), t.shape[0])
+            elif side == "up":         # B (out, r): its rows' norms
+                norms.setdefault(prefix, {})["up"] = (float(t.norm(dim=1).max()), t.shape[1])
+            elif t.numel() and float(t.abs().max()) > worst:    # a full difference (or a bias)
+                worst, where = float(t.abs().max()), k
+    for prefix, n in norms.items():
+        if "down" in n and "up" in n:
+            (na, r), (nb, _) = n["down"], n["up"]
+            bound = na * nb * (alphas[prefix] / r if prefix in alphas else 1.0)
+            if bound > worst:
+                worst, where = bound, prefix
+    limit = _RANGE.get(dtype, _RANGE_WIDE)
+    if abs(a.scale) * worst > limit:
+        raise AdapterError(f"{a.shown}: at scale {a.scale:g} it changes a weight by up to "
+                           f"{abs(a.scale) * worst:.3g} ({where}), past {limit:.3g} where every "
+                           f"output in model.dtype={dtype} is NaN or inf; give its scale as "
+                           f"trained (about 1.0)")
+
+
+def _pair_side(key: str) -> tuple[str, str | None]:
+    """(the LoRA pair's prefix, "down" | "up" | "alpha") of a key in any layout, or (key, None)."""
+    for tail, side in ((".lora_down.weight", "down"), (".lora_A.weight", "down"),
+                       (".lora_up.weight", "up"), (".lora_B.weight", "up"), (".alpha", "alpha")):
+        if key.endswith(tail):
+            return key[:-len(tail)], side
+    return key, None
+
+
+# ---------------------------------------------------------------------------------------------
+# What rows are made from: the adapters' contents (driver and worker alike)
+
+_SHA: dict = {}      # a file's stat key -> its sha256: hashed once per process
+
+
+def file_sha256(file: str) -> str:
+    """The sha256 of the file's bytes, computed once per process for a file of the same inode,
+    size, modification and change time (a file replaced or rewritten under its path, even to the
+    same size and mtime, has another change time: hashed again)."""
+    st = os.stat(file)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _SHA:
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        _SHA[key] = h.hexdigest()
+    return _SHA[key]
+
+
+def row_hashes(adapters: tuple[Adapter, ...], hashes: list[str]) -> dict:
+    """{a row's per-row adapter name, or None: one hash of the contents of every adapter its
+    output is made from (the job-wide ones, then its own)}, None where it is made from none;
+    `hashes`: `file_sha256` of each of `adapters`, in order. {} for a job without adapters."""
+    if not adapters:
+        return {}
+    fixed = [h for a, h in zip(adapters, hashes) if not a.per_row]
+
+    def one(parts):
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest() if parts else None
+    out = {None: one(fixed)}
+    for a, h in zip(adapters, hashes):
+        if a.per_row:
+            out[a.name] = one(fixed + [h])
     return out
+
+
+def contents(adapters: tuple[Adapter, ...], local_files_only: bool = False) -> list[str]:
+    """`file_sha256` of each adapter's file as found on this machine (the worker's own)."""
+    return [file_sha256(local_file(a, local_files_only)) for a in adapters]
 
 
 def _check_dropped(a: Adapter, raw: dict) -> None:
@@ -367,9 +526,17 @@ def fuse(pipe, adapters: tuple[Adapter, ...], local_files_only: bool = False,
     n = 0
     for i, a in enumerate(a for a in adapters if not a.per_row):
         linears, params = load(pipe, a, local_file(a, local_files_only), f"runner_{i}", diffs)
-        apply(getattr(pipe, a.expert), linears, params, a.scale)
+        _finite(a, apply(getattr(pipe, a.expert), linears, params, a.scale))
         n += len(linears) + len(params)
     return n
+
+
+def _finite(a: Adapter, bad: list[str]) -> None:
+    """`bad`: the weights adapter `a` made inf or NaN (`apply`), refused naming it."""
+    if bad:
+        raise AdapterError(f"{a.shown}: fused at scale {a.scale:g} it makes {len(bad)} weights "
+                           f"inf or NaN (the first {bad[0]}): every output would be NaN; give its "
+                           f"scale as trained (about 1.0), or another adapter")
 
 
 class Change(NamedTuple):
@@ -429,20 +596,38 @@ def _lora_factors(pipe, a: Adapter, file, name: str) -> dict:
     return out
 
 
-def apply(denoiser, linears: dict, params: dict, scale: float) -> None:
+def apply(denoiser, linears: dict, params: dict, scale: float) -> list[str]:
     """Each Linear's `Change` (`fused`) and W += scale * D for the other parameters, in fp32,
-    rounded once to the parameter's dtype, in place."""
+    rounded once to the parameter's dtype, in place. Returns the names of the parameters that
+    came out inf or NaN (one device sync for all of them)."""
     import torch
+    names, flags = [], []
     with torch.no_grad():
         for path, change in linears.items():
             lin = denoiser.get_submodule(path)
             w, b = fused(lin.weight, lin.bias, change, scale)
             lin.weight.copy_(w)
+            names.append(f"{path}.weight")
+            flags.append(torch.isfinite(w).all())
             if b is not None:
                 lin.bias.copy_(b)
+                names.append(f"{path}.bias")
+                flags.append(torch.isfinite(b).all())
         for name, d in params.items():
             p = denoiser.get_parameter(name)
             p.copy_((p.float() + d.to(p.device, torch.float32) * scale).to(p.dtype))
+            names.append(name)
+            flags.append(torch.isfinite(p).all())
+    return _not_finite(names, flags)
+
+
+def _not_finite(names: list[str], flags: list) -> list[str]:
+    """The names whose flag (a 0-d bool tensor on the weights' device) is False: one sync."""
+    import torch
+    if not flags:
+        return []
+    ok = torch.stack(flags).cpu()
+    return [names[i] for i in (~ok).nonzero().flatten().tolist()]
 
 
 def fused(w, b, change: Change, scale: float) -> tuple:
@@ -505,6 +690,7 @@ class Switch:
         # way (out of memory: the worker goes on) leaves `current` naming none, so the next `use`
         # rewrites them all, whichever adapter it asks for
         self.current = _PARTIAL
+        names, flags = [], []
         with torch.no_grad():
             for (expert, path), (w, b) in self.base.items():
                 den, device = getattr(self.pipe, expert), self.device[expert]
@@ -512,9 +698,15 @@ class Switch:
                 b = None if b is None else b.to(device, non_blocking=True)
                 if a is not None and a.expert == expert and path in linears:
                     w, b = fused(w, b, linears[path], a.scale)
+                    names.append(path)
+                    flags.append(torch.isfinite(w).all() & (
+                        torch.isfinite(b).all() if b is not None else True))
                 set_linear_weight(den, path, w)
                 if b is not None:
                     den.get_submodule(path).bias.copy_(b)
+        # one sync a switch: an adapter that overflows fails its own rows, naming it (`current`
+        # stays partial: the next switch rewrites every weight)
+        _finite(a, _not_finite(names, flags))
         self.current = name
 
 

@@ -1047,7 +1047,7 @@ def constraints(model) -> Constraints:
     from .models import ModelLoadError, check_pretrained, video_length
     try:
         check_pretrained(model)
-        adapters.check(model)      # each adapter's file and keys against the model's denoiser
+        hashes = adapters.check(model)   # each adapter's file and keys against its denoiser
     except (ModelLoadError, adapters.AdapterError) as e:
         raise JobError(str(e)) from e
     fam = model.family
@@ -1056,7 +1056,19 @@ def constraints(model) -> Constraints:
                        frame_step=fam.frame_step, min_steps=info.get("min_steps", fam.min_steps),
                        max_steps=info.get("max_steps", fam.max_steps), image=fam.image,
                        published=published_setting(model.preset, fam.kind == "video"),
-                       adapters=tuple(a.name for a in model.adapters if a.per_row))
+                       adapters=tuple(a.name for a in model.adapters if a.per_row),
+                       adapter_hashes=tuple(adapters.row_hashes(model.adapters, hashes).items()),
+                       distilled=distilled_setting(model.preset, info))
+
+
+def distilled_setting(preset: str, info: dict) -> tuple[str, int, float] | None:
+    """A distilled preset's (name, published steps, guidance) from conf/models/<preset>.yaml:
+    those with a few-step sampler of their own or a step range (`distilled` in the preset)."""
+    from .config import CONF_DIR
+    if "sampler" not in info and not info.get("distilled"):
+        return None
+    gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
+    return preset, int(gen.num_inference_steps), float(gen.guidance_scale)
 
 
 def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:

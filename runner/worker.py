@@ -251,6 +251,10 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         per_row = tuple(a for a in self.spec.adapters if a.per_row)
         self.switch = (adapters.Switch(self.pipe, per_row, self.spec.local_files_only,
                                        self.spec.family.lora_diffs) if per_row else None)
+        # what this worker's rows are made from: the adapter files as it found them (a file
+        # replaced since the driver's check: its rows say so, and a rerun remakes them)
+        self._adapter_sha = adapters.row_hashes(
+            self.spec.adapters, adapters.contents(self.spec.adapters, self.spec.local_files_only))
         self._sync()
         t2 = time.perf_counter()
         self.text = TextCache.of(self.pipe, self.family, self.spec.mask_feature)
@@ -447,6 +451,9 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
         """Queue a shard's items: their text encoding, then each batch, on the gpu thread; each
         batch's finishing on a host thread. The embeddings live as long as the shard's batches."""
         run = ShardRun()
+        if self._adapter_sha:
+            items = [dataclasses.replace(it, adapters_sha256=self._adapter_sha[it.adapter])
+                     for it in items]
         enc = self._gpu.submit(self._encode, items)
         run.gpu.append(enc)
         run.rows.append(self._host.submit(self._account_encode, enc))

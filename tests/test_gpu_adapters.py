@@ -195,3 +195,153 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
     assert report.get("fp8_linears", 0) >= 2 * 40 * 6    # both experts' block Linears in FP8
     # an H100 80GB's 79.2 GiB (its total_memory) minus what its CUDA context takes
     assert max(m["startup_peak_mem_gb"], m["peak_mem_gb"]) <= H100_GIB - 0.7
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_captured_cuda_graph_replays_the_weights_set_linear_weight_writes(fp8):
+    """`set_linear_weight` after the step is captured (`compiler.cudagraph.wrap_step`: what a
+    per-row adapter switch writes into): the next replay computes with the new weights, as the
+    same module run eagerly does, for 16-bit weights (a fused QKV's rows, a feed-forward Linear)
+    and FP8 ones alike. A write into a new tensor would leave the graph replaying the old
+    weights: the replay would equal the one before the write."""
+    from diffusers import WanTransformer3DModel
+
+    from compiler.cudagraph import wrap_step
+    from compiler.kernels.quant import fp8_feedforward
+    from compiler.transforms import fuse_qkv, set_linear_weight, to_fp8
+    tiny = ModelSpec("wan21_t2v_1_3b", source="tiny")
+    cfg = dict(tiny.family.denoiser_config(tiny.info, True), num_attention_heads=2,
+               attention_head_dim=16, ffn_dim=64, text_dim=32)   # Linears 16-wide: FP8 takes them
+    torch.manual_seed(0)
+    model = WanTransformer3DModel.from_config(cfg).half().cuda().eval().requires_grad_(False)
+    paths = ("blocks.0.attn1.to_k", "blocks.1.attn2.to_v", "blocks.0.ffn.net.2")
+    new = {p: (model.get_submodule(p).weight.float() * 1.5 + 0.01).half() for p in paths}
+    fuse_qkv(model)
+    if fp8:
+        to_fp8(model, (type(model.blocks[0]).__name__,))
+        fp8_feedforward(model)
+    g = torch.Generator("cuda").manual_seed(1)
+    x = dict(hidden_states=torch.randn(1, cfg["in_channels"], 2, 16, 16, generator=g,
+                                       device="cuda", dtype=torch.float16),
+             encoder_hidden_states=torch.randn(1, 16, 32, generator=g, device="cuda",
+                                               dtype=torch.float16),
+             timestep=torch.tensor([500.0], device="cuda"), return_dict=False)
+    eager = model.forward
+    step = wrap_step(model)
+    with torch.inference_mode():
+        model(**x)                                   # warm-up and capture
+        before = model(**x)[0].float()               # a replay
+        assert len(step.graphs) == 1
+        for p, w in new.items():
+            set_linear_weight(model, p, w)
+        replay = model(**x)[0].float()
+        ref = eager(**x)[0].float()                  # the new weights, eagerly
+    assert len(step.graphs) == 1                     # replayed, not captured again
+    err, moved = (replay - ref).abs().max().item(), (ref - before).abs().max().item()
+    print(f"fp8={fp8}: replay vs eager after the write {err:.3g}; the write moved it {moved:.3g}")
+    assert err <= 1e-3 * ref.abs().max().item(), "the replay does not compute with the new weights"
+    assert moved > 100 * max(err, 1e-6), "the new weights do not change the output"
+
+
+# Wan 2.1 T2V 1.3B at full size (random weights), its block Linears split over three per-row
+# adapters: each one's change on Linears the others leave alone
+_ADAPTERS = {"A": ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"),
+             "B": ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"),
+             "C": ("ffn.net.0.proj", "ffn.net.2")}
+
+
+def _partial_adapters(tmp_path) -> dict:
+    """{name: file}: a random rank-32 LoRA of `_ADAPTERS[name]`'s Linears of every block of the
+    full-size 1.3B denoiser (built on the meta device for its shapes), drawn on the GPU."""
+    from safetensors.torch import save_file
+
+    from runner.families.wan import LORA_NAMES
+    spec = ModelSpec("wan21_t2v_1_3b", source="random")
+    with torch.device("meta"):
+        den = spec.family.build(spec.info, False).transformer
+    files = {}
+    for k, (name, linears) in enumerate(_ADAPTERS.items()):
+        keys = [f".{LORA_NAMES[n]}." for n in linears]
+        tensors = {key: t for key, t in random_adapter(den, "original", rank=32, seed=k,
+                                                      device="cuda").items()
+                   if any(n in key for n in keys)}
+        assert len(tensors) == 3 * len(linears) * len(den.blocks)   # down, up, alpha
+        files[name] = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(files[name]))
+    return files
+
+
+def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_path):
+    """The job's own worker (`wan_batch`, Wan 2.1 T2V 1.3B at full size with random weights, O2:
+    compiled blocks and the step as CUDA graphs) with three per-row adapters of rank 32, each on
+    other Linears: rows switching A -> B -> C -> A after the warm-up make 0 new graphs and 0 new
+    captures, and each row's video is bit-equal to the one a job with its adapter alone makes.
+    Small rows of the full architecture (256x256, 5 frames, 4 steps, guidance 1.0): the weights
+    and the switch are full size, the seconds few."""
+    import numpy as np
+    from torch._dynamo.utils import counters
+
+    from runner import job
+    from runner.config import load_config, split
+    from runner.prompts import Item
+    from runner.worker import Worker
+    import imageio.v3 as iio
+    t0 = time.perf_counter()     # where the test's seconds go, printed
+    files = _partial_adapters(tmp_path)
+    # (id, adapter, take): each adapter's rows, and rows without one of the same takes (prompt
+    # and seed) that show each adapter changes its video
+    rows = [("a1", "A", 0), ("b1", "B", 1), ("n0", None, 0), ("c1", "C", 2), ("a2", "A", 3),
+            ("n1", None, 1), ("n2", None, 2)]
+
+    def worker(name, entries) -> Worker:
+        j = split(load_config([
+            "job=wan_batch", "model.source=random", f"output.dir={tmp_path / name}",
+            "compile.mode=O2", "compile.compile_text_encoder=false", "compile.compile_vae=false",
+            "generation.height=256",
+            "generation.width=256", "generation.num_frames=5", "generation.num_inference_steps=4",
+            "generation.guidance_scale=1.0", "run.canary_every_items=0",
+            "model.adapters=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in e.items())
+                                           + "}" for e in entries) + "]"]))
+        cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
+        w = Worker(0, cfg)
+        w.warmup()
+        return w
+
+    def items(adapter_of) -> list:
+        return [Item(id=i, prompt=f"a red fox running in the snow, take {k}", negative_prompt="",
+                     seed=k, height=256, width=256, num_frames=5, num_inference_steps=4,
+                     guidance_scale=1.0, file="p", row=r, adapter=adapter_of(a))
+                for r, (i, a, k) in enumerate(rows)]
+
+    def videos(w, ids) -> dict:
+        return {i: iio.imread(f"{w.cfg.job_dir}/media/{i}.mp4") for i in ids}
+
+    w = worker("rows", [{"path": f, "name": n, "per_row": "true"} for n, f in files.items()])
+    t_ready = time.perf_counter()
+    try:
+        graphs, step = dict(counters["stats"]), w.pipe.transformer.forward
+        captured = len(step.graphs)
+        assert graphs.get("unique_graphs", 0) > 0 and captured > 0, "nothing compiled or captured"
+        out = w.run_shard(items(lambda a: a))
+        assert [r["status"] for r in out] == ["ok"] * len(rows), [r["error"] for r in out]
+        assert dict(counters["stats"]) == graphs, "a graph was compiled again after the warm-up"
+        assert len(step.graphs) == captured, "the step was captured again after the warm-up"
+        per_row = videos(w, [i for i, _, _ in rows])
+    finally:
+        free_pipeline(w.pipe)
+    t_rows = time.perf_counter()
+    for name, f in files.items():          # a job of each adapter alone, job-wide
+        ref = worker(f"only_{name}", [{"path": f}])
+        try:
+            mine = [i for i, a, _ in rows if a == name]
+            ref.run_shard([it for it in items(lambda a: None) if it.id in mine])
+            for i, v in videos(ref, mine).items():
+                assert np.array_equal(per_row[i], v), f"{i}: not adapter {name}'s video alone"
+        finally:
+            free_pipeline(ref.pipe)
+    # each adapter changes its rows' videos (else a switch that did nothing would pass): a row
+    # of the same take without an adapter is another video
+    for i, n in (("a1", "n0"), ("b1", "n1"), ("c1", "n2")):
+        assert not np.array_equal(per_row[i], per_row[n]), f"{i}: its adapter changed nothing"
+    print(f"seconds: adapter files + per-row worker ready {t_ready - t0:.1f}, its rows "
+          f"{t_rows - t_ready:.1f}, three single-adapter jobs {time.perf_counter() - t_rows:.1f}")

@@ -250,16 +250,19 @@ def test_item_is_the_one_definition_of_a_row(write_prompts):
     from runner import prompts
     params = prompts.PARAMS
     assert params == ("prompt", "negative_prompt", "seed", "height", "width", "num_frames",
-                      "num_inference_steps", "guidance_scale", "image_sha256", "adapter")
-    # the image is a column, not a parameter: its content hash is (runner.images), no column
-    assert set(prompts.OPTIONAL_COLUMNS) == {"id", "image", *params} - {"prompt", "image_sha256"}
-    # every parameter but the prompt, the image's hash and the per-row adapter (none unless the
-    # column names one) has a generation default of that name
+                      "num_inference_steps", "guidance_scale", "image_sha256", "adapter",
+                      "adapters_sha256")
+    # the image is a column, not a parameter: its content hash is (runner.images), no column;
+    # the adapters' content hash likewise (runner.adapters.row_hashes)
+    hashes = {"image_sha256", "adapters_sha256"}
+    assert set(prompts.OPTIONAL_COLUMNS) == {"id", "image", *params} - {"prompt", *hashes}
+    # every parameter but the prompt, the content hashes and the per-row adapter (none unless
+    # the column names one) has a generation default of that name
     assert {f.name for f in dataclasses.fields(GenerationDefaults)} == \
-        set(params) - {"prompt", "image_sha256", "adapter"}
+        set(params) - {"prompt", "adapter", *hashes}
     p = write_prompts({"prompt": ["a"], "seed": [7], "guidance_scale": [2.0]})
     item = check(p)[2][0]
-    assert item.made_from() == ("a", "ugly", 7, 64, 64, None, 2, 2.0, None, None)
+    assert item.made_from() == ("a", "ugly", 7, 64, 64, None, 2, 2.0, None, None, None)
     row = item.params()
     assert tuple(row[k] for k in params) == item.made_from()
     assert "image" in row and "image_bytes" not in row     # a bytes cell's bytes stay out of rows

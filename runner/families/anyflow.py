@@ -49,7 +49,10 @@ ANYFLOW = Family(
     name="anyflow", kind="video", pipeline="AnyFlowPipeline",
     presets={"anyflow_wan21_t2v_1_3b": dict(hub_id="nvidia/AnyFlow-Wan2.1-T2V-1.3B-Diffusers",
                                             size_factor=16, max_tokens=512, height=480,
-                                            width=832)},
+                                            width=832, distilled=True,
+                                            # the step counts it is distilled for (its model
+                                            # card: 1-32); more is refused (exit 2)
+                                            max_steps=32)},
     build=build, encode=encode, call_args=call_args, denoiser_config=denoiser_config,
     frame_step=4, max_steps=train_timesteps(SCHEDULER), random_adapter=random_adapter, lora_diffs=diff_parameter,
     long_attention=True)
