@@ -519,7 +519,8 @@ class JobRun:
                                 cluster=getattr(pool, "cluster", None),
                                 max_workers=ray.num_workers or ray.max_workers,
                                 gpu_wait_s=ray.gpu_wait_s, scale_in=ray.num_workers is None,
-                                on_stop=self._stopped_metrics, on_lost=self.on_lost)
+                                on_stop=self._stopped_metrics, on_lost=self.on_lost,
+                                wall=self.clock)
         try:
             with self.progress.logging():
                 dispatcher.run()

@@ -40,6 +40,23 @@ Not simulated: Ray's own cost on the driver, the network, and a real store's lat
 times the first on a local Ray (`HeldWorker` actors holding K shards in flight, as N = K / 2
 workers do with 2 each): `RayPool.submit` of a shard (two remote calls, its items pickled), `RayPool.wait` over
 the K futures, `RayPool.result` of a shard's rows, in CPU microseconds of the driver process.
+
+Elastic runs (issue 74), on the virtual clock, to the end of the job:
+
+    python -m runner.bench.simulate elastic gpus=1000 prompts=1000000 [item_s=2.0] \
+        [gpus_per_node=1] [arrive_s=600] [preempt_per_h=0.05] [drain_fraction=0.5] [drain_s=120] \
+        [replace_s=180] [startup_s=10:40] [jitter=0.2] [shard_size=8] [seed=0] [out=DIR]
+
+Two runs of the real job, each its own process: "elastic" (`ray.min_workers=1`,
+`ray.max_workers=gpus`) over a `SimCluster` (nodes arriving evenly over `arrive_s`, preempted at
+`preempt_per_h` a node, half of them drained first, replaced `replace_s` later while wanted) whose
+pool places each worker on a node (`SimPool.start(rank, node)`); "fixed" (`ray.num_workers=gpus`)
+whose slot r is ready once the r-th GPU of the same arrival came, never preempted. Every row
+handed to the job's `on_rows` is counted and results.parquet read back (`elastic_run`): rows lost
+and duplicated, spans (pool start to the last rows delivered, virtual seconds) and their ratio,
+kills, drains, workers lost with their nodes, losses charged, workers started, idle
+worker-seconds, driver CPU (the process's less the simulator's); `elastic.json` under `out`, a
+table, and exit 0 when the acceptance holds (ratio <= 1.10, 0 lost, 0 duplicated, 0 charged).
 """
 
 from __future__ import annotations
@@ -61,7 +78,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..dispatch import TaskError, WorkerLost
+from ..cluster import View, view
+from ..dispatch import NodeLost, TaskError, WorkerLost
 from ..outputs import format_table, write_json
 from ..prompts import Item
 from ..storage import atomic_path
@@ -146,6 +164,8 @@ class SimWorker:
     call_ends: list = field(default_factory=list)   # when each of its model calls ends, in order
     idle_s: float = 0.0                    # closed periods of waiting for work while ready
     ready: bool = False
+    node: "SimNode | None" = None          # elastic: the node it was placed on
+    lost: str = "lost"                     # how its calls fail once dead: lost | node_lost
 
 
 class SimPool:
@@ -165,8 +185,12 @@ class SimPool:
                  deaths_per_min: float = 0.0, shard_size: int = 8,
                  fate: Callable[[Item], str] | None = None,
                  warm_fate: Callable[[int, int], str | None] | None = None,
-                 media=None, seed: int = 0, drift: dict[int, int] | None = None):
+                 media=None, seed: int = 0, drift: dict[int, int] | None = None,
+                 gpu_at: Callable[[int], float] | None = None):
         self.size, self.item_s, self.clock, self.jitter = size, item_s, clock, jitter
+        self.gpu_at = gpu_at               # a fixed pool's slot `rank` gets its GPU then (or now)
+        self.cluster: "SimCluster | None" = None    # elastic: set by `SimCluster(pool, ...)`
+        self.last_rows_t: float | None = None       # when rows were last delivered
         self.startup_s, self.write_s, self.media = startup_s, write_s, media
         self.fate, self.warm_fate, self.drift = fate, warm_fate, drift or {}
         self.rng = random.Random(seed)
@@ -183,11 +207,16 @@ class SimPool:
 
     # -- the Pool interface ------------------------------------------------------------------
 
-    def start(self, rank: int) -> tuple[SimWorker, SimFuture]:
+    def start(self, rank: int, node: str | None = None) -> tuple[SimWorker, SimFuture]:
+        """Slot `rank`'s worker: on `node` (elastic: `SimCluster`'s), or, with `gpu_at`, once
+        its GPU arrives (a fixed pool's actor waits for its resources as Ray's does)."""
         t0 = time.thread_time()
         now = self.clock.time()
         attempt = self.attempts[rank] = self.attempts.get(rank, 0) + 1
-        w = SimWorker(rank, now, now + self.rng.uniform(*self.startup_s), attempt=attempt)
+        begin = max(now, self.gpu_at(rank)) if self.gpu_at and node is None else now
+        w = SimWorker(rank, now, begin + self.rng.uniform(*self.startup_s), attempt=attempt)
+        if node is not None:
+            self.cluster.place(w, node)
         w.warm_error = self.warm_fate(rank, attempt) if self.warm_fate else None
         self.workers.append(w)
         f = self._future(w, w.ready_at, self._warmed)
@@ -198,7 +227,7 @@ class SimPool:
         t0 = time.thread_time()
         now = self.clock.time()
         if w.dead_at is not None:                   # not noticed yet: its calls fail
-            lost = lambda f: self._set(f, "lost", "killed")    # noqa: E731
+            lost = lambda f: self._set(f, w.lost, "killed")    # noqa: E731
             started, finished = self._future(w, now, lost), self._future(w, now, lost)
         else:
             started, finished = self._run_shard(w, items, now)
@@ -208,7 +237,7 @@ class SimPool:
     def canary(self, w: SimWorker, seq: int) -> SimFuture:
         now = self.clock.time()
         if w.dead_at is not None:
-            return self._future(w, now, lambda f: self._set(f, "lost", "killed"))
+            return self._future(w, now, lambda f: self._set(f, w.lost, "killed"))
         start = max(now, w.busy_until, w.ready_at)
         w.busy_until = start + self.item_s
         w.busy_s += self.item_s
@@ -234,7 +263,7 @@ class SimPool:
         answers the watchdog; a dead worker's call is lost."""
         now = self.clock.time()
         if w.dead_at is not None:
-            return self._future(w, now, lambda f: self._set(f, "lost", "killed"))
+            return self._future(w, now, lambda f: self._set(f, w.lost, "killed"))
         k = bisect.bisect_right(w.call_ends, now)
         last = w.call_ends[k - 1] if k else w.ready_at
         return self._future(w, now, lambda f: self._set(f, "ok", now - last))
@@ -261,9 +290,13 @@ class SimPool:
             raise TaskError(f.value)
         if f.state == "lost":
             raise WorkerLost(f.value)
+        if f.state == "node_lost":
+            raise NodeLost(f.value)
         return f.value
 
     def kill(self, w: SimWorker) -> None:
+        if w.node is not None and w.node.drain is not None and w.dead_at is None:
+            self.cluster.drain_stops += 1           # stopped by the driver on a draining node
         self._die(w, self.clock.time(), "killed")
 
     def stop(self, workers: list, timeout_s: float) -> int:
@@ -301,7 +334,8 @@ class SimPool:
             self._set(f, "error", w.warm_error)
             return
         w.ready, w.busy_until = True, w.ready_at
-        self._set(f, "ok", {"rank": w.rank, "host": "sim", "model_load_s": 0.0,
+        self._set(f, "ok", {"rank": w.rank, "host": "sim", "node_id": w.node and w.node.id,
+                            "model_load_s": 0.0,
                             "warmup_s": w.ready_at - w.started})
 
     def _run_shard(self, w: SimWorker, items, now: float) -> tuple[SimFuture, SimFuture]:
@@ -363,18 +397,22 @@ class SimPool:
                 self.media.write_bytes_atomic(r["output"], tiny_png())
         self._set(f, "ok", rows)
 
-    def _die(self, w: SimWorker, t: float, why: str, half: Item | None = None) -> None:
+    def _die(self, w: SimWorker, t: float, why: str, half: Item | None = None,
+             node_lost: bool = False) -> None:
+        """`w` is gone at `t`: every call on it lost (`node_lost`: with its node, `NodeLost`)."""
         if w.dead_at is not None:
             return
         if half is not None:
             self._write_half(half)
-        w.dead_at = t
+        w.dead_at, w.lost = t, "node_lost" if node_lost else "lost"
+        if w.node is not None:
+            w.node.workers.pop(w, None)             # its GPU is free again
         if w.ready:
             self.dead_ready_s += t - w.ready_at
             self.dead_idle_s += w.idle_s + max(0.0, t - w.busy_until)
         for f in list(w.pending):
             if f.state == "pending":
-                self._set(f, "lost", why)
+                self._set(f, w.lost, why)
 
     def _deliver(self) -> None:
         """Run every event due by now, in time order."""
@@ -395,6 +433,7 @@ class SimPool:
             if self.undelivered.pop(f, 1) is None and f.rows and f.state == "ok":
                 self.rows_delivered += len(f.value)        # first delivery of a shard's rows
                 self.shards_delivered += 1
+                self.last_rows_t = self.clock.time()
         return done
 
     def _metrics(self, w: SimWorker) -> dict:
@@ -421,6 +460,130 @@ class SimPool:
         return (self.dead_ready_s + sum(now - w.ready_at for w in live),
                 self.dead_idle_s + sum(self._idle(w, now) for w in live))
 
+
+@dataclass(eq=False)
+class SimNode:
+    id: str
+    gpus: int
+    arrived: float
+    alive: bool = True
+    drain: float | None = None             # its deadline (the clock's epoch s) once draining
+    workers: dict = field(default_factory=dict)    # SimWorker -> None: the GPUs taken
+
+
+def arrival(t0: float, arrive_s: float, gpus: int, gpus_per_node: int) -> Callable[[int], float]:
+    """`SimCluster`'s arrival as a fixed pool's `gpu_at`: slot `rank` gets the `rank`-th GPU."""
+    nodes = math.ceil(gpus / gpus_per_node)
+    return lambda rank: t0 + arrive_s * (rank // gpus_per_node + 1) / nodes
+
+
+class SimCluster:
+    """A `dispatch.Cluster` of simulated nodes, for `pool` (it sets `pool.cluster`): `gpus` GPUs
+    in nodes of `gpus_per_node`, arriving one node at a time, evenly over `arrive_s` from now (the
+    last at `arrive_s`). Each live node is preempted at `preempt_per_h` (a Poisson rate per node
+    and hour): with `drain_fraction`'s chance drained first (a deadline `drain_s` ahead, then
+    killed), else killed outright: its workers die with `NodeLost` and the view reports it dead
+    at once. The autoscaler replaces a preempted node `replace_s` after it died, if the driver
+    still wants (`want`) more GPUs than the live and coming ones. `poll` builds the `View` with
+    `runner.cluster.view` from the node records, as `RayCluster` does from Ray's node table; its
+    CPU is the simulator's (`pool.sim_cpu_s`). Counts: `kills`, `drains`, `workers_lost`
+    (workers on a node at its death), `replaced`, `not_replaced`."""
+
+    def __init__(self, pool: SimPool, gpus: int, gpus_per_node: int = 1, arrive_s: float = 600.0,
+                 preempt_per_h: float = 0.0, drain_fraction: float = 0.5, drain_s: float = 120.0,
+                 replace_s: float = 180.0, seed: int = 0):
+        self.pool, pool.cluster = pool, self
+        self.gpus_per_node, self.rate = gpus_per_node, preempt_per_h / 3600.0
+        self.drain_fraction, self.drain_s, self.replace_s = drain_fraction, drain_s, replace_s
+        self.rng = random.Random(seed + 7919)
+        self.nodes: dict[str, SimNode] = {}
+        self.n = itertools.count()
+        self.wanted, self.wants = 0, 0          # the last `want`, and how many calls changed it
+        self.max_gpus = gpus
+        self.excluded: dict[str | None, str] = {}
+        self.kills = self.drains = self.workers_lost = self.replaced = self.not_replaced = 0
+        self.polls, self.preempted_workers = 0, set()
+        self.drain_stops = 0                    # workers the driver stopped on draining nodes
+        t0 = pool.clock.time()
+        nodes = math.ceil(gpus / gpus_per_node)
+        self.coming = gpus                      # GPUs on their way (arrivals, replacements)
+        for i in range(nodes):
+            g = min(gpus_per_node, gpus - i * gpus_per_node)
+            pool._event(None, t0 + arrive_s * (i + 1) / nodes, lambda f, g=g: self._add(g, f.t))
+
+
+    # -- the Cluster interface ---------------------------------------------------------------
+
+    def poll(self) -> View:
+        c0 = time.thread_time()
+        self.polls += 1
+        rows, free, draining = [], {}, {}
+        for n in self.nodes.values():
+            rows.append({"NodeID": n.id, "Alive": n.alive,
+                         "Resources": {"GPU": n.gpus, "CPU": n.gpus}})
+            if n.alive:
+                left = n.gpus - len(n.workers)
+                free[n.id] = {"GPU": left, "CPU": left}
+                if n.drain is not None:
+                    draining[n.id] = int(n.drain * 1000)
+        v = view(rows, free, draining, self.max_gpus, lambda node, kind: node not in self.excluded)
+        self.pool.sim_cpu_s += time.thread_time() - c0
+        return v
+
+    def want(self, n: int) -> None:
+        if n != self.wanted:
+            self.wanted, self.wants = n, self.wants + 1
+
+    def exclude(self, node: str | None, why: str) -> None:
+        self.excluded[node] = why
+
+    # -- the nodes ---------------------------------------------------------------------------
+
+    def place(self, w: SimWorker, node_id: str) -> None:
+        n = self.nodes[node_id]
+        assert n.alive and len(n.workers) < n.gpus, f"no free GPU on {node_id}"
+        w.node = n
+        n.workers[w] = None
+
+    def _add(self, gpus: int, t: float) -> None:
+        self.coming -= gpus
+        n = SimNode(f"node-{next(self.n):05d}", gpus, t)
+        self.nodes[n.id] = n
+        if self.rate:
+            self.pool._event(None, t + self.rng.expovariate(self.rate),
+                             lambda f: self._preempt(n, f.t))
+
+    def _preempt(self, n: SimNode, t: float) -> None:
+        if not n.alive or n.drain is not None:
+            return
+        if self.rng.random() < self.drain_fraction:
+            self.drains += 1
+            n.drain = t + self.drain_s
+            self.pool._event(None, n.drain, lambda f: self._kill(n, f.t, "drained: its deadline"))
+        else:
+            self.kills += 1
+            self._kill(n, t, "preempted")
+
+    def _kill(self, n: SimNode, t: float, why: str) -> None:
+        if not n.alive:
+            return
+        n.alive = False
+        for w in list(n.workers):
+            self.workers_lost += 1
+            self.preempted_workers.add(w.rank)
+            self.pool._die(w, t, f"node {n.id} {why} (simulated)", node_lost=True)
+        self.coming += n.gpus
+        self.pool._event(None, t + self.replace_s, lambda f: self._replace(n.gpus, f.t))
+
+    def _replace(self, gpus: int, t: float) -> None:
+        """The autoscaler's new node for a preempted one, if the driver still wants it."""
+        live = sum(n.gpus for n in self.nodes.values() if n.alive and n.drain is None)
+        if self.wanted > live + self.coming - gpus:
+            self.replaced += 1
+            self._add(gpus, t)
+        else:
+            self.coming -= gpus
+            self.not_replaced += 1
 
 # ---------------------------------------------------------------------------------------------
 # The bench: one process per run, a parent that prepares, measures and plots.
@@ -768,7 +931,161 @@ def replot(out: str) -> None:
     plot(rows, rows[0], os.path.join(out, "simulate.png"))
 
 
+# ---------------------------------------------------------------------------------------------
+# Elastic runs (issue 74): the real job over a SimCluster on the virtual clock, and the same
+# arrival as a fixed pool.
+
+ELASTIC_USAGE = (
+    "python -m runner.bench.simulate elastic [gpus=1000] [gpus_per_node=1] [prompts=1000000] "
+    "[item_s=2.0] [arrive_s=600] [preempt_per_h=0.05] [drain_fraction=0.5] [drain_s=120] "
+    "[replace_s=180] [startup_s=10:40] [jitter=0.2] [shard_size=8] [seed=0] [out=DIR]")
+ELASTIC_DEFAULTS = {"gpus": "1000", "gpus_per_node": "1", "prompts": "1000000", "item_s": "2.0",
+                    "arrive_s": "600", "preempt_per_h": "0.05", "drain_fraction": "0.5",
+                    "drain_s": "120", "replace_s": "180", "startup_s": "10:40", "jitter": "0.2",
+                    "shard_size": "8", "seed": "0", "out": "/tmp/runner-simulate-elastic",
+                    "child": None, "mode": None, "prompts_file": None, "job_dir": None}
+
+
+def _elastic_argv(o: dict, mode: str) -> list[str]:
+    pool = ([f"ray.min_workers=1", f"ray.max_workers={o['gpus']}"] if mode == "elastic"
+            else [f"ray.num_workers={o['gpus']}"])
+    # snapshots while running off (the final results.parquet and report are written): on the
+    # virtual clock a 1M-row rewrite every 30 s would be most of the real time
+    return ["job=demo_image", f"prompts.path={o['prompts_file']}", f"output.dir={o['job_dir']}",
+            "job.name=sim", f"run.shard_size={o['shard_size']}", "output.results_every_s=1e9",
+            *pool]
+
+
+def elastic_run(o: dict, mode: str) -> dict:
+    """One job (`runner.job.main`, in this process, on a `VirtualClock`) over the SimPool of
+    `mode`: "elastic" (a `SimCluster`: arrivals, preemptions, replacements; `ray.min_workers=1`,
+    `ray.max_workers=gpus`) or "fixed" (`ray.num_workers=gpus`, slot r ready once the r-th GPU
+    of the same arrival came, no preemption). Every row handed to the job's `on_rows` is counted
+    (by its row number) and the final results.parquet read back: `rows_lost` (a prompt without
+    exactly one ok row there, or never delivered), `rows_duplicated` (delivered more than once)."""
+    import pyarrow.parquet as pq
+
+    from .. import job
+    clock = VirtualClock()
+    gpus, prompts = int(o["gpus"]), int(o["prompts"])
+    lo, hi = (float(x) for x in o["startup_s"].split(":"))
+    delivered = bytearray(prompts)
+    state: dict = {}
+
+    def start_pool(j, limits) -> SimPool:
+        t0 = state["t0"] = clock.time()
+        common = dict(jitter=float(o["jitter"]), startup_s=(lo, hi), write_s=0.05,
+                      shard_size=int(o["shard_size"]), seed=int(o["seed"]))
+        if mode == "elastic":
+            pool = SimPool(1, float(o["item_s"]), clock, **common)
+            SimCluster(pool, gpus, int(o["gpus_per_node"]), float(o["arrive_s"]),
+                       float(o["preempt_per_h"]), float(o["drain_fraction"]), float(o["drain_s"]),
+                       float(o["replace_s"]), seed=int(o["seed"]))
+        else:
+            pool = SimPool(gpus, float(o["item_s"]), clock, **common,
+                           gpu_at=arrival(t0, float(o["arrive_s"]), gpus, int(o["gpus_per_node"])))
+        state["pool"] = pool
+        return pool
+
+    on_rows = job.JobRun.on_rows
+
+    def counted(self, rows):
+        for r in rows:
+            k = r["row"]
+            delivered[k] = min(255, delivered[k] + 1)
+        return on_rows(self, rows)
+    job.JobRun.on_rows = counted
+    c0, w0 = os.times(), time.time()
+    try:
+        status = job.main(_elastic_argv(o, mode), start_pool=start_pool, clock=clock.time)
+    finally:
+        job.JobRun.on_rows = on_rows
+    c1, wall_s = os.times(), time.time() - w0
+    pool = state["pool"]
+    d = os.path.join(o["job_dir"], "sim")
+    table = pq.read_table(os.path.join(d, "results.parquet"), columns=["row", "status"])
+    ok = bytearray(prompts)
+    for k, s in zip(table.column("row").to_pylist(), table.column("status").to_pylist()):
+        ok[k] = min(255, ok[k] + (s == "ok"))
+    with open(os.path.join(d, "summary.json")) as f:
+        summary = json.load(f)
+    timing = summary.get("timing", summary)
+    losses = timing.get("losses") or []
+    ready_s, idle_s = pool.worker_seconds()
+    cpu = (c1.user + c1.system) - (c0.user + c0.system)
+    out = dict(mode=mode, status=status, gpus=gpus, prompts=prompts, item_s=float(o["item_s"]),
+               span_s=pool.last_rows_t - state["t0"], job_span_s=timing.get("span_s"),
+               rows_ok=sum(1 for x in ok if x == 1), rows_in_results=table.num_rows,
+               rows_lost=sum(1 for x, y in zip(delivered, ok) if x == 0 or y != 1),
+               rows_duplicated=sum(1 for x in delivered if x > 1),
+               workers_started=len(pool.workers), losses=len(losses),
+               losses_charged=sum(1 for x in losses if x.get("charged")),
+               losses_node=sum(1 for x in losses if x.get("kind") == "node lost"),
+               rows_back=sum(x.get("rows_back") or 0 for x in losses),
+               idle_worker_s=timing.get("idle_worker_s"), gpu_ready_s=ready_s, gpu_idle_s=idle_s,
+               idle_fraction=idle_s / ready_s if ready_s else None,
+               shards=timing.get("shards"), driver_cpu_s=cpu - pool.sim_cpu_s,
+               sim_cpu_s=pool.sim_cpu_s, wall_s=wall_s, peak_rss_mb=_peak_rss_mb())
+    c = pool.cluster
+    if c is not None:
+        out.update(kills=c.kills, drains=c.drains, workers_lost_with_nodes=c.workers_lost,
+                   drain_stops=c.drain_stops,
+                   replaced=c.replaced, not_replaced=c.not_replaced, polls=c.polls,
+                   nodes=len(c.nodes),
+                   # every loss of a worker on a preempted node: none charged
+                   preempted_charged=sum(1 for x in losses if x.get("charged")
+                                         and x.get("rank") in c.preempted_workers))
+    return out
+
+
+ELASTIC_TABLE = ["mode", "span_s", "rows_lost", "rows_duplicated", "kills", "drains",
+                 "drain_stops", "workers_lost_with_nodes", "losses_charged", "replaced",
+                 "workers_started", "idle_worker_s", "idle_fraction", "shards", "driver_cpu_s",
+                 "sim_cpu_s", "wall_s", "peak_rss_mb"]
+
+
+def elastic_main(argv: list[str]) -> int:
+    """`elastic`: the elastic run and the fixed one, each its own process; JSON and a table."""
+    import shutil
+    o, _ = parse_args(argv, ELASTIC_DEFAULTS, ELASTIC_USAGE)
+    if o["child"] == "run":
+        print(json.dumps(elastic_run(o, o["mode"])))
+        return 0
+    os.makedirs(o["out"], exist_ok=True)
+    o["prompts_file"] = os.path.join(o["out"], f"prompts-{o['prompts']}.parquet")
+    write_prompts(o["prompts_file"], int(o["prompts"]))
+    rows = []
+    for mode in ("elastic", "fixed"):
+        job_dir = os.path.join(o["out"], f"job-{mode}")
+        shutil.rmtree(job_dir, ignore_errors=True)
+        log_path = os.path.join(o["out"], f"{mode}.log")
+        args = [sys.executable, "-m", "runner.bench.simulate", "elastic", "child=run",
+                f"mode={mode}", *(f"{k}={v}" for k, v in {**o, "job_dir": job_dir}.items()
+                                  if v is not None and k not in ("child", "mode"))]
+        with open(log_path, "w") as f:
+            r = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, text=True)
+        lines = r.stdout.strip().splitlines()
+        if r.returncode != 0 or not lines:
+            raise SystemExit(f"the {mode} run failed ({r.returncode}); see {log_path}")
+        rows.append(json.loads(lines[-1]))
+        print(lines[-1], flush=True)
+        shutil.rmtree(job_dir, ignore_errors=True)
+    elastic, fixed = rows
+    verdict = dict(span_ratio=elastic["span_s"] / fixed["span_s"],
+                   rows_lost=elastic["rows_lost"] + fixed["rows_lost"],
+                   rows_duplicated=elastic["rows_duplicated"] + fixed["rows_duplicated"],
+                   preempted_charged=elastic.get("preempted_charged"))
+    verdict["met"] = (verdict["span_ratio"] <= 1.10 and verdict["rows_lost"] == 0
+                      and verdict["rows_duplicated"] == 0 and not verdict["preempted_charged"])
+    write_json(os.path.join(o["out"], "elastic.json"),
+               {"argv": ["elastic", *argv], "options": o, "rows": rows, "verdict": verdict})
+    print(format_table(rows, ELASTIC_TABLE))
+    print(json.dumps(verdict))
+    return 0 if verdict["met"] else 1
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["elastic"]:
+        return elastic_main(argv[1:])
     o, _ = parse_args(argv, DEFAULTS, USAGE)
     if o["replot"]:
         replot(o["replot"])
