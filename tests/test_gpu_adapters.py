@@ -271,6 +271,9 @@ def _partial_adapters(tmp_path) -> dict:
     return files
 
 
+@pytest.mark.xfail(strict=True, reason="issue 75, open: on one H200 (2026-12-02) row b1 (adapter B: "
+                   "cross-attention and feed-forward Linears) differs from a job of B alone, "
+                   "while A's rows are bit-equal; not diagnosed yet")
 def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_path):
     """The job's own worker (`wan_batch`, Wan 2.1 T2V 1.3B at full size with random weights, O2:
     compiled blocks and the step as CUDA graphs) with three per-row adapters of rank 32, each on
