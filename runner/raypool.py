@@ -76,12 +76,15 @@ class RayPool:
                      "warms up)", plural(size, "CPU worker"))
             return cls(lambda rank, node=None: remote.remote(rank, cfg, broker), size)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        remote = ray.remote(WorkerActor).options(num_gpus=1, num_cpus=1, **common)
+        # the actor class itself: `.options()` returns a wrapper that has no `.options` of its
+        # own (Ray 2.60), so every option goes in the one call, the node's with the rest
+        actor_class = ray.remote(WorkerActor)
 
         def make(rank: int, node: str | None = None):
             where = (dict(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
                      if node else dict(scheduling_strategy="SPREAD"))
-            return remote.options(**where).remote(rank, cfg, broker)
+            return actor_class.options(num_gpus=1, num_cpus=1, **common, **where).remote(
+                rank, cfg, broker)
         size = opts.num_workers or opts.min_workers or max(1, gpus)
         if opts.max_workers is not None:
             size = min(size, opts.max_workers)
