@@ -100,7 +100,10 @@ def _removed_on_error(path):
 def format_table(rows: list[dict], columns: list[str], width: int | None = None) -> str:
     """A plain fixed-width table (no extra dependency). With `width`, a table wider than that is
     cut into blocks of columns, one under the other, each led by the first column (the rows'
-    key), so that no line is wider than `width` (unless one column alone is)."""
+    key), so that no line is wider than `width` (unless one column alone is). No columns (no
+    worker served: a job that waited for GPUs in vain): an empty table."""
+    if not columns:
+        return ""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
               for i, c in enumerate(columns)]

@@ -512,6 +512,26 @@ class AutoscalingRay:
         if alive:
             raise ClusterError(f"node {node_id}: processes outlived SIGKILL: {alive}")
 
+    @contextlib.contextmanager
+    def paused_autoscaler(self):
+        """The autoscaler stopped (SIGSTOP) for the block, resumed (SIGCONT) after: no node is
+        launched or released meanwhile, whatever is asked (a cloud out of capacity)."""
+        import psutil
+        monitors = [p for p in psutil.process_iter(["cmdline"])
+                    if self._ours(p.info["cmdline"]) and any(
+                        a.endswith(("autoscaler/_private/monitor.py", "autoscaler/v2/monitor.py"))
+                        for a in p.info["cmdline"] or [])]
+        if not monitors:
+            raise ClusterError("no autoscaler process of this cluster to pause")
+        for p in monitors:
+            p.suspend()
+        try:
+            yield
+        finally:
+            for p in monitors:
+                with contextlib.suppress(psutil.Error):
+                    p.resume()
+
     def _is_head(self, node_id: str) -> bool:
         return any(n.is_head and n.node_id == node_id for n in self.nodes(alive=None))
 
