@@ -183,9 +183,9 @@ def loss_lines(s: dict) -> list[str]:
                      f"{x['kind']}: {x['cause']}; {x['rows_back']} row"
                      f"{'s' * (x['rows_back'] != 1)} back to the queue; "
                      + ("charged to ray.max_worker_restarts" if x["charged"] else "not charged"))
-    if s.get("idle_worker_s"):
-        lines.append(f"idle: {s['idle_worker_s']:.0f} worker-seconds ready without work (workers "
-                     f"left without work once the queue ran dry were stopped)")
+    if (s.get("idle_worker_s") or 0) >= 1:
+        lines.append(f"idle: {s['idle_worker_s']:.0f} worker-seconds ready without work (stopped "
+                     f"once the queue ran dry)")
     return lines
 
 

@@ -54,8 +54,9 @@ def test_a_resource_request_launches_gpu_nodes_and_withdrawing_it_releases_them(
     # released once idle (6 s) and the autoscaler's next round: well under a minute
     assert time.monotonic() - t0 < IDLE_TIMEOUT_MIN * 60 + 30
     dead = [n for n in c.nodes(alive=False) if n.node_id in {x.node_id for x in nodes}]
-    assert {(n.death_reason, n.death_message) for n in dead} == {
-        ("EXPECTED_TERMINATION", "Terminated by autoscaler.")}
+    # the autoscaler's own words, or the raylet's when its SIGTERM reached it first (under load)
+    assert {n.death_reason for n in dead} == {"EXPECTED_TERMINATION"}
+    assert {n.death_message for n in dead} <= {"Terminated by autoscaler.", "received SIGTERM"}
 
 
 def test_max_resources_from_cluster_config_is_none_until_a_config_is_reported(guarded):

@@ -44,7 +44,8 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     r = cli(*common, "job.name=a", faults="wait_ready", **local)
     m = metrics(tmp_path / "a")
     # start-up phases shown as they happen: one worker compiles, the other loads its artifact
-    assert r.stderr.count("compiling and warming up (compile cache miss)") == 1, r.stderr
+    # the phase's first line (its repeats while it runs end in ", N s": runner/progress.py)
+    assert r.stderr.count("compiling and warming up (compile cache miss)\n") == 1, r.stderr
     assert r.stderr.count("warming up from the compile cache") == 1, r.stderr
     assert len(m) == 2
     compiled = [w for w in m if not w["cache_hit"]]
@@ -221,7 +222,7 @@ def _check_hung_claimant_job(tmp_path, p: subprocess.Popen) -> None:
     out, err = (tmp_path / "h.out").read_text(), (tmp_path / "h.err").read_text()
     timeout_s = p.start_timeout_s
     assert p.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
-    assert err.count("compiling and warming up (compile cache miss)") == 1, err      # the claimant
+    assert err.count("compiling and warming up (compile cache miss)\n") == 1, err    # the claimant
     fell_back = re.findall(r"worker (\d): compiling and warming up itself \(the compiling worker's "
                            r"artifact did not come within (\d+) s, half the start-up time left of "
                            r"ray.worker_start_timeout_s\)", err)

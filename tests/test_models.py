@@ -596,6 +596,7 @@ def test_a_model_load_error_on_the_workers_ends_the_job_naming_it_after_one_retr
     t = time.monotonic()
     rc, out, err = cli(["job=demo_image", "model.source=pretrained", "model.preset=pixart_alpha_512",
                         f"model.path={d}", "model.local_files_only=true", "ray.cpu_workers=1",
+                        "model.device=cpu",   # a full-size model: CPU workers only when asked
                         f"output.dir={tmp_path / 'out'}", "generation.height=64",
                         "generation.width=64"])
     took = time.monotonic() - t
