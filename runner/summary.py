@@ -189,6 +189,12 @@ def loss_lines(s: dict) -> list[str]:
     return lines
 
 
+def wrapped(lines: list[str]) -> list[str]:
+    """`lines` filled to `WIDTH` columns, continuations indented: for lines that name no row id
+    (a LOST line names a node, its GPU and the cause; nothing greps them by id)."""
+    return [textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in lines]
+
+
 def int8_fallback_lines(s: dict) -> list[str]:
     """Outputs of this directory made without int8-attention's kernel (their workers could not
     run it), in one line: how many, which workers of this run fell back and why (summary.txt);
@@ -278,8 +284,8 @@ def summary_text(s: dict, metrics: list[dict], plan, table: list[dict],
                  f"update (the workers' item counts include them): a rerun regenerates them\n")
     if s.get("aborted"):
         text += f"\nSTOPPED before the end: {s['aborted']}\n"
-    text += "".join(f"\n{line}\n" for line in canary_lines(s) + hang_lines(s) + loss_lines(s)
-                    + int8_fallback_lines(s))
+    text += "".join(f"\n{line}\n" for line in canary_lines(s) + hang_lines(s))
+    text += "".join(f"\n{line}\n" for line in wrapped(loss_lines(s) + int8_fallback_lines(s)))
     failures = format_errors(group_errors(failed_rows(table)), MAX_IDS)
     if failures:   # last: what the user acts on (the console's last lines)
         text += ("\nfailures by cause (a rerun retries them):\n"

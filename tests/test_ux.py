@@ -575,3 +575,16 @@ def test_the_terminal_shows_the_runners_lines_not_the_libraries():
     r = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert "UserWarning: a library UserWarning" in r.stderr
+
+
+def test_lost_worker_lines_fit_100_columns():
+    from runner.summary import WIDTH, loss_lines, wrapped
+    s = {"losses": [dict(rank=12, node="f" * 56, gpu="NVIDIA H200", at_s=1234.5, kind="node lost",
+                         cause="its node has died (spot preemption: the instance was reclaimed)",
+                         rows_back=17, charged=False)], "idle_worker_s": 42.0}
+    raw = loss_lines(s)
+    assert max(map(len, raw)) > WIDTH          # the case: one LOST line is wider than the summary
+    text = "\n".join(wrapped(raw))
+    assert max(map(len, text.splitlines())) <= WIDTH
+    assert " ".join(text.split()) == " ".join(" ".join(raw).split())   # nothing cut, only wrapped
+    assert text.startswith("LOST: worker 12 on node ffffffffffff (NVIDIA H200) at 1234.5 s")
