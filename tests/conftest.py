@@ -521,6 +521,23 @@ def long_tests_first(config, items) -> None:
     items[:] = ordered + rest
 
 
+# RUNNER_TEST_TIMELINE=FILE: each test's start and end (wall clock) and the xdist worker that ran
+# it, one JSON line per test appended to FILE, to see where a run's minutes go (its idle tail):
+#   python -m pytest -q -n 4 --dist worksteal; python tests/timeline.py FILE
+def pytest_runtest_logstart(nodeid, location):
+    if os.environ.get("RUNNER_TEST_TIMELINE"):
+        _SESSION.setdefault("started", {})[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    path = os.environ.get("RUNNER_TEST_TIMELINE")
+    t0 = _SESSION.get("started", {}).pop(nodeid, None)
+    if path and t0 is not None:
+        with open(path, "a") as f:    # one short write per line: lines of 4 workers do not mix
+            f.write(json.dumps({"id": nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                                "start": t0, "end": time.time()}) + "\n")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """xdist, in the main process, per worker: hands it the --dist mode (`long_tests_first`)."""
