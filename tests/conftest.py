@@ -494,7 +494,13 @@ FIRST = (# round 1
          "test_faults.py::test_a_row_that_runs_its_worker_out_of_memory_fails_naming_it",
          "test_i2v_jobs.py::test_an_image_store_frozen_mid_job_stops_it_exit_3_and_a_rerun_makes_the_rest",
          "test_faults.py::test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it[1]",
-         "test_faults.py::test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it[2]")
+         "test_faults.py::test_a_hung_row_ends_the_job_by_itself_and_a_rerun_retries_it[2]",
+         # round 4: not e2e (in-process), ~100 s of compiling: it started last, at 960 s of a
+         # 1,064 s run, and ran alone to the end (tests/timeline.py, 2026-12-02)
+         "test_worker.py::test_a_compiled_wan_worker_serves_a_second_row_size",
+         "test_adapters.py::test_per_row_adapters_switch_in_place_with_no_recompile_and_equal_single_adapter_jobs",
+         "test_step_reuse.py::test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles[wan22_t2v_a14b-blocks0]",
+         "test_simulate.py::test_the_bench_end_to_end_on_small_numbers")
 
 
 def long_tests_first(config, items) -> None:

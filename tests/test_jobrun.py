@@ -1112,7 +1112,7 @@ def test_outputs_made_without_the_int8_kernel_are_recorded_so_and_remade_where_i
     line = (f"int8-attention: {len(fell_back)} outputs made without its kernel (worker 1: "
             f"{NO_KERNEL}), recorded under settings {without} (the job's without it); a rerun "
             f"where the kernel runs remakes them")
-    assert line in (d / "summary.txt").read_text()
+    assert line in " ".join((d / "summary.txt").read_text().split())   # filled to 100 columns
     assert summary(d)["int8_fallback"]["outputs"] == len(fell_back)
 
     # nothing else to do: no worker started, on any cluster; the last summary stays

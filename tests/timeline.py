@@ -12,6 +12,8 @@ import sys
 
 def main(path: str, n: int = 25) -> None:
     rows = [json.loads(line) for line in open(path) if line.strip()]
+    if any(r["worker"] != "main" for r in rows):   # under xdist the main process logs them too
+        rows = [r for r in rows if r["worker"] != "main"]
     t0 = min(r["start"] for r in rows)
     end = max(r["end"] for r in rows)
     print(f"{len(rows)} tests, {end - t0:.0f} s from the first start to the last end")
