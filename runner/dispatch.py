@@ -672,8 +672,8 @@ class Dispatcher:
         for slot in [s for s in self.slots if s.state == "ready" and s.running]:
             head = self.futures[slot.running[0]][1]      # what it works on: the oldest it holds
             pace = slot.pace
-            if head is not None:                         # (a canary: calls like the last shard's)
-                pace.call = self.watchdog.call_units(head.items)
+            if head is not None and head is not pace.head:   # (a canary: the last shard's calls)
+                pace.call, pace.head = self.watchdog.call_units(head.items), head
             bound = self.watchdog.bound(pace, pace.call)
             if now - pace.since <= bound:
                 continue

@@ -45,6 +45,7 @@ class Pace:
     started: float | None = None
     s_per_unit: float | None = None
     call: float = 1.0              # units of one call of the work it was last handed (a canary's)
+    head: Any = None               # the shard `call` is of (computed once a shard, not a second)
     asked: Any = None              # the `Pool.progress` future in flight, if any
     asked_at: float = 0.0
 
