@@ -95,9 +95,9 @@ from typing import Any, Callable, Protocol
 
 from . import canary
 from .images import INPUT_FAULT
-from .outputs import plural
+from .outputs import failed_row, plural
 from .prompts import Item, Shard
-from .results import error_cause, failed_row
+from .results import error_cause
 from .storage import StoreTimeout
 from .watchdog import ASK_S, Pace, Watchdog, units
 

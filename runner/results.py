@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from .outputs import failed_row
 from .prompts import PARAMS
 from .storage import Store, resolve
 
@@ -161,13 +162,6 @@ def changed_row(item, old: dict, removed: list[str]) -> dict:
     why = ", ".join(what) if what else "the output settings"
     return {**failed_row(item, f"its inputs changed ({why}) since {', '.join(removed)} was made: "
                                f"removed before regenerating"), "status": "changed"}
-
-
-def failed_row(item, error: str, worker: int | None = None) -> dict:
-    """The result row of an item that produced no output (same columns as a worker's ok rows)."""
-    return {**item.params(), "status": "failed", "error": error[:2000], "output": None,
-            "worker": worker, "batch_size": 1 if worker is not None else None, "e2e_s": None,
-            "started_at": None, "denoise_it_s": None}
 
 
 # Characters of an error's first line that name its cause: the longest cause the runner words

@@ -53,9 +53,8 @@ from . import adapters, canary, images, oom, step_cache
 from .config import WorkerConfig
 from .families import Family
 from .models import ModelSpec, build_pipeline, check_gpu_memory
-from .outputs import write_mp4, write_png
+from .outputs import failed_row, write_mp4, write_png
 from .prompts import Constraints, Item
-from .results import failed_row
 from .storage import resolve
 from .text import Embeds, TextCache
 from .timing import Marks, UtilSampler, instrument

@@ -278,7 +278,7 @@ def job_store(request, tmp_path):
 def test_a_changed_rows_old_output_is_removed_before_it_runs_and_the_record_says_so(job_store):
     """Issue 37 D3: an edited row whose regeneration failed kept the old media/<id>.png, made
     from the old inputs, while the record said failed."""
-    from runner.results import failed_row
+    from runner.outputs import failed_row
     r = Results(job_store, settings="s1")
     old = [item("a"), item("b", row=1), item("c", row=2), item("d", row=3)]
     for it in old:
