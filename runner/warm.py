@@ -16,7 +16,8 @@ import sys
 
 from . import step_cache
 from .config import ConfigError, load_config, split
-from .job import JobError, check_warmup, constraints, worker_config
+from .checks import JobError, check_warmup, constraints
+from .job import worker_config
 from .prompts import PromptError
 
 

@@ -306,7 +306,8 @@ def test_uncond_steps_past_a_rows_step_count_is_an_error_naming_the_rows():
 
 
 def test_cfg_reuse_is_in_the_settings_id_only_when_on_and_not_in_the_compile_key(tmp_path):
-    from runner.job import worker_config, check_input
+    from runner.checks import check_input
+    from runner.job import worker_config
     from runner.results import settings_id
     base = ["job=wan_batch", "model.source=tiny", "step_cache.method=residual"]
     ids = [settings_id(load_config(base + a)) for a in (
@@ -336,7 +337,7 @@ def test_job_with_cfg_reuse_writes_other_outputs_and_its_directory_refuses_mixin
     simulated)."""
     import imageio.v3 as iio
 
-    from runner import job
+    from runner import checks, job
     from runner.worker import Worker
     from test_jobrun import Cluster
     p = write_prompts({"prompt": ["a cat", "a dog walking"]}, name="p.parquet")
@@ -347,7 +348,7 @@ def test_job_with_cfg_reuse_writes_other_outputs_and_its_directory_refuses_mixin
     frames, metrics = {}, {}
     for name, extra in (("res", []), ("cfg", ["step_cache.cfg_reuse=fastercache"])):
         j = split(load_config(common + extra + [f"output.dir={tmp_path / name}"]))
-        checked = job.check_input(j)
+        checked = checks.check_input(j)
         w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
         w.warmup()
         assert [r["status"] for r in w.run_shard(checked.items)] == ["ok"] * 2

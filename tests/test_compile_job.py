@@ -147,7 +147,8 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
     from compiler.cache import cache_key
     from runner.compile_cache import CacheBroker
     from runner.config import load_config, split
-    from runner.job import constraints, worker_config
+    from runner.checks import constraints
+    from runner.job import worker_config
     from runner.worker import Worker
 
     def oom(*args, **kwargs):

@@ -622,10 +622,10 @@ def test_the_drivers_path_imports_no_torch(tmp_path):
     code = f"""if True:
         import sys
         from runner.config import load_config, split
-        from runner import job
+        from runner import checks, job
         j = split(load_config(["job=demo_image", "compile.mode=O3", "output.dir={tmp_path}"]))
         assert "cudagraphs" in j["compile"].options.flags
-        limits = job.constraints(j["model"])
+        limits = checks.constraints(j["model"])
         job.worker_config(j, limits, on_gpu=False)
         import ray
         from runner.actor import WorkerActor

@@ -150,7 +150,7 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
     CFG: the start-up's peak (both experts' 16-bit weights are on the GPU before FP8) and the
     serving peak (a step + the decode, the first call's compile counted) within an 80 GB GPU, the
     video made."""
-    from runner import job
+    from runner import checks, job
     from runner.bench.lora import main as lora
     from runner.config import load_config, split
     from runner.prompts import Item
@@ -167,7 +167,7 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
         # and its peak counts the compile's too; a second full 720P video (~35 s of the suite's
         # longest test on 2 GPUs) would show nothing the first does not
         "run.canary_every_items=0", "run.warmup_steps=0"]))
-    cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
+    cfg = job.worker_config(j, checks.constraints(j["model"]), on_gpu=True)
     assert cfg.compile.mode == "O3" and not cfg.canary
     t_files = time.perf_counter() - t0
     w = Worker(0, cfg)
@@ -298,7 +298,7 @@ def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_pa
     import numpy as np
     from torch._dynamo.utils import counters
 
-    from runner import job
+    from runner import checks, job
     from runner.config import load_config, split
     from runner.prompts import Item
     from runner.worker import Worker
@@ -324,7 +324,7 @@ def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_pa
             "generation.guidance_scale=1.0", "run.canary_every_items=0",
             "model.adapters=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in e.items())
                                            + "}" for e in entries) + "]"]))
-        cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
+        cfg = job.worker_config(j, checks.constraints(j["model"]), on_gpu=True)
         w = Worker(0, cfg)
         w.warmup()
         return w

@@ -315,7 +315,7 @@ def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
     its ready info says so and why, the compiler's one line is logged, each row it makes says
     `int8_attention: false`, and the job's record puts those rows under the settings without
     the kernel, which a rerun counts done (`Plan.fallback`: remade only where the kernel runs)."""
-    from runner import job
+    from runner import checks, job
     from runner.config import load_config, split
     from runner.results import Results, fallback_settings_id, settings_id
     from runner.worker import Worker
@@ -326,7 +326,7 @@ def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
                        "run.batch_size=2", "compile.mode=int8-attention",
                        "compile.compile_text_encoder=false", "compile.compile_vae=false"])
     j = split(cfg)
-    checked = job.check_input(j)
+    checked = checks.check_input(j)
     # (the tiny model loads before `compiler.prewarm`'s thread has imported Inductor: compile_pipe
     # waits for those imports, else it raced them: "cannot import name 'lowering'")
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))

@@ -565,7 +565,7 @@ def test_a_worker_that_cannot_load_the_model_fails_its_warmup_not_its_actor(save
     whose cause Ray's text hid ("The actor died because of an error raised in its creation
     task"), restarted ray.max_worker_restarts times. No Ray here: the actor class itself."""
     import shutil
-    from runner import job
+    from runner import checks, job
     from runner.actor import WorkerActor
     from runner.config import load_config, split
     d = tmp_path / "model"
@@ -574,7 +574,7 @@ def test_a_worker_that_cannot_load_the_model_fails_its_warmup_not_its_actor(save
     j = split(load_config(["job=demo_image", "model.source=pretrained", f"model.path={d}",
                            "model.preset=pixart_alpha_512", "model.local_files_only=true",
                            f"output.dir={tmp_path / 'out'}"]))
-    actor = WorkerActor(0, job.worker_config(j, job.check_input(j).limits, on_gpu=False))
+    actor = WorkerActor(0, job.worker_config(j, checks.check_input(j).limits, on_gpu=False))
     assert actor.phases(0) == []               # the driver polls start-up phases meanwhile
     with pytest.raises(ModelLoadError, match=f"^local directory {str(d)!r} holds inf or NaN"):
         actor.warmup()

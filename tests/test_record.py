@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from runner import lock
 from runner.config import ConfigError, load_config
-from runner.job import JobError, run
+from runner.checks import JobError
+from runner.job import run
 from runner.prompts import Item, PromptError
 from runner.results import Results, lossy
 from test_faults import ROOT, cli, finish_within, record_rows, rows, wait_for_journal

@@ -273,7 +273,7 @@ def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_promp
     and VAE stay eager: their compile is tested in test_compiler_compile.py and costs most of the
     CPU compile time; the shapes and the session's compile cache are those of the in-process
     compiles above (their C++ kernels reused; the cold build: test_compile_job.py)."""
-    from runner import job
+    from runner import checks, job
     from runner.config import load_config, split
     from runner.worker import Worker
     from test_jobrun import Cluster
@@ -283,7 +283,7 @@ def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_promp
             f"compile.cache_dir={compile_cache()}", f"step_cache.method={method}",
             f"compile.mode={mode}", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
     j = split(load_config(args))
-    checked = job.check_input(j)
+    checked = checks.check_input(j)
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
     w.warmup()
     assert [r["status"] for r in w.run_shard(checked.items)] == ["ok"] * 3

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from runner.config import GenerationDefaults
-from runner.job import JobError, run
+from runner.checks import JobError
+from runner.job import run
 from runner.models import ModelSpec
 from runner.outputs import write_mp4, write_png
 from runner.storage import atomic_path
@@ -368,10 +369,10 @@ def test_a_non_finite_output_fails_its_item_alone_and_a_failed_write_fails_the_s
 def job_worker(args, tmp_path):
     """The worker a shipped job's command line gives (config, prompt checks, worker config), built
     and warmed in this process: the family's path through the job without Ray."""
-    from runner import job
+    from runner import checks, job
     from runner.config import load_config, split
     j = split(load_config([*args, f"output.dir={tmp_path}"]))
-    checked = job.check_input(j)
+    checked = checks.check_input(j)
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
     w.warmup()
     return w, checked.items, tmp_path / j["name"]

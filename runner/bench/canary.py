@@ -158,12 +158,13 @@ def run_arm(job: dict, batches: int, settle: int = 1) -> dict:
     import torch
 
     from .. import job as runner_job
+    from ..checks import constraints
     from ..dispatch import Dispatcher
     from ..prompts import Shard, plan_shards
     from ..worker import Worker
     opts = job["run"]
     on_gpu = torch.cuda.is_available()
-    cfg = runner_job.worker_config(job, runner_job.constraints(job["model"]), on_gpu=on_gpu)
+    cfg = runner_job.worker_config(job, constraints(job["model"]), on_gpu=on_gpu)
     window = _items(job, batches * opts.batch_size, "window")
     extra = _items(job, opts.shard_size, "extra")
     shards = plan_shards(window, opts.shard_size)

@@ -41,7 +41,7 @@ def _job_args(prompts: str, out: str) -> list[str]:
 def _record(prompts: str, out: str, done: int) -> None:
     """A job directory whose record holds the first `done` rows as finished (made once)."""
     from ..config import load_config, split
-    from ..job import constraints
+    from ..checks import constraints
     from ..prompts import check_prompts
     from ..results import Results, settings_id
     from ..storage import resolve
@@ -69,7 +69,7 @@ def _step(step: str, prompts: str, out: str) -> dict:
     t0 = time.perf_counter()
     if step == "shard":
         from ..config import load_config, split
-        from ..job import constraints
+        from ..checks import constraints
         from ..prompts import check_prompts, plan_shards
         job = split(load_config(_job_args(prompts, out)))
         _, _, items = check_prompts(job["prompts"].paths, job["generation"],
