@@ -370,6 +370,7 @@ def test_a_stop_signal_raises_in_the_dispatch_loop_not_where_it_lands(monkeypatc
     import threading
     from runner import job
     monkeypatch.setattr(job, "STOPS", [])
+    monkeypatch.setattr(job, "CHECKING", [])   # a test that called `run` may have left it set
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     lock = threading.Lock()
     try:
