@@ -46,18 +46,18 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from .checks import Checked, JobError, check_job, check_same_config
-from .config import (ConfigError, OutputOptions, RayOptions, RunOptions, WorkerConfig, help_text,
+from ..config import (ConfigError, OutputOptions, RayOptions, RunOptions, WorkerConfig, help_text,
                      load_config, split)
 from .dispatch import DispatchError, Dispatcher, PersistentFault, Pool
 from .ending import Ending, first_line
-from .images import StoreUnreachable, fill_hashes
+from ..io.images import StoreUnreachable, fill_hashes
 from .lock import LockedError, job_lock, holder as lock_holder
 from .progress import PhasePrinter, Progress
-from .prompts import Constraints, Item, PromptError, Shard, plan_shards
+from ..io.prompts import Constraints, Item, PromptError, Shard, plan_shards
 from .results import (Plan, Results, fallback_settings_id, remove_temp_files, settings_id,
                       start_fresh, write_parquet)
-from .storage import Store, StoreTimeout, uri_of
-from .outputs import plural
+from ..io.storage import Store, StoreTimeout, uri_of
+from ..io.outputs import plural
 from .summary import LEGEND, WIDTH, json_text, summarize, summary_text, work_after
 from .terminal import legend_due, plain_off_terminal
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
         print(f"note: {line}", file=sys.stderr)
     # 1: some items failed, or are suspect (see summary.txt); the others are complete. Every
     # output complete with only the report missing is still 0: the report is a view of the
-    # outputs, made again by `python -m runner.report DIR`, and a pipeline must not redo a
+    # outputs, made again by `python -m runner.driver.report DIR`, and a pipeline must not redo a
     # finished job for it.
     return 0 if summary["failed"] == 0 and not summary.get("suspect") else 1
 
@@ -547,7 +547,7 @@ class JobRun:
         """A worker failed its canary: `rows`, ok rows it returned since its last good canary,
         recorded again as suspect; the failure named (worker, node, GPU) in the log and, at the
         end, in the summary and report."""
-        from .canary import describe, where
+        from ..serve.canary import describe, where
         self._record(rows)
         now = self.clock()
         if self.timeline:            # they were counted ok
@@ -697,7 +697,7 @@ class JobRun:
         self.ending.write("the record's compaction", self.results.compact)
 
     def _write_report(self, table, summary: dict, metrics, text: str) -> None:
-        """report.html last: it is a view of the rest (`python -m runner.report DIR` makes it
+        """report.html last: it is a view of the rest (`python -m runner.driver.report DIR` makes it
         again). Its failure (a full disk at the report stage) is said at the end, and in
         summary.txt when that can be rewritten; it never changes the exit status."""
         if self.ending.skip("report.html"):
@@ -715,7 +715,7 @@ class JobRun:
             else:
                 self.ending.not_written["report.html"] = cause
         done = "every output is complete" if summary["ok"] == summary["items"] else "the rest is written"
-        note = (f"report.html not written ({cause}); {done}: `python -m runner.report "
+        note = (f"report.html not written ({cause}); {done}: `python -m runner.driver.report "
                 f"{self.store.uri()}` makes it once the cause is fixed")
         summary["notes"] = [note]
         if not self.ending.not_written.keys() - {"report.html"}:

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 from omegaconf import OmegaConf
 
-from . import step_cache
-from .config import ConfigError
+from ..serve import step_cache
+from ..config import ConfigError
 from .ending import first_line
-from .outputs import plural
-from .prompts import MAX_LISTED, Constraints, Item, case_collisions, check_prompts
+from ..io.outputs import plural
+from ..io.prompts import MAX_LISTED, Constraints, Item, case_collisions, check_prompts
 from .results import JOURNAL, RECORDS, config_changes, fingerprint
-from .storage import Store, case_insensitive, resolve
+from ..io.storage import Store, case_insensitive, resolve
 
 log = logging.getLogger("runner")
 
@@ -79,8 +79,8 @@ def check_input(job: dict) -> Checked:
 def constraints(model) -> Constraints:
     """The limits every row is checked against, from the model: its checkpoint and adapters
     checked first (a JobError naming the file and the fix)."""
-    from . import adapters
-    from .models import ModelLoadError, check_pretrained, video_length
+    from ..serve import adapters
+    from ..serve.models import ModelLoadError, check_pretrained, video_length
     try:
         check_pretrained(model)
         hashes = adapters.check(model)   # each adapter's file and keys against its denoiser
@@ -100,7 +100,7 @@ def constraints(model) -> Constraints:
 def distilled_setting(preset: str, info: dict) -> tuple[str, int, float] | None:
     """A distilled preset's (name, published steps, guidance) from conf/models/<preset>.yaml:
     those with a few-step sampler of their own or a step range (`distilled` in the preset)."""
-    from .config import CONF_DIR
+    from ..config import CONF_DIR
     if "sampler" not in info and not info.get("distilled"):
         return None
     gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
@@ -110,7 +110,7 @@ def distilled_setting(preset: str, info: dict) -> tuple[str, int, float] | None:
 def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:
     """The preset's published (height, width, frames) from conf/models/<preset>.yaml: what the
     model was made for, and so the measure of a row's work (`Constraints.work_error`)."""
-    from .config import CONF_DIR
+    from ..config import CONF_DIR
     gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
     if "height" not in gen or "width" not in gen:
         return None
