@@ -1,8 +1,8 @@
-"""The batch job, top to bottom: load config, check prompts and plan shards, start workers,
-stream results, summarize. `main(argv)` is what `python -m runner` runs.
+"""The batch job, top to bottom: load config, check, plan shards, start workers, stream results,
+summarize. `main(argv)` is what `python -m runner` runs.
 
 Everything that can be wrong with the input is checked before any worker starts or any model is
-built. A rerun into the same directory resumes: prompts whose output is complete are skipped (see
+built (`checks.py`). A rerun into the same directory resumes: prompts whose output is complete are skipped (see
 `results.py`); with nothing left it says so in one line and keeps the last summary. One driver per
 job directory (`lock.py`). The job directory is a `storage.Store`: a local directory, `s3://` or
 `gs://`, through the same calls; workers write their media to it themselves, so no filesystem needs
