@@ -18,7 +18,7 @@ Contract:
   Never raises, never loads unverified bytes.
 - `write_artifact(dir, key, blob)` (atomic: temp file + os.replace; mode 0644, readable by other
   users of a shared directory) and `read_artifact(dir, key)` (None when missing; any other
-  OSError is the caller's: `runner.compile_cache` logs it and compiles).
+  OSError is the caller's: `runner.serve.compile_cache` logs it and compiles).
 
 Header layout (big-endian): MAGIC (8 bytes) | version u16 | key length u16 | key (utf-8) |
 payload length u64 | sha256(payload) (32 bytes) | payload.

@@ -393,7 +393,7 @@ def set_linear_weight(module: nn.Module, path: str, weight: torch.Tensor) -> Non
     ((out, in), the model's dtype), in place wherever it lives after `fuse_qkv` and `to_fp8`: its
     own parameter, its rows of a fused QKV/KV linear, or those rows of an FP8Linear, quantised as
     `to_fp8` quantises. Storage never moves: compiled graphs and CUDA graphs stay valid (an
-    adapter switched between calls: `runner.adapters`)."""
+    adapter switched between calls: `runner.serve.adapters`)."""
     parent_path, _, name = path.rpartition(".")
     parent = module.get_submodule(parent_path) if parent_path else module
     fused = parent.__dict__.get(FUSED_ROWS, {}).get(name)

@@ -1,7 +1,7 @@
-"""`python -m runner job=NAME [key=value ...]`: see runner/job.py."""
+"""`python -m runner job=NAME [key=value ...]`: see runner/driver/job.py."""
 import sys
 
-from . import job
+from .driver import job
 
 job.adopt_orphans()    # Ray's processes stay below this one to the end (exit_now)
 status = job.main()

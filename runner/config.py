@@ -12,7 +12,7 @@ its typed piece with no other change). Merge order, later wins:
 `dotted.key=value` (the value may itself contain `=`; it is parsed as YAML, so `steps=20` is an int).
 The model preset is read after the job file and the command line are known, so `model.preset=sd21`
 on the command line switches presets. Unknown keys and values of the wrong type are `ConfigError`s
-that name the key and what is valid. Only `runner.job` sees the whole tree: it hands each part of
+that name the key and what is valid. Only `runner.driver.job` sees the whole tree: it hands each part of
 the runner one of the frozen dataclasses below, each of which validates itself.
 """
 
@@ -36,7 +36,7 @@ from compiler import CompileOptions, parse_options   # light: no torch
 from .families import DEFAULT_PRESET, PRESETS   # light: no torch
 
 if typing.TYPE_CHECKING:
-    from .prompts import Constraints
+    from .io.prompts import Constraints
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
@@ -84,7 +84,7 @@ ADAPTER_KEYS = ("path", "weight_name", "scale", "expert", "name", "per_row")
 
 @dataclass(frozen=True)
 class Adapter:
-    """One LoRA adapter of `model.adapters`: checked and fused by `runner.adapters`."""
+    """One LoRA adapter of `model.adapters`: checked and fused by `runner.serve.adapters`."""
     path: str                      # local file or directory, s3:// or gs:// URI, or hub id
     weight_name: str | None = None  # the file inside a directory or hub repo
     scale: float = 1.0             # multiplies the adapter's own scaling (alpha / rank)
@@ -397,7 +397,7 @@ CFG_KEYS = ("cfg_reuse", "cfg_window", "cfg_interval", "cfg_alpha", "uncond_step
 
 @dataclass(frozen=True)
 class StepCacheSection:
-    """Step reuse (lossy): docs/compiler.md "Step reuse"; applied by runner/step_cache.py."""
+    """Step reuse (lossy): docs/compiler.md "Step reuse"; applied by runner/serve/step_cache.py."""
     method: str = key("none", "none | residual (the block stack skipped on a fixed schedule; "
                               "composes with O2/O3; Wan, PixArt, Latte, FLUX) | fastercache | pab "
                               "(attention outputs reused; Latte); lossy, docs/compiler.md")
@@ -737,7 +737,7 @@ def load_config(argv: list[str]) -> DictConfig:
 
 # ---------------------------------------------------------------------------------------------
 # The narrow pieces that are not schema sections. Each validates itself; nothing below
-# runner.job sees the whole tree.
+# runner.driver.job sees the whole tree.
 
 @dataclass(frozen=True)
 class PromptSource:
@@ -818,7 +818,7 @@ def _as_paths(value) -> tuple[str, ...]:
 
 def split(cfg: DictConfig) -> dict:
     """The typed pieces of a merged config (see the dataclasses above)."""
-    from . import storage
+    from .io import storage
 
     def section(name):
         return OmegaConf.to_container(cfg[name], resolve=True)
@@ -859,7 +859,7 @@ def split(cfg: DictConfig) -> dict:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What the driver hands each worker (`runner.actor.WorkerActor`): the only part of the job's
+    """What the driver hands each worker (`runner.serve.actor.WorkerActor`): the only part of the job's
     config a worker sees."""
     model: ModelSpec
     generation: GenerationDefaults

@@ -563,7 +563,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def signal_handlers():
-    """`runner.job.main` run in-process installs SIGTERM/SIGINT handlers that only record a stop
+    """`runner.driver.job.main` run in-process installs SIGTERM/SIGINT handlers that only record a stop
     for its dispatch loop: put back after each test, so that the test process stops on them."""
     import signal
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -574,7 +574,7 @@ def signal_handlers():
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A test that builds a `runner.worker.Worker` in-process starts `compiler.prewarm`'s import
+    """A test that builds a `runner.serve.worker.Worker` in-process starts `compiler.prewarm`'s import
     thread; `compile_pipe` waits for it, but a test whose compile never runs (mocked, or failing
     first) left it importing Inductor into the next tests. Each import that makes a logger then
     raced pytest's logging set-up at the start of a test phase, which walks logging's logger dict
@@ -621,7 +621,7 @@ def s3_server():
 @pytest.fixture
 def s3_bucket(s3_server, monkeypatch):
     """A fresh, empty bucket on the session's S3 server, with the AWS_* environment that points
-    runner.storage at it set for this test only. Returns the bucket name."""
+    runner.io.storage at it set for this test only. Returns the bucket name."""
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)

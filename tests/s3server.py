@@ -31,7 +31,7 @@ START_TIMEOUT_S = 30
 @dataclasses.dataclass
 class S3Server:
     endpoint: str  # http://127.0.0.1:PORT
-    env: dict      # what runner.storage.resolve needs to talk to it
+    env: dict      # what runner.io.storage.resolve needs to talk to it
     proc: subprocess.Popen | None = None   # the server process (a test may kill it)
 
     def create_bucket(self, name: str) -> None:

@@ -1,4 +1,4 @@
-"""LoRA adapters (`runner.adapters`) and the step-distilled presets, on tiny Wan models on the CPU:
+"""LoRA adapters (`runner.serve.adapters`) and the step-distilled presets, on tiny Wan models on the CPU:
 the fused adapter in each published key layout against diffusers' unfused path; LightX2V's full
 differences (`.diff`, `.diff_b`, `diff_m`) against the base weights plus them by hand; the driver's
 refusals (exit 2 before any worker, naming the adapter); resume with another scale refused; the
@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runner import adapters, job
+from runner.driver import job
+from runner.serve import adapters
 from runner.config import ModelSpec
 from runner.families.wan import LORA_NAMES, diff_parameter
-from runner.models import build_pipeline
+from runner.serve.models import build_pipeline
 
 TINY = dict(height=64, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
             output_type="np")
@@ -229,7 +230,7 @@ def test_an_adapter_that_partly_does_not_apply_is_refused(tmp_path, capsys):
 
 
 # LightX2V's extracted LoRAs (`random_adapter(diffs=True)`): each full difference's parameter, by
-# hand from diffusers' scripts/convert_wan_to_diffusers.py (not `runner.adapters`' own table)
+# hand from diffusers' scripts/convert_wan_to_diffusers.py (not `runner.serve.adapters`' own table)
 _BY_HAND = {**{orig: sub for sub, orig in LORA_NAMES.items()},
             "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
             "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
@@ -428,8 +429,8 @@ def test_distilled_samplers_run_the_published_timesteps():
 
 def test_renoising_draws_each_rows_noise_from_its_own_seed():
     """An output depends on its seed, not its batch-mates: a row alone equals it in a batch."""
-    from runner.prompts import Item
-    from runner.worker import generate
+    from runner.io.prompts import Item
+    from runner.serve.worker import generate
     spec = _spec("wan21_t2v_14b_lightx2v")
     pipe = build_pipeline(spec)
     assert type(pipe.scheduler).__name__ == "DistilledFlowScheduler"
@@ -446,9 +447,9 @@ def test_renoising_draws_each_rows_noise_from_its_own_seed():
 
 
 def test_guidance_1_runs_one_denoiser_call_a_step_and_no_negative_prompt(monkeypatch):
-    from runner.prompts import Item
-    from runner.text import TextCache
-    from runner.worker import generate
+    from runner.io.prompts import Item
+    from runner.serve.text import TextCache
+    from runner.serve.worker import generate
     spec = _spec("wan21_t2v_14b_lightx2v")
     pipe = build_pipeline(spec)
     calls = []
@@ -469,9 +470,9 @@ def test_i2v_a14b_lightning_runs_two_steps_on_each_expert_from_the_rows_image(tm
     a row with its image runs the published 4 steps as 2 on the high-noise expert (t >= 900) and
     2 on the low-noise one, one call a step (guidance 1.0: no CFG on either), and the video
     depends on the image."""
-    from runner.images import placeholder
-    from runner.prompts import Item
-    from runner.worker import generate
+    from runner.io.images import placeholder
+    from runner.io.prompts import Item
+    from runner.serve.worker import generate
     preset = "wan22_i2v_a14b_lightning"
     files = [_lora_file(tmp_path, preset=preset, expert=e, seed=k)
              for k, e in enumerate(("transformer", "transformer_2"))]
@@ -555,7 +556,7 @@ def test_adapters_are_output_settings_and_absent_when_none():
     from omegaconf import OmegaConf
 
     from runner.config import load_config
-    from runner.results import settings_id
+    from runner.driver.results import settings_id
     base = load_config(["job=demo_video"])
     with_a = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors}]"])
     other = load_config(["job=demo_video", "model.adapters=[{path: /x.safetensors, scale: 2}]"])
@@ -569,7 +570,7 @@ def test_an_adapter_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket, monke
     """A real S3 server (moto): the object copied into the local adapter cache once, keyed by its
     URI, size and modification time, then checked as a local file; a missing key names the
     adapter."""
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     f = _lora_file(tmp_path)
     resolve(f"s3://{s3_bucket}/loras").write_file_atomic("style.safetensors", f)
@@ -604,7 +605,7 @@ def test_a_full_adapter_cache_is_named_and_leaves_no_partial_file(tmp_path, s3_b
     import os
 
     from conftest import full_disk
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     home = tmp_path / "home"
     cache = home / ".cache" / "runner" / "adapters"
     cache.mkdir(parents=True)
@@ -624,7 +625,7 @@ def test_an_s3_adapter_uploaded_again_is_fetched_again(tmp_path, s3_bucket, monk
     shapes): the local copy of the first upload must not stand for it."""
     import time
 
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     first, second = _lora_file(tmp_path, seed=1), _lora_file(tmp_path, seed=2)
     assert open(first, "rb").read() != open(second, "rb").read()
@@ -689,8 +690,8 @@ def test_a_weight_written_after_fusion_and_fp8_is_what_fusing_it_before_gives(fp
 def _worker(tmp_path, name, adapter_entries, mode="max-optimize"):
     from compiler import parse_options
     from runner.config import CompileConfig, GenerationDefaults, WorkerConfig
-    from runner.prompts import Constraints
-    from runner.worker import Worker
+    from runner.io.prompts import Constraints
+    from runner.serve.worker import Worker
     spec = _spec(adapters=adapter_entries)
     # The denoiser compiled only: adapters change its weights alone. The tiny Wan VAE's cold
     # compile was ~50 of the per-row test's 66 s alone on a 2-core box (the text encoder's and
@@ -710,7 +711,7 @@ def _worker(tmp_path, name, adapter_entries, mode="max-optimize"):
 
 
 def _items(rows):
-    from runner.prompts import Item
+    from runner.io.prompts import Item
     return [Item(id=i, prompt=f"a fox {i}", negative_prompt="", seed=k, height=64, width=48,
                  num_frames=5, num_inference_steps=2, guidance_scale=1.0, file="p.parquet",
                  row=k, adapter=a) for k, (i, a) in enumerate(rows)]
@@ -794,7 +795,7 @@ def test_per_row_adapters_names_are_output_settings():
     """A row names its per-row adapter: two names swapped between their files change what those
     rows are made from, so the settings id changes (a job-wide adapter's name still does not)."""
     from runner.config import load_config
-    from runner.results import settings_id
+    from runner.driver.results import settings_id
 
     def ids(n1, n2):
         return settings_id(load_config([
@@ -809,7 +810,7 @@ def test_rows_name_per_row_adapters_checked_on_the_driver_and_sharded_together(t
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from runner.prompts import plan_shards
+    from runner.io.prompts import plan_shards
     f = _lora_file(tmp_path)
     names = ["A", "B", None, "A", "B", "A"]
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": ["a fox"] * 6,

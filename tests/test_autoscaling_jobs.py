@@ -7,14 +7,14 @@ tests/test_elastic.py; here, what Ray's autoscaler and Ray's failure reports mak
 
 The cluster's node types: "big" (1 CPU, 1 GPU, accelerator_type:H100; max 3) and "small" (2 CPUs,
 1 GPU, accelerator_type:T4; max 1). For a `{"GPU": 1, "CPU": 1}` bundle (what the job asks for,
-runner/cluster.py `want`) v1's scorer (`_resource_based_utilization_scorer`: the mean utilization
+runner/driver/cluster.py `want`) v1's scorer (`_resource_based_utilization_scorer`: the mean utilization
 of the node's resources) prefers "big" (CPU 1/1 used) over "small" (1/2): demand for 3 launches 3
 bigs, never a small one.
 
 The cluster config is reported to the GCS once (`report_cluster_config`) so that the driver's
 `get_max_resources_from_cluster_config()` says the cluster can grow to 4 GPUs: without it (None,
 as with every autoscaler of the 2.60 wheel) a tiny model (model.device=auto, "if any") on a
-cluster with no GPU node yet starts CPU workers (runner/raypool.py `RayPool.open`: `ray.max_workers`
+cluster with no GPU node yet starts CPU workers (runner/driver/raypool.py `RayPool.open`: `ray.max_workers`
 does not count there), and the job of test 1 starts with zero GPU nodes. `ray.max_workers` bounds
 each job's request where the test needs a given number of nodes.
 

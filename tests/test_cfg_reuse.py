@@ -1,4 +1,4 @@
-"""The unconditional guidance branch reused (`step_cache.cfg_reuse`, runner/step_cache.py's
+"""The unconditional guidance branch reused (`step_cache.cfg_reuse`, runner/serve/step_cache.py's
 `uncond_plan` and `Scheduled`, compiler/step_reuse.py's `UncondReuse`) on CPU, the tiny Wan.
 
 What could break: the schedule depending on anything but the step index, step count and
@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from runner import step_cache
+from runner.serve import step_cache
 from runner.config import ConfigError, StepCacheSection, load_config, split
 from runner.families import FAMILIES
-from runner.models import ModelSpec, build_pipeline
-from runner.prompts import Item
-from runner.worker import generate
+from runner.serve.models import ModelSpec, build_pipeline
+from runner.io.prompts import Item
+from runner.serve.worker import generate
 
 WAN = FAMILIES["wan21"]
 LEMICA25 = [*range(13), 14, 16, 18, 21, 24, 29, 35, 40, 44, 47, 48, 49]   # LeMiCa's B=25 list
@@ -281,7 +281,7 @@ def test_bad_cfg_reuse_settings_are_config_errors(arg, needle):
 ])
 def test_a_family_without_two_guidance_calls_exits_2_naming_those_with_them(job, family, why,
                                                                              tmp_path, capsys):
-    from runner.job import main
+    from runner.driver.job import main
     args = [f"job={job}", "step_cache.cfg_reuse=fastercache", f"output.dir={tmp_path}"]
     if job == "flux_batch":
         args += ["model.source=tiny", "prompts.path=jobs/prompts/sample.parquet"]
@@ -306,8 +306,9 @@ def test_uncond_steps_past_a_rows_step_count_is_an_error_naming_the_rows():
 
 
 def test_cfg_reuse_is_in_the_settings_id_only_when_on_and_not_in_the_compile_key(tmp_path):
-    from runner.job import worker_config, check_input
-    from runner.results import settings_id
+    from runner.driver.checks import check_input
+    from runner.driver.job import worker_config
+    from runner.driver.results import settings_id
     base = ["job=wan_batch", "model.source=tiny", "step_cache.method=residual"]
     ids = [settings_id(load_config(base + a)) for a in (
         [], ["step_cache.cfg_reuse=fastercache"], ["step_cache.cfg_reuse=fastercache",
@@ -319,7 +320,7 @@ def test_cfg_reuse_is_in_the_settings_id_only_when_on_and_not_in_the_compile_key
     assert settings_id(load_config(alone)) != \
         settings_id(load_config(alone + ["step_cache.cfg_reuse=fastercache"]))
     # the compiled and captured graphs are the same with or without it: one compile-cache key
-    from runner.worker import Worker
+    from runner.serve.worker import Worker
     shapes = []
     for extra in ([], ["step_cache.cfg_reuse=fastercache"]):
         j = split(load_config(base + extra + [f"output.dir={tmp_path}"]))
@@ -336,8 +337,8 @@ def test_job_with_cfg_reuse_writes_other_outputs_and_its_directory_refuses_mixin
     simulated)."""
     import imageio.v3 as iio
 
-    from runner import job
-    from runner.worker import Worker
+    from runner.driver import checks, job
+    from runner.serve.worker import Worker
     from test_jobrun import Cluster
     p = write_prompts({"prompt": ["a cat", "a dog walking"]}, name="p.parquet")
     common = ["job=wan_batch", "model.source=tiny", f"prompts.path={p}", "ray.cpu_workers=1",
@@ -347,7 +348,7 @@ def test_job_with_cfg_reuse_writes_other_outputs_and_its_directory_refuses_mixin
     frames, metrics = {}, {}
     for name, extra in (("res", []), ("cfg", ["step_cache.cfg_reuse=fastercache"])):
         j = split(load_config(common + extra + [f"output.dir={tmp_path / name}"]))
-        checked = job.check_input(j)
+        checked = checks.check_input(j)
         w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
         w.warmup()
         assert [r["status"] for r in w.run_shard(checked.items)] == ["ok"] * 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner import storage
+from runner.io import storage
 from runner.config import ConfigError, load_config, split
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,11 +28,11 @@ def metrics(job_dir):
 def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket):
     """The compile cache on the store (S3 on the session's server), as a cluster without a shared
     filesystem keeps it: one worker of the first job compiles, the other loads its artifact (its
-    model loaded while the first compiles); a truncated artifact is rejected and `runner.warm`
+    model loaded while the first compiles); a truncated artifact is rejected and `runner.driver.warm`
     fills the cache again; the next job's workers (fresh processes, their local Inductor cache
     aside) each warm from the store, side by side; then a job whose claimant hangs
     (`_start_hung_claimant_job`, beside the third)."""
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     store = resolve(f"s3://{s3_bucket}/cc")
     common = ["compile.mode=cache-all", f"output.dir={tmp_path}", f"compile.cache_dir={store.uri()}",
               "generation.num_inference_steps=2", "run.batch_size=1",
@@ -44,7 +44,7 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     r = cli(*common, "job.name=a", faults="wait_ready", **local)
     m = metrics(tmp_path / "a")
     # start-up phases shown as they happen: one worker compiles, the other loads its artifact
-    # the phase's first line (its repeats while it runs end in ", N s": runner/progress.py)
+    # the phase's first line (its repeats while it runs end in ", N s": runner/driver/progress.py)
     assert r.stderr.count("compiling and warming up (compile cache miss)\n") == 1, r.stderr
     assert r.stderr.count("warming up from the compile cache") == 1, r.stderr
     assert len(m) == 2
@@ -71,10 +71,10 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     assert "GraphLowering.compile_to_module" in compiled[0]["compile_times_s"]
     assert "GraphLowering.compile_to_module" not in loaded[0]["compile_times_s"], loaded[0]
 
-    # A truncated artifact in the cache is rejected (logged), and `runner.warm` compiles and
+    # A truncated artifact in the cache is rejected (logged), and `runner.driver.warm` compiles and
     # fills the cache again ahead of the next job.
     store.write_bytes_atomic(name, store.read_bytes(name)[: size // 2])
-    r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", *common, "job.name=b"],
+    r = subprocess.run([sys.executable, "-m", "runner.driver.warm", "job=demo_image", *common, "job.name=b"],
                        cwd=ROOT, capture_output=True, text=True, timeout=GUARD_S, env={**os.environ, **local})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compile cache artifact rejected" in r.stderr
@@ -115,7 +115,7 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
 
 
 def test_warm_needs_a_caching_mode(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "runner.warm", "job=demo_image", "compile.mode=none",
+    r = subprocess.run([sys.executable, "-m", "runner.driver.warm", "job=demo_image", "compile.mode=none",
                         f"output.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "use a mode with cache-all" in r.stderr
 
@@ -145,10 +145,11 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
     import torch
     import compiler
     from compiler.cache import cache_key
-    from runner.compile_cache import CacheBroker
+    from runner.serve.compile_cache import CacheBroker
     from runner.config import load_config, split
-    from runner.job import constraints, worker_config
-    from runner.worker import Worker
+    from runner.driver.checks import constraints
+    from runner.driver.job import worker_config
+    from runner.serve.worker import Worker
 
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compiler import cache
-from runner.models import ModelSpec, build_pipeline
+from runner.serve.models import ModelSpec, build_pipeline
 from conftest import GUARD_S, full_disk
 
 SHAPES = {"height": 64, "width": 64, "batch": 1}
@@ -132,7 +132,7 @@ def test_artifact_write_on_a_full_disk_is_a_warning_not_a_crash(artifact, tmp_pa
     """A local compile.cache_dir on a full disk: the compiling worker, whose graphs are compiled and
     warm, logs that the artifact was not saved and serves (as with an s3:// cache_dir); it raised
     ENOSPC out of its warm-up, which lost the worker, and its replacement did the same."""
-    from runner import compile_cache
+    from runner.serve import compile_cache
     d = tmp_path / "cc"
     d.mkdir()
     report = {"cache_key": "k1", "role": "compile"}
@@ -146,7 +146,7 @@ def test_an_unreadable_artifact_in_cache_dir_is_a_warning_and_the_worker_compile
     """A directory where `<key>.artifact` belongs (a real IsADirectoryError; an I/O error or
     another user's file reads the same): `read_artifact` raised it out of the warm-up of every
     worker of the key, and the job ended with no worker. Now the worker says so and compiles."""
-    from runner import compile_cache
+    from runner.serve import compile_cache
     (tmp_path / "k1.artifact").mkdir()
     with caplog.at_level(logging.WARNING, logger="runner"):
         report = compile_cache.warm_from_shared_cache(None, "k1", 0, str(tmp_path), 100.0)
@@ -210,7 +210,7 @@ def test_an_artifact_is_readable_by_other_users_and_one_that_is_not_is_compiled_
     (mkstemp's mode), so another user's worker got PermissionError at its warm-up (every one of
     its workers, every job, until the file was removed). Now they are written 0644, and one
     left unreadable by an older version (`k0`) is a warning, then a compile."""
-    from runner import compile_cache
+    from runner.serve import compile_cache
     cache.write_artifact(shared_dir, "k1", b"compiled kernels")
     assert (shared_dir / "k1.artifact").stat().st_mode & 0o777 == 0o644
     cache.write_artifact(shared_dir, "k0", b"an older version's")

@@ -11,7 +11,7 @@ import torch
 
 from compiler import compile_pipe, parse_options
 from compiler.transforms import fuse_qkv
-from runner.models import ModelSpec, build_pipeline
+from runner.serve.models import ModelSpec, build_pipeline
 
 H = W = 64
 

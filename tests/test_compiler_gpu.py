@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from compiler import compile_pipe
-from runner.models import ModelSpec, build_pipeline
+from runner.serve.models import ModelSpec, build_pipeline
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -3,7 +3,7 @@
 import torch
 
 from compiler.transforms import FP8Linear, fuse_gelu, fuse_qkv, linear_gelu_tanh, to_fp8
-from runner.models import ModelSpec, build_pipeline
+from runner.serve.models import ModelSpec, build_pipeline
 
 
 def test_linear_gelu_op_matches_and_compiles():

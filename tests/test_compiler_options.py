@@ -83,7 +83,7 @@ def test_max_optimize_sets_single_pass_rows_and_other_modes_reset_them(monkeypat
     import sympy
     from torch._inductor.runtime.hints import ReductionHint
     from compiler import compile_pipe, heuristics
-    from runner.models import ModelSpec, build_pipeline
+    from runner.serve.models import ModelSpec, build_pipeline
 
     class Rows:  # the two things the rule reads of Inductor's kernel features
         def __init__(self, n, hint=ReductionHint.INNER):

@@ -1,4 +1,4 @@
-"""The dispatcher's rules (runner/dispatch.py) on an in-memory pool: no Ray, no model, a fake clock.
+"""The dispatcher's rules (runner/driver/dispatch.py) on an in-memory pool: no Ray, no model, a fake clock.
 
 `FakePool` plays workers that run their calls in the order they were made; each step runs the oldest
 pending call of any worker, so every run is deterministic. Its script, by row id (`n`: the first n
@@ -29,9 +29,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner.dispatch import (FAULT_ROWS, FAULT_ROWS_STALLED, DispatchError, Dispatcher,
+from runner.driver.dispatch import (FAULT_ROWS, FAULT_ROWS_STALLED, DispatchError, Dispatcher,
                              PersistentFault, TaskError, WorkerLost)
-from runner.prompts import Item, Shard, plan_shards
+from runner.io.prompts import Item, Shard, plan_shards
 
 BAD_ROW = "ValueError: bad row"
 DIED = "actor died (exit 70)"
@@ -602,10 +602,10 @@ def test_a_shard_of_missing_images_and_made_rows_is_measured_by_the_made_ones_on
 # -- the boundaries -------------------------------------------------------------------------------
 
 def test_the_worker_implements_the_contract():
-    """The actor's methods as the driver calls them (RayPool, runner.job): names, parameters and
+    """The actor's methods as the driver calls them (RayPool, runner.driver.job): names, parameters and
     types match the Protocol."""
-    from runner.actor import WorkerActor
-    from runner.worker import Worker, WorkerContract
+    from runner.serve.actor import WorkerActor
+    from runner.serve.worker import Worker, WorkerContract
     names = [n for n in vars(WorkerContract) if not n.startswith("_")]
     assert sorted(names) == ["canary", "finish_shard", "metrics", "phases", "progress",
                              "start_shard", "warmup"]
@@ -622,13 +622,13 @@ def test_the_drivers_path_imports_no_torch(tmp_path):
     code = f"""if True:
         import sys
         from runner.config import load_config, split
-        from runner import job
+        from runner.driver import checks, job
         j = split(load_config(["job=demo_image", "compile.mode=O3", "output.dir={tmp_path}"]))
         assert "cudagraphs" in j["compile"].options.flags
-        limits = job.constraints(j["model"])
+        limits = checks.constraints(j["model"])
         job.worker_config(j, limits, on_gpu=False)
         import ray
-        from runner.actor import WorkerActor
+        from runner.serve.actor import WorkerActor
         ray.remote(WorkerActor)
         print(sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules))
     """
@@ -670,7 +670,7 @@ name=WorkerActor.__init__, required resources={}, pid=7146, actual memory used=0
 def ray_pool_raising(monkeypatch, raised: list):
     """A RayPool whose `ray.get` raises the next of `raised` (Ray's real exception classes)."""
     import ray
-    from runner import raypool
+    from runner.driver import raypool
 
     def get(ref):
         raise raised.pop(0)
@@ -743,7 +743,7 @@ def test_a_kill_counted_by_the_workers_memory_cgroup_is_out_of_memory(monkeypatc
     info says where the kernel counts its kills (`oom.baseline`); a count that rose since, read
     on the same machine, names the kill. Another machine's count is not read."""
     import socket
-    from runner import oom
+    from runner.serve import oom
     counter = tmp_path / "memory.oom_control"
     counter.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
     base = dict(host=socket.gethostname(), boot_id=oom._boot_id(), counter=str(counter),
@@ -766,7 +766,7 @@ def test_a_kill_counted_by_the_workers_memory_cgroup_is_out_of_memory(monkeypatc
 def test_the_oom_baseline_reads_this_process_counter():
     """On Linux the worker finds a counter of its out-of-memory kills: its memory cgroup's, else
     the machine's, and a kill counted since is read back by `killed`."""
-    from runner import oom
+    from runner.serve import oom
     base = oom.baseline()
     if base is None:
         pytest.skip("no out-of-memory kill counter here (not Linux)")
@@ -778,7 +778,7 @@ def test_the_oom_baseline_reads_this_process_counter():
 
 def test_ray_pool_wait_returns_every_finished_future_at_once(monkeypatch):
     """Under load one dispatch-loop iteration takes every finished shard, not one per wait."""
-    from runner import raypool
+    from runner.driver import raypool
     calls = []
 
     def wait(refs, num_returns, timeout):
@@ -794,16 +794,16 @@ def test_ray_pool_wait_returns_every_finished_future_at_once(monkeypatch):
 
 def test_the_driver_runs_without_ray():
     """The dispatcher, the job and the progress display import no Ray, at any level of the
-    source (only runner/raypool.py does), nor when imported."""
+    source (only runner/driver/raypool.py does), nor when imported."""
     import ast
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     for name in ("dispatch", "job", "progress", "summary"):
-        tree = ast.parse((root / "runner" / f"{name}.py").read_text())
+        tree = ast.parse((root / "runner" / "driver" / f"{name}.py").read_text())
         mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         mods += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in mods if m.split(".")[0] == "ray"], name
-    code = ("import sys, runner.dispatch, runner.job, runner.progress; "
+    code = ("import sys, runner.driver.dispatch, runner.driver.job, runner.driver.progress; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 

@@ -3,7 +3,10 @@ and `` `compiler.x.y` `` / `` `runner.x.y` `` name in README.md, docs/*.md, BENC
 benchmarks/*.md (dated records too: their commands are rerun as written). The compiler package's
 move into subpackages (issue 61) left records naming `python -m compiler.attn_probe` and
 `compiler/video_vae.py`. Read from the files and the source tree (ast), nothing imported: the
-project's modules by their files, others by `importlib.util.find_spec` of their top package."""
+project's modules by their files, others by `importlib.util.find_spec` of their top package. A
+dated record keeps the names of its time where runner's flat modules moved into runner/driver/,
+runner/serve/ and runner/io/ (issue 76; benchmarks/README.md says so): `runner.job` there is
+read as `runner.driver.job`, and a name of that layout still has to exist under it."""
 import ast
 import importlib.util
 import re
@@ -14,6 +17,7 @@ PACKAGES = ("compiler", "runner")
 COMMAND = re.compile(r"python3? -m ([A-Za-z_][\w.]*)(<?)")        # `<`: a placeholder, `<probe>`
 PATH = re.compile(r"(?<![\w/.-])((?:compiler|runner)/[\w/.-]*\.py)\b")
 DOTTED = re.compile(r"`((?:compiler|runner)(?:\.[A-Za-z_]\w*)+)")
+LAYERS = ("driver", "serve", "io")     # issue 76: runner's flat modules moved into these
 
 
 def documents() -> list[Path]:
@@ -63,15 +67,31 @@ def resolves(dotted: str) -> bool:
     return module.is_file() and (i == len(parts) or parts[i] in top_names(module))
 
 
+def of_its_time(name: str, sep: str) -> list[str]:
+    """`name` (`runner.job.main`, or `runner/job.py` with `sep` "/") and what it is now if it
+    names a module of runner's flat layout, moved into one of `LAYERS` (`runner.driver.job.main`)."""
+    top, _, rest = name.partition(sep)
+    return [name] + [sep.join((top, layer, rest)) for layer in LAYERS
+                     if top == "runner" and rest and rest.split(sep)[0] not in LAYERS]
+
+
+def dated(doc: Path) -> bool:
+    """A record: benchmarks/<date>-<what>.md, written once, in the names of its day."""
+    return doc.parent.name == "benchmarks" and doc.name[:1].isdigit()
+
+
 def stale(docs: list[Path]) -> list[str]:
     """What `docs` name that does not exist, one line each: `doc: what`."""
     bad = []
     for doc in docs:
         text, name = doc.read_text(), doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc.name
+        then = of_its_time if dated(doc) else (lambda n, sep: [n])
         bad += [f"{name}: python -m {m}" for m, placeholder in COMMAND.findall(text)
-                if not placeholder and not runnable(m.rstrip("."))]
-        bad += [f"{name}: {p}" for p in sorted(set(PATH.findall(text))) if not (ROOT / p).is_file()]
-        bad += [f"{name}: {d}" for d in sorted(set(DOTTED.findall(text))) if not resolves(d)]
+                if not placeholder and not any(map(runnable, then(m.rstrip("."), ".")))]
+        bad += [f"{name}: {p}" for p in sorted(set(PATH.findall(text)))
+                if not any((ROOT / q).is_file() for q in then(p, "/"))]
+        bad += [f"{name}: {d}" for d in sorted(set(DOTTED.findall(text)))
+                if not any(map(resolves, then(d, ".")))]
     return bad
 
 
@@ -93,3 +113,18 @@ def test_the_check_sees_a_moved_module_a_moved_file_and_a_name_gone(tmp_path):
     found = [b.split(": ", 1)[1] for b in stale([doc])]
     assert found == ["python -m compiler.attn_probe", "compiler/video_vae.py",
                      "compiler.video.video_vae.no_such_name", "compiler.video_vae.chunk_for"]
+
+
+def test_a_dated_record_keeps_runners_flat_names_and_the_docs_do_not(tmp_path):
+    """Issue 76 moved runner's modules into runner/driver/, serve/ and io/: a record written
+    before names them as they were, and is read through the move (a name gone under it is still
+    caught); the README and docs/ name today's paths."""
+    text = ("`python -m runner.warm job=x`, `runner/job.py`, `runner.job.main`, "
+            "`runner.job.no_such_name`, `runner.bench.scale`\n")
+    record, doc = tmp_path / "benchmarks" / "2026-11-25-x.md", tmp_path / "docs" / "x.md"
+    for f in (record, doc):
+        f.parent.mkdir()
+        f.write_text(text)
+    assert [b.split(": ", 1)[1] for b in stale([record])] == ["runner.job.no_such_name"]
+    assert [b.split(": ", 1)[1] for b in stale([doc])] == [
+        "python -m runner.warm", "runner/job.py", "runner.job.main", "runner.job.no_such_name"]

@@ -1,4 +1,4 @@
-"""The elastic pool's rules (runner/dispatch.py with a `Cluster`) on tests/test_dispatch.py's in-memory
+"""The elastic pool's rules (runner/driver/dispatch.py with a `Cluster`) on tests/test_dispatch.py's in-memory
 pool and a scripted cluster: GPUs that arrive, nodes that die or drain, a GPU type too small, no GPU
 at all. No Ray, a fake clock; tests/test_autoscaling_jobs.py runs the same on Ray's own autoscaler.
 
@@ -13,10 +13,10 @@ import logging
 
 import pytest
 
-from runner.cluster import View, type_fits, view
-from runner.dispatch import (DRAIN_MARGIN_S, IDLE_STOP_S, Dispatcher, NodeLost, NoRoom,
+from runner.driver.cluster import View, type_fits, view
+from runner.driver.dispatch import (DRAIN_MARGIN_S, IDLE_STOP_S, Dispatcher, NodeLost, NoRoom,
                              WorkerLost)
-from runner.prompts import plan_shards
+from runner.io.prompts import plan_shards
 from test_dispatch import FakePool, items as dispatch_items
 
 

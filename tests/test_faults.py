@@ -79,7 +79,7 @@ def assert_complete(job_dir, failed=()):
 
 
 def record_rows(job_dir):
-    """Every row of the job's record (runner/results.py: one records/*.jsonl object per shard,
+    """Every row of the job's record (runner/driver/results.py: one records/*.jsonl object per shard,
     compacted at the end of a run), in write order."""
     d = os.path.join(job_dir, "records")
     names = sorted(os.listdir(d)) if os.path.isdir(d) else []

@@ -1,6 +1,6 @@
 """The core S3 job cases against a real GCS-compatible server: `gcp-storage-emulator` (PyPI) on
 127.0.0.1, reached the way Google's own clients reach an emulator, through STORAGE_EMULATOR_HOST
-(runner.storage then uses pyarrow's GcsFileSystem with that endpoint, anonymous). Prompts in,
+(runner.io.storage then uses pyarrow's GcsFileSystem with that endpoint, anonymous). Prompts in,
 media, records and results out, and a driver SIGKILL followed by a rerun."""
 import os
 import subprocess

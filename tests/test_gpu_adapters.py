@@ -1,5 +1,5 @@
 """LoRA adapters on the full-size Wan 14B denoiser (random weights, fp16, CUDA): the runner's fused
-adapter (`runner.adapters.fuse`) against diffusers' unfused PEFT path, for Wan 2.1 T2V 14B and Wan
+adapter (`runner.serve.adapters.fuse`) against diffusers' unfused PEFT path, for Wan 2.1 T2V 14B and Wan
 2.2 A14B's second expert (`load_into_transformer_2`) on one build, and the fused adapters through O3's FP8
 linears, whose 16-bit weights must leave the GPU; and the job's own worker for Wan 2.2 A14B
 Lightning at 720P with an adapter on each expert, its memory peaks within an 80 GB GPU. Run on
@@ -18,7 +18,7 @@ import torch
 
 from conftest import free_pipeline
 
-from runner import adapters
+from runner.serve import adapters
 from runner.families.wan import random_adapter
 from runner.config import ModelSpec
 
@@ -144,17 +144,17 @@ def test_full_size_14b_fused_adapters_match_diffusers_unfused_and_survive_fp8(tm
 
 
 def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
-    """The job's own worker (`runner.job.worker_config` of `wan22_lightning_batch`: O3, FP8
+    """The job's own worker (`runner.driver.job.worker_config` of `wan22_lightning_batch`: O3, FP8
     linears, compiled blocks and step graphs) with a random rank-64 adapter in LightX2V's layout
     fused into each expert, one 720x1280 x 81-frame video in the published 4 steps (2 + 2), no
     CFG: the start-up's peak (both experts' 16-bit weights are on the GPU before FP8) and the
     serving peak (a step + the decode, the first call's compile counted) within an 80 GB GPU, the
     video made."""
-    from runner import job
+    from runner.driver import checks, job
     from runner.bench.lora import main as lora
     from runner.config import load_config, split
-    from runner.prompts import Item
-    from runner.worker import Worker
+    from runner.io.prompts import Item
+    from runner.serve.worker import Worker
     files = [tmp_path / "high.safetensors", tmp_path / "low.safetensors"]
     t0 = time.perf_counter()     # where the test's seconds go, printed (the suite's longest)
     for k, (f, expert) in enumerate(zip(files, ("transformer", "transformer_2"))):
@@ -167,7 +167,7 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
         # and its peak counts the compile's too; a second full 720P video (~35 s of the suite's
         # longest test on 2 GPUs) would show nothing the first does not
         "run.canary_every_items=0", "run.warmup_steps=0"]))
-    cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
+    cfg = job.worker_config(j, checks.constraints(j["model"]), on_gpu=True)
     assert cfg.compile.mode == "O3" and not cfg.canary
     t_files = time.perf_counter() - t0
     w = Worker(0, cfg)
@@ -298,10 +298,10 @@ def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_pa
     import numpy as np
     from torch._dynamo.utils import counters
 
-    from runner import job
+    from runner.driver import checks, job
     from runner.config import load_config, split
-    from runner.prompts import Item
-    from runner.worker import Worker
+    from runner.io.prompts import Item
+    from runner.serve.worker import Worker
     import imageio.v3 as iio
     t0 = time.perf_counter()     # where the test's seconds go, printed
     files = _partial_adapters(tmp_path)
@@ -324,7 +324,7 @@ def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_pa
             "generation.guidance_scale=1.0", "run.canary_every_items=0",
             "model.adapters=[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in e.items())
                                            + "}" for e in entries) + "]"]))
-        cfg = job.worker_config(j, job.constraints(j["model"]), on_gpu=True)
+        cfg = job.worker_config(j, checks.constraints(j["model"]), on_gpu=True)
         w = Worker(0, cfg)
         w.warmup()
         return w

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from conftest import free_pipeline
-from runner import step_cache
+from runner.serve import step_cache
 from runner.config import StepCacheSection
-from runner.images import placeholder
-from runner.models import ModelSpec, build_pipeline, check_gpu_memory
-from runner.prompts import Item
-from runner.worker import generate
+from runner.io.images import placeholder
+from runner.serve.models import ModelSpec, build_pipeline, check_gpu_memory
+from runner.io.prompts import Item
+from runner.serve.worker import generate
 
 pytestmark = pytest.mark.gpu
 DEVICE, SOURCE = "cuda", "random"      # the published architectures on the GPU

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from runner.config import GenerationDefaults
-from runner.models import ModelSpec, build_pipeline
-from runner.prompts import Constraints, Item
-from runner.worker import Worker, WorkerConfig
+from runner.serve.models import ModelSpec, build_pipeline
+from runner.io.prompts import Constraints, Item
+from runner.serve.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,8 @@ def test_worker_on_cuda_fp16_reports_gpu_metrics(tmp_path):
 
 
 def test_uint8_on_the_gpu_equals_the_host_conversion_of_diffusers_float32_output():
-    from runner.outputs import to_uint8
-    from runner.worker import to_host_uint8
+    from runner.io.outputs import to_uint8
+    from runner.serve.worker import to_host_uint8
     x = torch.rand(2, 3, 64, 48, device="cuda", dtype=torch.float16)
     x[0, 0, 0, :3] = torch.tensor([0.0, 1.0, 0.5 / 255], device="cuda")   # edges and a tie
     u8, finite = to_host_uint8(x, pin=True)
@@ -57,8 +57,8 @@ def test_full_size_o2_item_alone_and_in_a_shard_match_eager():
     (text encoded alone) by the eager pipeline vs by O2 (text encoder, denoiser and VAE compiled)
     in a batch of 2 with its text encoded together with a shard of 4: within fp16 tolerance."""
     from compiler import compile_pipe
-    from runner.text import TextCache
-    from runner.worker import generate
+    from runner.serve.text import TextCache
+    from runner.serve.worker import generate
     pipe = build_pipeline(ModelSpec("pixart_alpha_1024", source="random", device="cuda"))
     shard = [Item(id=f"i{k}", prompt=p, negative_prompt="", seed=k, height=1024, width=1024,
                   num_frames=None, num_inference_steps=4, guidance_scale=4.5, file="p", row=k)

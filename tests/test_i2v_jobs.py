@@ -19,10 +19,10 @@ from PIL import Image
 from test_faults import cli
 
 from runner.config import GenerationDefaults
-from runner.models import ModelSpec
-from runner.prompts import Constraints, Item
-from runner.storage import resolve
-from runner.worker import Worker, WorkerConfig
+from runner.serve.models import ModelSpec
+from runner.io.prompts import Constraints, Item
+from runner.io.storage import resolve
+from runner.serve.worker import Worker, WorkerConfig
 
 SIZE = dict(height=64, width=48)
 

@@ -1,4 +1,4 @@
-"""Image-to-video rows (`runner.images`, the `image` column of `runner.prompts`): the driver's
+"""Image-to-video rows (`runner.io.images`, the `image` column of `runner.io.prompts`): the driver's
 checks (exit 2 naming file:row), where an image is read from, the fit to the row's size, and the
 content hash that decides what a rerun regenerates. Fast: no model, no Ray (an S3 test talks to the
 session's moto server)."""
@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from runner import images
+from runner.io import images
 from runner.config import GenerationDefaults
-from runner.prompts import Constraints, PromptError, check_prompts
-from runner.results import Results
-from runner.storage import resolve
+from runner.io.prompts import Constraints, PromptError, check_prompts
+from runner.driver.results import Results
+from runner.io.storage import resolve
 from conftest import free_port
 
 GEN = GenerationDefaults(seed=3, height=64, width=64, num_frames=5, num_inference_steps=2,
@@ -278,7 +278,7 @@ def test_a_frozen_image_store_at_the_check_is_exit_3_naming_it_within_30_s(tmp_p
     line after 2 s saying what the job waits for, then exit 3 naming the store, within 30 s; no
     worker is started."""
     from s3server import moto_server
-    from runner import job
+    from runner.driver import job
     monkeypatch.setattr(job, "STOPS", [])
     with moto_server() as server:          # its own server: freezing the session's would stall others
         server.create_bucket("frozen")
@@ -320,7 +320,7 @@ def test_ctrl_c_during_the_input_check_ends_the_job_at_once(tmp_path, monkeypatc
     whatever the load: the bound is the wait it would otherwise have taken, not a speed)."""
     import threading
     from s3server import moto_server
-    from runner import job
+    from runner.driver import job
     monkeypatch.setattr(job, "STOPS", [])
     monkeypatch.setattr(job, "EXIT_AT_ONCE", [])
     waiting, sent = threading.Event(), []

@@ -15,7 +15,7 @@ from compiler.kernels import int8_attention as ia
 from compiler import parse_options
 from compiler.pipeline import _gpu_transforms
 from compiler.transforms import fuse_qkv
-from runner.models import ModelSpec, build_pipeline
+from runner.serve.models import ModelSpec, build_pipeline
 
 gpu = pytest.mark.gpu
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -296,7 +296,7 @@ def test_unavailable_names_the_reason_without_cuda():
 
 def test_output_settings_carry_the_flag_only_where_it_changes_outputs():
     from omegaconf import OmegaConf
-    from runner.results import settings_id, int8_attention
+    from runner.driver.results import settings_id, int8_attention
     assert int8_attention("O3", "wan21_t2v_1_3b") and int8_attention("O3", "wan22_ti2v_5b")
     assert int8_attention("O3", "anyflow_wan21_t2v_1_3b")           # Wan 2.1's DiT, its own class
     assert not int8_attention("O3", "pixart_alpha_1024")            # short sequences: unchanged
@@ -315,10 +315,10 @@ def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
     its ready info says so and why, the compiler's one line is logged, each row it makes says
     `int8_attention: false`, and the job's record puts those rows under the settings without
     the kernel, which a rerun counts done (`Plan.fallback`: remade only where the kernel runs)."""
-    from runner import job
+    from runner.driver import checks, job
     from runner.config import load_config, split
-    from runner.results import Results, fallback_settings_id, settings_id
-    from runner.worker import Worker
+    from runner.driver.results import Results, fallback_settings_id, settings_id
+    from runner.serve.worker import Worker
     p = write_prompts({"prompt": ["a cat", "a dog walking"]}, name="p.parquet")
     cfg = load_config(["job=wan_batch", "model.source=tiny", f"prompts.path={p}",
                        f"output.dir={tmp_path}", "generation.height=64", "generation.width=48",
@@ -326,7 +326,7 @@ def test_a_cpu_worker_falls_back_and_its_rows_are_recorded_without_the_kernel(
                        "run.batch_size=2", "compile.mode=int8-attention",
                        "compile.compile_text_encoder=false", "compile.compile_vae=false"])
     j = split(cfg)
-    checked = job.check_input(j)
+    checked = checks.check_input(j)
     # (the tiny model loads before `compiler.prewarm`'s thread has imported Inductor: compile_pipe
     # waits for those imports, else it raced them: "cannot import name 'lowering'")
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))

@@ -1,4 +1,4 @@
-"""The job's rules without Ray: `runner.job.main` (config, checks, lock, resume plan, JobRun, record,
+"""The job's rules without Ray: `runner.driver.job.main` (config, checks, lock, resume plan, JobRun, record,
 snapshots, summary, exit status) over a simulated pool (`runner.bench.simulate.SimPool`) on a
 virtual clock, against a real temp-dir job directory. Each run takes well under a second.
 
@@ -14,9 +14,9 @@ import signal
 import pyarrow.parquet as pq
 import pytest
 
-from runner import job
+from runner.driver import job
 from runner.bench.simulate import SimPool, VirtualClock
-from runner.storage import resolve
+from runner.io.storage import resolve
 
 IDS = [f"p{i:02d}" for i in range(12)]
 
@@ -260,8 +260,8 @@ def test_the_bound_follows_the_measured_rate_and_the_work_of_one_call():
     """The bound scales with the worker's measured rate and the size of one call of the work it
     holds (a row of 4x the pixels gets 4x the time; a batch of 2, twice), never under the floor
     nor over the ceiling; before anything came back, the ceiling; a new worker gets the job's."""
-    from runner.prompts import Item
-    from runner.watchdog import Pace, Watchdog, units
+    from runner.io.prompts import Item
+    from runner.driver.watchdog import Pace, Watchdog, units
     dog = Watchdog(ceiling_s=1000, factor=10, floor_s=60)
     pace = Pace(since=0.0)
 
@@ -647,7 +647,7 @@ def test_ids_differing_only_in_case_on_a_case_sensitive_dir_are_two_outputs(tmp_
                                                                              write_prompts):
     """The same ids where the directory keeps case apart (this machine's tmp_path: the probe says
     so): no error, one output each."""
-    from runner.storage import case_insensitive
+    from runner.io.storage import case_insensitive
     assert case_insensitive(tmp_path) is False and os.listdir(tmp_path) == []
     p = write_prompts({"prompt": [f"prompt {i}" for i in CASE_IDS], "id": CASE_IDS})
     assert Cluster().main(job_args(p, tmp_path / "out")) == 0
@@ -719,7 +719,7 @@ def test_the_driver_imports_no_torch_and_no_ray_when_its_pool_is_not_rays(prompt
     ~1.5 CPU-s per job, dry runs included, on the machine that also runs the workers)."""
     import subprocess
     import sys
-    code = (f"import sys; from runner import job; from runner.bench.simulate import SimPool, VirtualClock\n"
+    code = (f"import sys; from runner.driver import job; from runner.bench.simulate import SimPool, VirtualClock\n"
             f"clock = VirtualClock()\n"
             f"pool = lambda j, limits: SimPool(1, 1.0, clock, startup_s=(1, 1))\n"
             f"assert job.main({job_args(prompts, tmp_path)!r}, start_pool=pool, clock=clock.time) == 0\n"
@@ -849,8 +849,8 @@ def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(
         prompts, small_disk, monkeypatch, capsys):
     """The job exited 0 with report.html missing and 93 "no thumbnail" lines (issue 37). Now its
     last line says so; summary.txt too once it can be rewritten; every output is complete, so
-    the status stays 0 (the report is made again by `python -m runner.report DIR`)."""
-    from runner import report
+    the status stays 0 (the report is made again by `python -m runner.driver.report DIR`)."""
+    from runner.driver import report
     real = report.write_report
 
     def disk_fills_then_report(*args, **kw):      # a real ENOSPC inside the report's writes
@@ -867,7 +867,7 @@ def test_a_disk_filling_at_the_report_stage_is_said_last_and_the_exit_stays_0(
     assert_complete(d) and summary(d)["ok"] == 12
     assert not (d / "report.html").exists()
     note = (f"report.html not written (OSError: [Errno 28] No space left on device); every output "
-            f"is complete: `python -m runner.report {d}` makes it once the cause is fixed")
+            f"is complete: `python -m runner.driver.report {d}` makes it once the cause is fixed")
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err[-1] == f"note: {note}"
     assert (d / "summary.txt").read_text().endswith(f"\nnote: {note}\n")
@@ -891,7 +891,7 @@ def test_a_record_that_cannot_be_written_mid_job_is_exit_3_and_a_rerun_does_the_
     temporary file; the record keeps the shard before, whole. Once there is room a rerun keeps
     those 3 outputs and makes the other 9 (the 3 whose record was lost among them: their files
     are rewritten, as the record never said they were done)."""
-    from runner import results
+    from runner.driver import results
     real, calls = results.Results.add, []
 
     def disk_full_at_the_second_record(self, rows):
@@ -927,7 +927,7 @@ def test_an_output_dir_turning_read_only_mid_job_is_exit_3_naming_the_lock_left(
     over it, and again at exit: two tracebacks and exit 1. Now: exit 3 with the record's error
     last, no traceback, and one warning naming the lock left behind and who takes it over."""
     import subprocess
-    from runner import results
+    from runner.driver import results
     real, calls = results.Results.add, []
 
     def read_only_at_the_second_record(self, rows):
@@ -955,7 +955,7 @@ def test_an_output_dir_turning_read_only_mid_job_is_exit_3_naming_the_lock_left(
 def reading_fate(item) -> str:
     """A simulated worker that reads its row's image as a worker does (`images.read`, the default
     bound): a row whose image cannot be read fails with that ImageError."""
-    from runner import images
+    from runner.io import images
     try:
         images.read(item)
     except images.ImageError as e:
@@ -1016,7 +1016,7 @@ def test_rows_whose_image_is_no_image_file_fail_each_with_its_cause(tmp_path, wr
     p = write_prompts({"id": list(cells), "prompt": list(cells), "image": list(cells.values())})
 
     def fate(item):         # what the job's workers are told: prompts.max_image_mib=1
-        from runner import images
+        from runner.io import images
         try:
             images.read(item, max_bytes=1 << 20)
         except images.ImageError as e:
@@ -1089,7 +1089,7 @@ def test_outputs_made_without_the_int8_kernel_are_recorded_so_and_remade_where_i
     runs it makes that work and exactly those outputs again, after which every row has the
     settings of what made it, and the remakes count in the rate (not as resumed)."""
     from runner.config import load_config
-    from runner.results import fallback_settings_id, settings_id
+    from runner.driver.results import fallback_settings_id, settings_id
     args = wan_o3_args(prompts, tmp_path)
     cfg = load_config(args)
     with_kernel, without = settings_id(cfg), fallback_settings_id(cfg)
@@ -1207,7 +1207,7 @@ def _settings(preset: str, mode: str):
     ("pixart_alpha_1024", "int8-attention", "low-precision"),
 ])
 def test_lossy_modes_that_make_different_outputs_have_different_settings(preset, a, b):
-    from runner.results import fallback_settings_id, fingerprint, settings_id
+    from runner.driver.results import fallback_settings_id, fingerprint, settings_id
     assert settings_id(_settings(preset, a)) != settings_id(_settings(preset, b))
     assert fingerprint(_settings(preset, a)) != fingerprint(_settings(preset, b))
     # a worker without the kernel under int8-attention alone makes SDPA outputs without FP8
@@ -1219,7 +1219,7 @@ def test_lossy_modes_that_make_different_outputs_have_different_settings(preset,
 
 def test_settings_ids_of_existing_directories_are_unchanged():
     """The fix adds a key only where low-precision is off in a lossy mode: every other id stays."""
-    from runner.results import settings_id
+    from runner.driver.results import settings_id
     o3_no_int8 = "cudagraphs:cache-all:max-optimize:low-precision"
     for preset in ("wan21_t2v_1_3b", "pixart_alpha_1024"):
         for mode in ("none", "O2", "O3", o3_no_int8, "low-precision"):
@@ -1229,7 +1229,7 @@ def test_settings_ids_of_existing_directories_are_unchanged():
 
 
 def _output(preset, mode):
-    from runner.results import _output_settings
+    from runner.driver.results import _output_settings
     return _output_settings(_settings(preset, mode))
 
 
@@ -1308,7 +1308,7 @@ def test_a_long_cause_is_whole_in_the_summary_and_a_longer_one_is_cut_at_a_word(
     """The summary's cause line of a row that killed its worker without a word (SIGKILL, the
     out-of-memory killer where its count is not read) ended "(SIGSEGV, a CU": cut at 160
     characters. Now the runner's own causes are whole; a longer one is cut at a word, saying so."""
-    from runner.results import CAUSE_LEN, error_cause
+    from runner.driver.results import CAUSE_LEN, error_cause
     death = ("killed its worker 2 times (run.max_row_deaths=2): the worker process ended without an "
              "error of its own: killed (SIGKILL; the kernel's out-of-memory killer does that too) or "
              "crashed (SIGSEGV, a CUDA error)")

@@ -58,6 +58,44 @@ def test_the_compiler_never_imports_the_runner():
     assert bad == []
 
 
+# runner/ by role (issue 76): driver/ is the job's driver process; serve/ the worker side (Ray
+# actors), io/ inputs, outputs and storage, families/ the model families, all of which the
+# workers import, as they do the package itself and runner.config (the config and its types).
+WORKER_SIDE = ("runner", "runner.config", "runner.serve", "runner.io", "runner.families")
+
+
+def worker_side(name: str) -> bool:
+    return name in WORKER_SIDE or name.startswith(tuple(f"{p}." for p in WORKER_SIDE[2:]))
+
+
+def driver_imports(edges) -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of runner.driver by a worker-side module, at any
+    level (a function's own imports too)."""
+    return [(n, m if m != "runner" else "runner.driver") for n, imps in edges.items()
+            if worker_side(n) for m, names in imps
+            if m == "runner.driver" or m.startswith("runner.driver.")
+            or (m == "runner" and "driver" in names)]
+
+
+def test_the_worker_side_never_imports_the_driver():
+    """No module of runner/serve/, runner/io/ or runner/families/ (nor runner.config or the
+    package) imports runner/driver/, at any level: a worker never loads the driver's code, and
+    what both sides need lives on the worker's side (`outputs.failed_row`, once
+    `results.failed_row`, the worker's one driver import). The driver imports them freely."""
+    _, edges = graph()
+    assert driver_imports(edges) == []
+    mutated = {"runner.serve.worker": [("runner.driver.results", ("failed_row",))],
+               "runner.io.images": [("runner", ("driver",))],
+               "runner.families.wan": [("runner.driver", ("job",))],
+               "runner.config": [("runner.driver.checks", ("JobError",))],
+               "runner.driver.job": [("runner.serve.worker", ("Worker",))],
+               "runner.bench.canary": [("runner.driver.job", ())],
+               "runner.iox": [("runner.driver.job", ())]}
+    assert driver_imports(mutated) == [
+        ("runner.serve.worker", "runner.driver.results"), ("runner.io.images", "runner.driver"),
+        ("runner.families.wan", "runner.driver"), ("runner.config", "runner.driver.checks")]
+
+
 def test_the_library_never_imports_its_probes():
     """`compiler.bench` holds measurement tools (`python -m compiler.bench.<probe>`): no module
     outside it imports them, so they stay out of the library's import path."""
@@ -122,8 +160,8 @@ def cycles(deps: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycle_between_modules():
-    """Imports at any level count (runner.actor imported runner.worker inside a method, and
-    runner.worker imported runner.actor at the top: a cycle the module-level view missed)."""
+    """Imports at any level count (runner.serve.actor imported runner.serve.worker inside a method, and
+    runner.serve.worker imported runner.serve.actor at the top: a cycle the module-level view missed)."""
     mods = modules()
     pkgs = {n for n in mods if (ROOT / n.replace(".", "/") / "__init__.py").exists()}
     found = cycles(module_graph(mods, pkgs))
@@ -174,16 +212,16 @@ def test_no_family_name_outside_the_family_modules():
     assert bad == [], "\n".join(bad)
 
 
-DRIVER = ("job", "dispatch", "progress", "summary", "raypool")
+DRIVER = ("job", "checks", "dispatch", "progress", "summary", "raypool")
 
 
 def test_the_driver_keeps_its_state_in_objects_and_the_job_reads_as_a_short_recipe():
     """No `nonlocal` in the driver's modules (a run's state is `JobRun`'s, its callbacks its
     methods), and the locked part of the job, its recipe, fits on one screen (<= 50 lines)."""
     for name in DRIVER:
-        tree = ast.parse((ROOT / "runner" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "runner" / "driver" / f"{name}.py").read_text())
         assert not [n for n in ast.walk(tree) if isinstance(n, ast.Nonlocal)], name
-    tree = ast.parse((ROOT / "runner" / "job.py").read_text())
+    tree = ast.parse((ROOT / "runner" / "driver" / "job.py").read_text())
     (recipe,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_run_locked"]
     assert recipe.end_lineno - recipe.lineno + 1 <= 50
 
@@ -208,7 +246,7 @@ def test_every_name_the_tests_take_from_the_packages_exists():
     imports too), names something that exists, and so does each attribute read off a package
     module a test imported (`compiler.compile_pipe`, `step_cache.apply`). A gpu test never runs
     on CPU, so a name moved away from under it was seen only on a GPU machine (issue 48: the
-    A14B test imported `WorkerConfig` from `runner.actor`). Imports the modules named."""
+    A14B test imported `WorkerConfig` from `runner.serve.actor`). Imports the modules named."""
     import importlib
     import types
     bad = []

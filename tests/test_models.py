@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from runner.families import FAMILIES, PRESETS
-from runner.images import placeholder
-from runner.models import ModelLoadError, ModelSpec, build_pipeline, video_length
-from runner.prompts import Item
-from runner.worker import generate
+from runner.io.images import placeholder
+from runner.serve.models import ModelLoadError, ModelSpec, build_pipeline, video_length
+from runner.io.prompts import Item
+from runner.serve.worker import generate
 
 
 def frames_of(spec):
@@ -123,7 +123,7 @@ REUSE_AT_MIN_STEPS = [(p, m) for p in sorted(PAST_THE_BOUND)
 @pytest.mark.parametrize("preset, method", REUSE_AT_MIN_STEPS)
 def test_step_reuse_runs_at_the_fewest_steps(preset, method):
     """A plan over `min_steps` steps (1, PixArt-α 2) has no step to reuse; the call still runs."""
-    from runner import step_cache
+    from runner.serve import step_cache
     from runner.config import StepCacheSection
     spec = ModelSpec(preset, source="tiny")
     fam, pipe = spec.family, build_pipeline(spec)
@@ -177,7 +177,7 @@ def saved(tmp_path_factory):
 def test_pretrained_roundtrip_from_local_directory(saved, preset):
     """Every family: its saved directory passes the driver's checks, loads as the same pipeline,
     and makes the same output as the pipeline it was saved from (image rows too)."""
-    from runner.models import check_pretrained
+    from runner.serve.models import check_pretrained
     spec = ModelSpec(preset, source="tiny")
     pipe = build_pipeline(spec)
     pretrained = ModelSpec(preset, source="pretrained", path=str(saved(preset)), local_files_only=True)
@@ -201,7 +201,7 @@ def test_a_checkpoint_of_another_family_is_refused_on_the_driver_naming_its_pres
     no attribute 'scale_factor_temporal'"), or loaded a WanPipeline of another model and ran it
     with the wrong settings (a TI2V-5B or A14B directory under a Wan 2.1 preset)."""
     import time
-    from runner.models import check_pretrained
+    from runner.serve.models import check_pretrained
     # this machine's time for a whole check of its own family's directory, now (a fixed 0.5 s
     # bound was the machine's speed); a refusal reads no weights: as quick as that
     whole_s = {}
@@ -280,7 +280,7 @@ def test_an_incomplete_or_damaged_directory_is_refused_on_the_driver_naming_the_
     "Unable to load weights from checkpoint file"; now one line in milliseconds."""
     import shutil
     import time
-    from runner.models import check_pretrained
+    from runner.serve.models import check_pretrained
     d = tmp_path / "model"
     if "shard" in how:
         _sharded(saved("pixart_alpha_512"), d)
@@ -366,7 +366,7 @@ def test_model_path_expands_home_and_names_a_relative_directory_that_is_not_here
     hub id never starts with `~`. Before, it was asked of the hub as an id. A relative path that
     is no directory here is said to be none, besides not on the hub."""
     import shutil
-    from runner.models import check_pretrained
+    from runner.serve.models import check_pretrained
     shutil.copytree(saved("pixart_alpha_512"), tmp_path / "m")
     monkeypatch.setenv("HOME", str(tmp_path))
     spec = ModelSpec("pixart_alpha_512", source="pretrained", path="~/m", local_files_only=True)
@@ -394,7 +394,7 @@ def test_missing_pretrained_model_says_how_to_fix(tmp_path):
 def test_a_missing_model_directory_says_so_not_that_the_hub_is_unreachable(tmp_path):
     """Issue 47: model.path=/abs/dir that does not exist was reported as a hub id the hub could
     not be asked about. An absolute or ./ path can only be a directory: said at once, no hub."""
-    from runner.models import check_pretrained
+    from runner.serve.models import check_pretrained
     (tmp_path / "file").write_text("x")
     for path, what in [(str(tmp_path / "nope"), "this directory does not exist"),
                        (str(tmp_path / "file"), "is a file, not a directory"),
@@ -461,7 +461,7 @@ def test_hub_probe_says_why_within_its_bound(silent_server):
     import http.server
     import threading
     import time
-    from runner.models import hub_unreachable
+    from runner.serve.models import hub_unreachable
     t = time.monotonic()
     why = hub_unreachable("http://hub.invalid", timeout_s=1.0)
     assert why and why.startswith("http://hub.invalid: ") and time.monotonic() - t < 1.5
@@ -509,7 +509,7 @@ def test_a_pretrained_dry_run_without_the_hub_is_one_line_naming_hf_download(tmp
     own share (Python's start-up, imports, checks, the exit: seconds on CI's 2 loaded cores; a
     fixed 5 s failed once at 7.06 s) is measured in this run: the same dry run with random
     weights, which asks no hub."""
-    from runner.models import HUB_PROBE_S
+    from runner.serve.models import HUB_PROBE_S
     endpoint = "http://hub.invalid" if where == "unresolvable" else silent_server.url
     base, t0, t1 = _dry_run(tmp_path, endpoint, "model.source=random")
     assert base.returncode == 0, base.stderr[-2000:]
@@ -565,8 +565,8 @@ def test_a_worker_that_cannot_load_the_model_fails_its_warmup_not_its_actor(save
     whose cause Ray's text hid ("The actor died because of an error raised in its creation
     task"), restarted ray.max_worker_restarts times. No Ray here: the actor class itself."""
     import shutil
-    from runner import job
-    from runner.actor import WorkerActor
+    from runner.driver import checks, job
+    from runner.serve.actor import WorkerActor
     from runner.config import load_config, split
     d = tmp_path / "model"
     shutil.copytree(saved("pixart_alpha_512"), d)
@@ -574,7 +574,7 @@ def test_a_worker_that_cannot_load_the_model_fails_its_warmup_not_its_actor(save
     j = split(load_config(["job=demo_image", "model.source=pretrained", f"model.path={d}",
                            "model.preset=pixart_alpha_512", "model.local_files_only=true",
                            f"output.dir={tmp_path / 'out'}"]))
-    actor = WorkerActor(0, job.worker_config(j, job.check_input(j).limits, on_gpu=False))
+    actor = WorkerActor(0, job.worker_config(j, checks.check_input(j).limits, on_gpu=False))
     assert actor.phases(0) == []               # the driver polls start-up phases meanwhile
     with pytest.raises(ModelLoadError, match=f"^local directory {str(d)!r} holds inf or NaN"):
         actor.warmup()
@@ -621,7 +621,7 @@ def test_the_finite_check_on_a_gpu_refuses_fp16_overflow_and_costs_little_at_ful
     weights, fp16) takes well under a second (printed)."""
     import shutil
     import time
-    from runner.models import _check_finite
+    from runner.serve.models import _check_finite
     d = tmp_path / "model"
     shutil.copytree(saved("pixart_alpha_512"), d)
     _set_weight(d, 1e6)

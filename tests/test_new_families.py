@@ -8,11 +8,11 @@ import torch
 from PIL import Image
 
 from runner.families import FAMILIES, PRESETS
-from runner.images import placeholder
-from runner.models import ModelLoadError, ModelSpec, build_pipeline, check_gpu_memory
-from runner.prompts import Item
-from runner.text import TextCache
-from runner.worker import generate
+from runner.io.images import placeholder
+from runner.serve.models import ModelLoadError, ModelSpec, build_pipeline, check_gpu_memory
+from runner.io.prompts import Item
+from runner.serve.text import TextCache
+from runner.serve.worker import generate
 
 NEW = ["wan22_t2v_a14b", "wan22_t2v_a14b_480p", "wan22_ti2v_5b", "wan21_i2v_14b_480p",
        "wan21_i2v_14b_720p", "flux1_dev"]
@@ -220,9 +220,9 @@ def test_ti2v_vae_decodes_in_compiled_chunks_as_wan21s_does():
 def test_a_worker_checks_gpu_memory_before_it_loads_anything(tmp_path, monkeypatch):
     """The worker's first act: a GPU with less free memory than the preset needs stops it with the
     named error, before any weights are built."""
-    import runner.worker as worker
+    import runner.serve.worker as worker
     from runner.config import GenerationDefaults
-    from runner.prompts import Constraints
+    from runner.io.prompts import Constraints
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (59.5 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "the test GPU")
     monkeypatch.setattr(worker, "build_pipeline", lambda spec: pytest.fail("loaded a model"))

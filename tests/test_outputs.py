@@ -1,4 +1,4 @@
-"""runner/outputs.py's writers on a real full disk (a 4 kB tmpfs; mounting needs root, as CI runs):
+"""runner/io/outputs.py's writers on a real full disk (a 4 kB tmpfs; mounting needs root, as CI runs):
 the error raises inside the call, once, and leaves no file, no open handle and no late
 "Exception ignored in ... __del__" (issue 37 D5: imageio's PluginV3.__del__ printed after the
 runner's last line; imageio_ffmpeg published a truncated mp4 as the output)."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import full_disk
-from runner.outputs import write_mp4, write_png
+from runner.io.outputs import write_mp4, write_png
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from runner.config import GenerationDefaults
-from runner.prompts import (Constraints, PromptError, case_collisions, check_prompts, plan_shards,
+from runner.io.prompts import (Constraints, PromptError, case_collisions, check_prompts, plan_shards,
                             sanitize_id)
 from conftest import GUARD_S
 
@@ -66,7 +66,7 @@ def test_steps_below_model_minimum(write_prompts):
 def test_steps_above_model_maximum_name_the_row_its_id_and_the_bound(write_prompts, monkeypatch):
     """Past `max_steps` the worker's pipeline fails (or makes NaN) after load and compile: refused
     here, by the column-wise path and the row-by-row one alike; the bound itself passes."""
-    from runner import prompts
+    from runner.io import prompts
     limits = Constraints(size_factor=16, max_steps=999)
     p = write_prompts({"id": ["fox", "city", "sea"], "prompt": ["a", "b", "c"],
                        "num_inference_steps": [20, 1000, 999]})
@@ -147,7 +147,7 @@ def test_ids_are_sanitized_and_collisions_rejected(write_prompts):
 
 
 def test_ids_differing_only_in_case_are_paired_for_the_output_dir_check(write_prompts):
-    """Not an error here (a case-sensitive output.dir keeps both: runner.job decides, see
+    """Not an error here (a case-sensitive output.dir keeps both: runner.driver.job decides, see
     tests/test_jobrun.py): each later id pairs with the first of its folded name."""
     p = write_prompts({"prompt": list("abcde"), "id": ["Fox", "cat", "fox", "FOX", "a/b"]})
     items = check(p)[2]
@@ -215,7 +215,7 @@ def test_integers_past_int64_are_an_error(write_prompts, col, values, limits):
 def test_columnwise_checks_give_the_same_items_as_row_by_row(write_prompts, monkeypatch, limits):
     """check_prompts' column-wise fast path (a million rows in seconds) and the row-by-row path
     (which words the errors) agree item for item, defaults and null cells included."""
-    import runner.prompts as prompts
+    import runner.io.prompts as prompts
     cols = {"prompt": ["a", " b ", "c", "d"], "id": ["x/1", "y", None, "z"],
             "seed": [1, None, 2**40, 0], "height": [32, None, 64, 128], "width": [16, 48, None, 64],
             "num_frames": [4, None, 4, 4], "num_inference_steps": [3, None, 1, 9],
@@ -247,13 +247,13 @@ def test_a_bad_default_is_the_keys_error_not_every_rows(tmp_path):
 def test_item_is_the_one_definition_of_a_row(write_prompts):
     """Column lists, generation defaults, result rows and resume's comparison all derive from
     Item's fields: a per-row parameter added there is read, defaulted and compared everywhere."""
-    from runner import prompts
+    from runner.io import prompts
     params = prompts.PARAMS
     assert params == ("prompt", "negative_prompt", "seed", "height", "width", "num_frames",
                       "num_inference_steps", "guidance_scale", "image_sha256", "adapter",
                       "adapters_sha256")
-    # the image is a column, not a parameter: its content hash is (runner.images), no column;
-    # the adapters' content hash likewise (runner.adapters.row_hashes)
+    # the image is a column, not a parameter: its content hash is (runner.io.images), no column;
+    # the adapters' content hash likewise (runner.serve.adapters.row_hashes)
     hashes = {"image_sha256", "adapters_sha256"}
     assert set(prompts.OPTIONAL_COLUMNS) == {"id", "image", *params} - {"prompt", *hashes}
     # every parameter but the prompt, the content hashes and the per-row adapter (none unless

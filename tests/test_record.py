@@ -13,11 +13,12 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from runner import lock
+from runner.driver import lock
 from runner.config import ConfigError, load_config
-from runner.job import JobError, run
-from runner.prompts import Item, PromptError
-from runner.results import Results, lossy
+from runner.driver.checks import JobError
+from runner.driver.job import run
+from runner.io.prompts import Item, PromptError
+from runner.driver.results import Results, lossy
 from test_faults import ROOT, cli, finish_within, record_rows, rows, wait_for_journal
 from conftest import GUARD_S, full_disk
 
@@ -26,7 +27,7 @@ from conftest import GUARD_S, full_disk
 def no_models_no_ray(monkeypatch):
     """Fail loudly if a test reaches model building or Ray."""
     import ray
-    import runner.models as models
+    import runner.serve.models as models
 
     def boom(*a, **k):
         raise AssertionError("reached model building / Ray")
@@ -170,7 +171,7 @@ def test_lock_names_its_holder_and_stale_locks_are_taken_over(tmp_path):
 
 
 def test_bad_output_dir_is_exit_2(tmp_path, write_prompts, capsys):
-    from runner.job import main
+    from runner.driver.job import main
     p = write_prompts({"prompt": ["a"]})
     assert main(["job=demo_image", f"prompts.path={p}", "output.dir=/proc/foo"]) == 2
     assert "error: output.dir" in capsys.readouterr().err
@@ -228,7 +229,7 @@ def test_a_second_driver_is_refused_and_sigterm_stops_like_ctrl_c_with_exit_143(
 def test_a_full_disk_at_the_start_is_exit_2_naming_it(tmp_path, write_prompts, capsys):
     """A rerun onto a full disk: writing config.yaml fails with ENOSPC before any work (a real
     tmpfs, filled), and the job exits 2 naming the file and the error (no worker started)."""
-    from runner.job import main
+    from runner.driver.job import main
     p = write_prompts({"prompt": ["a", "b"]})
     out = tmp_path / "full"
     out.mkdir()
@@ -254,7 +255,7 @@ class SlowRay:
 
 
 def test_a_local_ray_slow_to_start_is_started_again_then_named():
-    from runner.raypool import RayStartError, start_local_ray
+    from runner.driver.raypool import RayStartError, start_local_ray
     ray = SlowRay(fails=2)
     start_local_ray(ray, num_cpus=2)
     assert ray.inits == 3 and ray.shutdowns == 2
@@ -269,7 +270,7 @@ def test_a_local_ray_slow_to_start_is_started_again_then_named():
 
 @pytest.fixture(params=["local", "s3"])
 def job_store(request, tmp_path):
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     if request.param == "local":
         return resolve(tmp_path / "job")
     return resolve(f"s3://{request.getfixturevalue('s3_bucket')}/job")
@@ -278,7 +279,7 @@ def job_store(request, tmp_path):
 def test_a_changed_rows_old_output_is_removed_before_it_runs_and_the_record_says_so(job_store):
     """Issue 37 D3: an edited row whose regeneration failed kept the old media/<id>.png, made
     from the old inputs, while the record said failed."""
-    from runner.results import failed_row
+    from runner.io.outputs import failed_row
     r = Results(job_store, settings="s1")
     old = [item("a"), item("b", row=1), item("c", row=2), item("d", row=3)]
     for it in old:
@@ -309,7 +310,7 @@ def test_a_changed_rows_old_output_is_removed_before_it_runs_and_the_record_says
 
 def test_failures_group_by_cause_with_their_ids():
     """Issue 37 D2: 400 rows failing alike printed 400 lines, the id inside each message."""
-    from runner.results import format_errors, group_errors
+    from runner.driver.results import format_errors, group_errors
     rows = [{"id": f"m{i:04d}", "status": "failed",
              "error": f"FloatingPointError: non-finite values in the output of 'm{i:04d}'"}
             for i in range(400)]                                       # a record of an older run
@@ -341,7 +342,7 @@ def test_failures_naming_files_group_as_one_cause():
     """Issue 47: 38 rows whose images were missing printed 38 lines `1 x ImageError: ... not
     found`: the path in each message made each cause its own. Paths, URIs (the store kept) and a
     prompts file's rows are masked; words with a "/" that are not paths are not."""
-    from runner.results import error_cause, format_errors, group_errors
+    from runner.driver.results import error_cause, format_errors, group_errors
     rows = [{"id": f"IMG_{i:04d}", "status": "failed",
              "error": f"ImageError: image /data/cat/photos/{'ab'[i % 2]}/IMG_{i:04d}.jpg: not found"}
             for i in range(30)]

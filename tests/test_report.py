@@ -128,7 +128,7 @@ def fake_rows(n, failed=()):
 
 
 def test_large_job_gallery_shows_first_last_and_failures(tmp_path):
-    from runner.report import sample_gallery, write_report
+    from runner.driver.report import sample_gallery, write_report
     rows = fake_rows(50_000, failed={7, 25_000, 49_999})
     shown, hidden = sample_gallery(rows, 200)
     ids = [r["id"] for r in shown]
@@ -146,8 +146,8 @@ def test_large_job_gallery_shows_first_last_and_failures(tmp_path):
 
 
 def test_thumbnails_made_once_and_within_the_budget(tmp_path):
-    from runner.outputs import write_png
-    from runner.report import write_report
+    from runner.io.outputs import write_png
+    from runner.driver.report import write_report
     rows = fake_rows(3)
     (tmp_path / "media").mkdir()
     for r in rows:
@@ -164,7 +164,7 @@ def test_thumbnails_made_once_and_within_the_budget(tmp_path):
 
 
 def test_worker_breakdown_takes_any_reported_parts():
-    from runner.report import time_breakdown
+    from runner.driver.report import time_breakdown
     assert time_breakdown({"time_s": {"denoise": 3.0, "decode": 1, "wait": 0.0, "x": "n/a"},
                            "model_load_s": 9}) == {"denoise": 3.0, "decode": 1.0}
     parts = time_breakdown({"model_load_s": 2.0, "warmup_s": 1.0, "busy_s": 6.0, "denoise_s": 4.0,
@@ -173,12 +173,12 @@ def test_worker_breakdown_takes_any_reported_parts():
 
 
 def test_a_failing_report_does_not_fail_the_job(monkeypatch, caplog):
-    import runner.report
-    from runner.job import _report
+    import runner.driver.report
+    from runner.driver.job import _report
 
     def broken(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(runner.report, "write_report", broken)
+    monkeypatch.setattr(runner.driver.report, "write_report", broken)
     with caplog.at_level(logging.WARNING, logger="runner"):
         _report("/nonexistent", [], {})
     assert "report.html not written: OSError: disk full" in caplog.text
@@ -194,7 +194,7 @@ def test_short_jobs_draw_their_plot_without_library_warnings(tmp_path, timeline,
     """A one-shard job's plot made matplotlib warn on the user's terminal ("Attempting to set
     identical low and high xlims"): the axis is never of zero width."""
     import warnings
-    from runner.report import throughput_plot
+    from runner.driver.report import throughput_plot
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path = throughput_plot(timeline, {"startup_s": startup_s}, str(tmp_path / "t.png"))
@@ -203,8 +203,8 @@ def test_short_jobs_draw_their_plot_without_library_warnings(tmp_path, timeline,
 
 def test_thumbnails_on_a_full_disk_are_one_warning_and_the_page_is_written(tmp_path, caplog):
     """A disk filling at the report stage printed one "no thumbnail" line per output (93)."""
-    from runner.outputs import write_png
-    from runner.report import write_report
+    from runner.io.outputs import write_png
+    from runner.driver.report import write_report
     rows = fake_rows(30)
     (tmp_path / "media").mkdir()                   # write_png writes straight to its path
     for r in rows:

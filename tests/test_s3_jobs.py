@@ -1,6 +1,6 @@
 """Jobs with prompts and outputs on a real S3-compatible server (moto, tests/s3server.py, on
 127.0.0.1): the real CLI, tiny models, 64x64, 2 steps. Nothing is written to a local job directory;
-every check reads the bucket through runner.storage."""
+every check reads the bucket through runner.io.storage."""
 import contextlib
 import json
 import os
@@ -15,7 +15,7 @@ import pytest
 from test_cluster import ENV, ROOT, ray_cluster, submit  # noqa: F401  (ray_cluster is a fixture)
 from test_faults import cli, finish_within
 
-from runner.storage import resolve
+from runner.io.storage import resolve
 from conftest import GUARD_S
 
 pytestmark = pytest.mark.e2e
@@ -221,7 +221,7 @@ def test_sigterm_while_the_store_is_down_is_still_143(write_prompts, monkeypatch
 
 def test_a_stalled_store_ends_the_job_within_120_s_naming_it(write_prompts, monkeypatch):
     """The store stops answering (its server SIGSTOPped: connections accepted, no reply) mid-job,
-    at the production timeouts (runner.storage.OP_TIMEOUT_S = 20 s): the job stops on it, and its
+    at the production timeouts (runner.io.storage.OP_TIMEOUT_S = 20 s): the job stops on it, and its
     end (results, summary, lock) has one deadline, not a timeout each; the exit does not wait for
     the requests left in flight. Measured before: 166 s, the lock left unnamed."""
     with job_on_its_own_server(write_prompts, monkeypatch, "stalling", 40, 0.5, 2) as (p, server):

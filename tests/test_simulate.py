@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from runner import job
+from runner.driver import job
 from runner.bench.simulate import SimCluster, SimPool, VirtualClock, elastic_run, write_prompts
-from runner.dispatch import NodeLost
-from runner.prompts import Item
+from runner.driver.dispatch import NodeLost
+from runner.io.prompts import Item
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

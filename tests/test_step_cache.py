@@ -1,4 +1,4 @@
-"""Step reuse (`step_cache.*`, runner/step_cache.py) on the tiny Latte, on CPU.
+"""Step reuse (`step_cache.*`, runner/serve/step_cache.py) on the tiny Latte, on CPU.
 
 What could break: a bad method or parameter reaching Ray (exit 2 naming the valid values, before
 any model); the hooks not skipping anything; state leaking from one pipeline call into the next
@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-from runner import step_cache
+from runner.serve import step_cache
 from runner.config import ConfigError, StepCacheSection, load_config, split
 from runner.families.latte import LATTE
-from runner.models import ModelSpec, build_pipeline
-from runner.prompts import Item
-from runner.worker import generate
+from runner.serve.models import ModelSpec, build_pipeline
+from runner.io.prompts import Item
+from runner.serve.worker import generate
 from conftest import GUARD_S, compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +96,7 @@ def test_good_parameters_reach_the_diffusers_config():
 def test_cli_exits_2_naming_the_valid_ones_before_ray(args, needle, tmp_path, capsys):
     """The job's entry point in-process (`python -m runner` runs the same `main`; the command line
     itself: test_compile_job.py's test_bad_compile_mode_with_a_step_cache_is_exit_2_naming_it)."""
-    from runner.job import main
+    from runner.driver.job import main
     assert main([*args, f"output.dir={tmp_path}"]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "demo_video").exists() and not (tmp_path / "demo_image").exists()
@@ -140,7 +140,7 @@ def test_step_cache_settings_name_only_the_keys_the_method_reads():
 
 
 def test_step_cache_is_part_of_the_settings_id_only_when_on():
-    from runner.results import fingerprint, settings_id
+    from runner.driver.results import fingerprint, settings_id
     ids = {m: settings_id(load_config(["job=demo_video", f"step_cache.method={m}"]))
            for m in ("none", "residual", "fastercache", "pab")}
     assert len(set(ids.values())) == 4
@@ -273,9 +273,9 @@ def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_promp
     and VAE stay eager: their compile is tested in test_compiler_compile.py and costs most of the
     CPU compile time; the shapes and the session's compile cache are those of the in-process
     compiles above (their C++ kernels reused; the cold build: test_compile_job.py)."""
-    from runner import job
+    from runner.driver import checks, job
     from runner.config import load_config, split
-    from runner.worker import Worker
+    from runner.serve.worker import Worker
     from test_jobrun import Cluster
     p = write_prompts({"prompt": ["a cat", "a dog walking", "a red car"]}, name="p.parquet")
     args = ["job=demo_video", f"output.dir={tmp_path}", "ray.cpu_workers=1", f"prompts.path={p}",
@@ -283,7 +283,7 @@ def test_demo_video_with_step_cache(method, mode, runs_as, tmp_path, write_promp
             f"compile.cache_dir={compile_cache()}", f"step_cache.method={method}",
             f"compile.mode={mode}", "compile.compile_text_encoder=false", "compile.compile_vae=false"]
     j = split(load_config(args))
-    checked = job.check_input(j)
+    checked = checks.check_input(j)
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
     w.warmup()
     assert [r["status"] for r in w.run_shard(checked.items)] == ["ok"] * 3
@@ -425,9 +425,9 @@ def test_compile_cache_key_covers_the_step_reuse_setting(tmp_path):
     """A cached artifact is never found for another step-reuse setting (it was, before)."""
     from compiler.cache import cache_key
     from runner.config import GenerationDefaults
-    from runner.prompts import Constraints
+    from runner.io.prompts import Constraints
     from runner.config import WorkerConfig
-    from runner.worker import Worker
+    from runner.serve.worker import Worker
 
     def key(**sc):
         w = Worker(0, WorkerConfig(model=ModelSpec("latte1", source="tiny"),

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from compiler import step_reuse
-from runner import step_cache
+from runner.serve import step_cache
 from runner.config import ConfigError, StepCacheSection, load_config, split
 from runner.families import FAMILIES
-from runner.models import ModelSpec, build_pipeline
-from runner.prompts import Item
-from runner.worker import generate
+from runner.serve.models import ModelSpec, build_pipeline
+from runner.io.prompts import Item
+from runner.serve.worker import generate
 from conftest import GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def test_install_keeps_the_model_and_reuse_adds_the_kept_residual():
 
 
 # ---------------------------------------------------------------------------------------------
-# The schedule through the pipeline (runner.step_cache.Scheduled)
+# The schedule through the pipeline (runner.serve.step_cache.Scheduled)
 
 @pytest.mark.parametrize("preset", list(CASES))
 def test_reuse_follows_the_plan_per_branch_and_outputs_depend_on_the_item_only(preset):
@@ -466,5 +466,5 @@ def test_o2_with_reuse_on_cpu_matches_eager_reuse_without_recompiles(preset, blo
 
 
 def _image_of(fam):
-    from runner.images import placeholder
+    from runner.io.images import placeholder
     return placeholder(64, 64) if fam.image == "required" else None

@@ -1,4 +1,4 @@
-"""runner.storage against a local directory and a real S3 server (moto, tests/s3server.py): the same
+"""runner.io.storage against a local directory and a real S3 server (moto, tests/s3server.py): the same
 behaviour tests on both. No mock of the S3 client: pyarrow's S3 filesystem talks HTTP to the server."""
 import io
 import os
@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from runner.storage import Store, resolve
+from runner.io.storage import Store, resolve
 from s3server import moto_server
 
 
@@ -199,7 +199,7 @@ def test_listing_vs_exists(store, capsys):
     listing request against 200 stats is already ~30x apart (48 ms vs 1.6 s on the loaded 2-core
     VM), and each key costs the suite a put and a stat on moto (1k keys and 10k local files were
     12 s of the test's 16 s there);
-    STORAGE_BENCH_KEYS=10000 for the full run (its figures: runner/storage.py's docstring)."""
+    STORAGE_BENCH_KEYS=10000 for the full run (its figures: runner/io/storage.py's docstring)."""
     n = int(os.environ.get("STORAGE_BENCH_KEYS", 2_000 if store.local else 200))
     put_many(store, {f"media/{i:06d}.png": 10 for i in range(n)})
     t = time.perf_counter()
@@ -242,7 +242,7 @@ def test_server_that_cannot_start_fails_with_its_log():
 @pytest.fixture
 def stalled_s3(monkeypatch):
     """A moto server of this test's own (pausing the session's would stall other tests), with a
-    bucket and the environment that points runner.storage at it; `.pause()` stops the server
+    bucket and the environment that points runner.io.storage at it; `.pause()` stops the server
     process, `.resume()` continues it (always done at the end, before it is stopped)."""
     import signal
     import types
@@ -270,7 +270,7 @@ def wait_for(check, timeout_s: float) -> bool:
 
 
 def test_calls_on_a_stalled_store_fail_in_bounded_time_naming_the_store(stalled_s3, monkeypatch):
-    from runner import storage
+    from runner.io import storage
     monkeypatch.setattr(storage, "OP_TIMEOUT_S", 2.0)      # the mechanism, not the production figure
     store = resolve(f"s3://{stalled_s3.bucket}/job")
     store.write_text("records/r1.jsonl", "{}\n")
@@ -306,7 +306,7 @@ def test_calls_on_a_stalled_store_fail_in_bounded_time_naming_the_store(stalled_
 
 UPLOADER = """
 import sys
-from runner.storage import resolve
+from runner.io.storage import resolve
 with resolve(sys.argv[1]).atomic_local("media/a.mp4") as tmp:
     tmp.write_bytes(b"v" * 100_000)
     print("written", flush=True)
@@ -338,7 +338,7 @@ def test_an_upload_killed_on_a_stalled_store_leaves_no_temporary_file(stalled_s3
 
 
 def test_the_lock_on_a_stalled_store_is_named_and_removed_once_it_answers(stalled_s3, caplog):
-    from runner.lock import LOCK, job_lock
+    from runner.driver.lock import LOCK, job_lock
     store = resolve(f"s3://{stalled_s3.bucket}/job")
     t = None
     with caplog.at_level("WARNING", logger="runner"):

@@ -117,7 +117,7 @@ def test_unknown_section_suggests_and_lists_valid_sections():
 
 def test_help_lists_jobs_examples_and_where_keys_are_documented(capsys):
     from runner.config import COMMON_KEYS, available_jobs
-    from runner.job import main
+    from runner.driver.job import main
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m runner job=NAME")
@@ -134,13 +134,13 @@ def test_help_lists_jobs_examples_and_where_keys_are_documented(capsys):
 
 
 def test_no_arguments_prints_help_and_exits_2(capsys):
-    from runner.job import main
+    from runner.driver.job import main
     assert main([]) == 2
     assert "examples:" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
-# Start-up phases and progress (runner/progress.py), unit level.
+# Start-up phases and progress (runner/driver/progress.py), unit level.
 
 class FakeStream:
     def __init__(self, tty):
@@ -157,7 +157,7 @@ class FakeStream:
 
 
 def test_progress_off_a_terminal_prints_plain_lines_from_first_ready(monkeypatch):
-    from runner import progress as p
+    from runner.driver import progress as p
     now = [100.0]
     monkeypatch.setattr(p.time, "monotonic", lambda: now[0])
     stream = FakeStream(tty=False)
@@ -180,7 +180,7 @@ def test_progress_off_a_terminal_prints_plain_lines_from_first_ready(monkeypatch
 
 
 def test_progress_on_a_terminal_is_a_tqdm_bar_started_at_first_ready():
-    from runner.progress import Progress
+    from runner.driver.progress import Progress
     stream = FakeStream(tty=True)
     prog = Progress(total=4, stream=stream)
     prog.update(0)
@@ -195,10 +195,10 @@ def test_worker_reports_start_up_phases(tmp_path):
     """The worker keeps its warm-up phases for the driver, which asks for the ones it has not seen
     (the driver shows "loading model" itself while the actor's __init__ runs; CLI test below)."""
     from runner.config import GenerationDefaults
-    from runner.models import ModelSpec
-    from runner.prompts import Constraints
+    from runner.serve.models import ModelSpec
+    from runner.io.prompts import Constraints
     from runner.config import WorkerConfig
-    from runner.worker import Worker
+    from runner.serve.worker import Worker
 
     cfg = WorkerConfig(model=ModelSpec("pixart_alpha_512", source="tiny"),
                        generation=GenerationDefaults(height=64, width=64, num_inference_steps=2),
@@ -236,7 +236,7 @@ def test_phase_printer_shows_the_last_phases_when_a_worker_is_ready(caplog):
     slot is ready, the driver asks once more."""
     import logging
     from types import SimpleNamespace
-    from runner.progress import PhasePrinter
+    from runner.driver.progress import PhasePrinter
     pool = PhasesPool()
     slot = SimpleNamespace(rank=0, actor="w0", state="starting")
     printer = PhasePrinter(pool, every_s=0)
@@ -264,7 +264,7 @@ def test_a_long_phase_is_said_again_with_its_seconds(monkeypatch, caplog):
     15, 30, 45, 60 s into it, then once a minute; a new phase starts its own count."""
     import logging
     from types import SimpleNamespace
-    from runner import progress as p
+    from runner.driver import progress as p
     now = [0.0]
     monkeypatch.setattr(p.time, "monotonic", lambda: now[0])
     pool = PhasesPool()
@@ -289,7 +289,7 @@ def test_a_long_phase_is_said_again_with_its_seconds(monkeypatch, caplog):
 
 def _worker(rank, gpu=None, **figures):
     """A `summary.worker_detail` row: every figure set, GPU ones only for a GPU worker."""
-    from runner.summary import worker_detail
+    from runner.driver.summary import worker_detail
     ms = dict(text_encode=1.5, denoise=812.0, decode=95.3) if gpu else {}
     m = dict(rank=rank, host=f"node-{rank}", gpu_name=gpu, items=40, failed=0, restarts=0,
              model_load_s=61.2, warmup_s=98.7, steady_it_s=12.3, e2e_mean_s=4.12, e2e_p95_s=4.48,
@@ -299,7 +299,7 @@ def _worker(rank, gpu=None, **figures):
 
 
 def test_the_worker_table_fits_100_columns_and_drops_empty_columns():
-    from runner.summary import WIDTH, workers_text
+    from runner.driver.summary import WIDTH, workers_text
     gpu = workers_text([_worker(0, "NVIDIA H200"), _worker(1, "NVIDIA H200", failed=2)])
     assert max(map(len, gpu.splitlines())) <= WIDTH
     assert "gpu_ms_denoise" in gpu and "failed" in gpu and "restarts" not in gpu   # all 0
@@ -312,7 +312,7 @@ def test_the_worker_table_fits_100_columns_and_drops_empty_columns():
 
 
 def test_workers_of_different_gpu_types_are_grouped_by_type():
-    from runner.summary import WIDTH, workers_text
+    from runner.driver.summary import WIDTH, workers_text
     text = workers_text([_worker(0, "NVIDIA H200"), _worker(1, "NVIDIA A100-SXM4-80GB"),
                          _worker(2, "NVIDIA H200"), _worker(3)])
     assert max(map(len, text.splitlines())) <= WIDTH
@@ -327,8 +327,8 @@ def test_workers_of_different_gpu_types_are_grouped_by_type():
 
 
 def test_the_legend_is_shown_on_a_terminal_once(monkeypatch, tmp_path):
-    from runner.summary import LEGEND
-    from runner.terminal import legend_due
+    from runner.driver.summary import LEGEND
+    from runner.driver.terminal import legend_due
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert not legend_due(LEGEND, FakeStream(tty=False))      # a log file: summary.txt has it
     assert legend_due(LEGEND, FakeStream(tty=True))
@@ -345,7 +345,7 @@ def test_colour_codes_are_kept_off_a_log_file():
     """Ray forwards worker lines with coloured prefixes; a file kept them as raw escapes."""
     import subprocess
     import sys
-    code = ("import logging, sys; from runner import job; job._configure_logging(); "
+    code = ("import logging, sys; from runner.driver import job; job._configure_logging(); "
             "print('\\x1b[2m\\x1b[36m(WorkerActor pid=7)\\x1b[0m loaded', file=sys.stderr); "
             "logging.getLogger('runner').info('\\x1b[1;31mred\\x1b[0m line'); "
             "import os; print(os.environ['RAY_COLOR_PREFIX'])")
@@ -357,7 +357,7 @@ def test_colour_codes_are_kept_off_a_log_file():
 
 
 def test_plurals():
-    from runner.outputs import plural
+    from runner.io.outputs import plural
     assert [plural(n, "shard") for n in (0, 1, 2)] == ["0 shards", "1 shard", "2 shards"]
     assert plural(1, "CPU worker") == "1 CPU worker" and plural(3, "entry", "entries") == "3 entries"
 
@@ -368,8 +368,9 @@ def test_a_stop_signal_raises_in_the_dispatch_loop_not_where_it_lands(monkeypatc
     by the dispatch loop each second, raises KeyboardInterrupt; a second signal raises at once."""
     import signal
     import threading
-    from runner import job
+    from runner.driver import job
     monkeypatch.setattr(job, "STOPS", [])
+    monkeypatch.setattr(job, "CHECKING", [])   # a test that called `run` may have left it set
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     lock = threading.Lock()
     try:
@@ -396,7 +397,7 @@ def test_an_exit_that_hangs_ends_with_the_jobs_status():
     a driver after SIGTERM) ends within the guard's time, with the job's status and a message."""
     import subprocess
     import sys
-    code = ("import threading, sys; from runner.job import exit_within; "
+    code = ("import threading, sys; from runner.driver.job import exit_within; "
             "threading.Thread(target=threading.Event().wait).start(); "   # not a daemon: blocks exit
             "print('summary'); sys.stdout.flush(); exit_within(3, timeout_s=1.0); sys.exit(3)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -537,7 +538,7 @@ def test_an_orphaned_grandchild_is_still_killed_at_exit(tmp_path):
     import time
 
     import psutil
-    code = ("import subprocess, sys, time; from runner import job; job.adopt_orphans(); "
+    code = ("import subprocess, sys, time; from runner.driver import job; job.adopt_orphans(); "
             # a child that starts a sleeper and exits at once: the sleeper's parent is gone
             "subprocess.run([sys.executable, '-c', 'import subprocess; "
             "print(subprocess.Popen([\"sleep\", \"60\"], stdout=subprocess.DEVNULL, "
@@ -564,7 +565,7 @@ def test_the_terminal_shows_the_runners_lines_not_the_libraries():
     stay off the terminal, unless the user asks for warnings (-W)."""
     import subprocess
     import sys
-    code = ("import logging, warnings; from runner import job; job._configure_logging(); "
+    code = ("import logging, warnings; from runner.driver import job; job._configure_logging(); "
             "logging.getLogger('runner').info('runner line'); "
             "logging.getLogger('ray').info('library info'); "
             "logging.getLogger('matplotlib.font_manager').warning('Matplotlib is building the font cache'); "
@@ -582,7 +583,7 @@ def test_the_terminal_shows_the_runners_lines_not_the_libraries():
 
 
 def test_lost_worker_lines_fit_100_columns():
-    from runner.summary import WIDTH, loss_lines, wrapped
+    from runner.driver.summary import WIDTH, loss_lines, wrapped
     s = {"losses": [dict(rank=12, node="f" * 56, gpu="NVIDIA H200", at_s=1234.5, kind="node lost",
                          cause="its node has died (spot preemption: the instance was reclaimed)",
                          rows_back=17, charged=False)], "idle_worker_s": 42.0}

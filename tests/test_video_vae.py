@@ -249,7 +249,7 @@ def test_chunk_shrinks_with_the_frame_size_and_the_decoders_width():
 def test_compile_pipe_installs_it_for_wan_and_not_for_a_2d_vae():
     import compiler
     from compiler.pipeline import _compile_vae
-    from runner.models import ModelSpec, build_pipeline
+    from runner.serve.models import ModelSpec, build_pipeline
     pipe = build_pipeline(ModelSpec("wan21_t2v_1_3b", source="tiny"))
     assert video_vae.supported(pipe.vae)
     # dynamic: the chunks run eager (no per-resolution recompiles), the decode is still chunked

@@ -37,7 +37,7 @@ def test_step_reuse_arm_is_compared_with_its_mode_alone(tmp_path):
     PSNR of the decoded frames, written to the reuse job's metrics."""
     import numpy as np
 
-    from runner.outputs import write_mp4
+    from runner.io.outputs import write_mp4
     from runner.bench.vs_loop import compare_outputs
     rng = np.random.default_rng(0)
     frames = (rng.random((4, 32, 32, 3)) * 255).astype(np.uint8)

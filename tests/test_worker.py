@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from runner.config import GenerationDefaults
-from runner.job import JobError, run
-from runner.models import ModelSpec
-from runner.outputs import write_mp4, write_png
-from runner.storage import atomic_path
-from runner.prompts import Constraints, Item, PromptError
+from runner.driver.checks import JobError
+from runner.driver.job import run
+from runner.serve.models import ModelSpec
+from runner.io.outputs import write_mp4, write_png
+from runner.io.storage import atomic_path
+from runner.io.prompts import Constraints, Item, PromptError
 from runner.config import WorkerConfig
-from runner.worker import Worker, batches, generate
+from runner.serve.worker import Worker, batches, generate
 
 
 def make_worker(tmp_path, batch_size=2, preset="pixart_alpha_1024", size=64, video_length=None):
@@ -88,7 +89,7 @@ def test_pipelined_outputs_are_byte_identical_to_the_sequential_path(tmp_path, p
     assert [r["status"] for r in rows] == ["ok"] * 5
     ref = tmp_path / "ref"
     ref.mkdir()
-    from runner.worker import batches
+    from runner.serve.worker import batches
     # the same batches, one after another (Latte: batch-mates share their token count)
     for batch in batches(shard1, 2, w.text.key) + batches(shard2, 2, w.text.key):
         _sequential_reference(w, batch, ref)
@@ -99,7 +100,7 @@ def test_pipelined_outputs_are_byte_identical_to_the_sequential_path(tmp_path, p
 
 def test_gpu_stage_runs_ahead_of_the_writes(tmp_path, monkeypatch):
     """While batch a's file is being written (slowly), batches b and c are generated."""
-    import runner.worker as worker
+    import runner.serve.worker as worker
     w = make_worker(tmp_path, batch_size=1)
     w.warmup()
     events, write, generate_ = [], worker.write_png, worker.generate
@@ -153,7 +154,7 @@ def test_start_and_finish_shard_run_in_seq_order_from_any_thread(tmp_path):
 
 
 def test_batches_split_by_shape_and_size():
-    from runner.prompts import Item
+    from runner.io.prompts import Item
     mk = lambda i, h: Item(str(i), "p", "", 0, h, 64, None, 2, 4.5, "t", i)
     groups = batches([mk(0, 64), mk(1, 128), mk(2, 64), mk(3, 64)], 2)
     assert [[i.id for i in b] for b in groups] == [["0", "2"], ["3"], ["1"]]
@@ -177,7 +178,7 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
 def no_models_no_ray(monkeypatch):
     """Fail loudly if a test reaches model building or Ray."""
     import ray
-    import runner.models as models
+    import runner.serve.models as models
     def boom(*a, **k):
         raise AssertionError("reached model building / Ray before rejecting bad input")
     monkeypatch.setattr(models, "build_pipeline", boom)
@@ -217,7 +218,7 @@ def test_unknown_schemes_are_refused_naming_the_key(tmp_path, write_prompts, no_
 
 
 def test_prompts_and_outputs_on_s3_are_checked_before_ray(s3_bucket, write_prompts, no_models_no_ray):
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     with pytest.raises(PromptError, match=f"prompts.path 's3://{s3_bucket}/nope.parquet' does not exist"):
         run(["job=demo_image", f"prompts.path=s3://{s3_bucket}/nope.parquet",
              f"output.dir=s3://{s3_bucket}/out"])
@@ -247,7 +248,7 @@ def test_cli_exit_code_and_message_for_bad_input(tmp_path):
 
 
 def test_steady_throughput_counts_in_flight_items_by_their_part_after_all_ready():
-    from runner.summary import work_after
+    from runner.driver.summary import work_after
     ok = lambda start, e2e: {"status": "ok", "batch_size": 1, "started_at": start, "e2e_s": e2e}
     # pipelined batches overlap (each one's writing with the next one's generation):
     # [4,7] [6,9] [8,11]; from t=7: 0 + 2/3 + 1
@@ -272,7 +273,7 @@ def test_nvml_sampler_averages_utilisation_over_a_window(monkeypatch):
     """The NVML path without a GPU: a stand-in pynvml module reporting 30 % then 90 %."""
     import sys
     import types
-    from runner.timing import UtilSampler
+    from runner.serve.timing import UtilSampler
     readings = iter([30] * 5 + [90] * 1000)
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None,
@@ -296,10 +297,10 @@ def test_nvml_sampler_averages_utilisation_over_a_window(monkeypatch):
 def test_an_items_output_does_not_depend_on_its_batch_or_shard_mates(preset, frames):
     """Alone (its text encoded alone) vs in a batch, its text encoded with a whole shard: the same
     frames within 1 level of 255. Latte used to trim a batch's text to the longest prompt's token
-    count (up to 63 levels apart); now batch-mates share their token count (runner.text)."""
-    from runner.models import build_pipeline
-    from runner.outputs import to_uint8
-    from runner.text import TextCache
+    count (up to 63 levels apart); now batch-mates share their token count (runner.serve.text)."""
+    from runner.serve.models import build_pipeline
+    from runner.io.outputs import to_uint8
+    from runner.serve.text import TextCache
     family = ModelSpec(preset).family
     pipe = build_pipeline(ModelSpec(preset, source="tiny"))
     prompts = ["a red cat", "a blue dog", "a small robot walking in the city at night", "a green bird"]
@@ -322,7 +323,7 @@ def test_an_items_output_does_not_depend_on_its_batch_or_shard_mates(preset, fra
 
 def test_an_over_long_prompt_is_reported_in_one_short_line(caplog, capfd):
     """diffusers echoes the whole cut-off part of a long prompt; the runner says it once, briefly."""
-    from runner.models import build_pipeline
+    from runner.serve.models import build_pipeline
     pipe = build_pipeline(ModelSpec("pixart_alpha_1024", source="tiny"))
     long = " ".join(["a red cat walking in the city at night"] * 40)      # > 120 tokens
     it = Item(id="long1", prompt=long, negative_prompt="", seed=0, height=64, width=64,
@@ -340,7 +341,7 @@ def test_a_non_finite_output_fails_its_item_alone_and_a_failed_write_fails_the_s
     """b's output is NaN (on the device, before the check): b fails, its batch-mates a and c do
     not. A write that fails (a full disk) fails the shard: the driver retries it, and the same
     error on several shards stops the job (test_jobrun.py)."""
-    import runner.worker as worker
+    import runner.serve.worker as worker
     w = make_worker(tmp_path, batch_size=3)
     w.warmup()
     generate_ = worker.generate
@@ -368,10 +369,10 @@ def test_a_non_finite_output_fails_its_item_alone_and_a_failed_write_fails_the_s
 def job_worker(args, tmp_path):
     """The worker a shipped job's command line gives (config, prompt checks, worker config), built
     and warmed in this process: the family's path through the job without Ray."""
-    from runner import job
+    from runner.driver import checks, job
     from runner.config import load_config, split
     j = split(load_config([*args, f"output.dir={tmp_path}"]))
-    checked = job.check_input(j)
+    checked = checks.check_input(j)
     w = Worker(0, job.worker_config(j, checked.limits, on_gpu=False))
     w.warmup()
     return w, checked.items, tmp_path / j["name"]
@@ -398,7 +399,7 @@ def test_the_wan_job_with_the_tiny_model_writes_mp4s_of_4k_plus_1_frames(tmp_pat
 
 def test_a_pretrained_job_from_a_saved_directory(tmp_path):
     import imageio.v3 as iio
-    from runner.models import build_pipeline
+    from runner.serve.models import build_pipeline
     build_pipeline(ModelSpec("sd21", source="tiny")).save_pretrained(tmp_path / "sd21-tiny")
     w, its, job_dir = job_worker(["job=sd2_batch", f"model.path={tmp_path / 'sd21-tiny'}",
                                   "model.local_files_only=true", "model.device=cpu",
@@ -434,7 +435,7 @@ def test_the_canary_is_bit_exact_and_catches_a_weight_gone_wrong(tmp_path):
 
 
 def test_a_canary_compares_bit_for_bit_or_within_the_lossy_tolerance():
-    from runner.canary import compare, describe
+    from runner.serve.canary import compare, describe
     ref = np.full((1, 8, 8, 3), 100, np.uint8)
     near = ref.copy()
     near[0, 0, 0, 0] = 101                                    # one value off by one: 66.9 dB

@@ -9,7 +9,7 @@ transformer a forward that runs its n (28 at full size) block pairs through ONE
 diffusers' forward for what it does not cover (`enable_temporal_attentions=False`, gradient
 checkpointing during training).
 
-Step reuse (`step_reuse=`, the caller's choice per denoising step; runner/step_cache.py decides it
+Step reuse (`step_reuse=`, the caller's choice per denoising step; runner/serve/step_cache.py decides it
 from a fixed schedule), as `compiler.step_reuse` does for a plain block stack: `"compute"` runs the
 blocks and keeps their residual (what the pairs after the first `set_first_pairs` ones (default 0)
 add, (B*F, HW, C)) in a buffer of the transformer per `branch`; `"reuse"` runs only those first

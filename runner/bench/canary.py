@@ -7,10 +7,10 @@ own schedule, against the same window without it.
 `key=value` arguments other than the bench's own go to the job's config (default, before them:
 `model.source=random compile.mode=O3`: PixArt-α 1024², 20 steps, O3, random weights at full size).
 Each arm builds one worker of the job in this process from the job's own config
-(`runner.job.worker_config`: its batch size, shard size, compile mode, canary tolerance), warms it
+(`runner.driver.job.worker_config`: its batch size, shard size, compile mode, canary tolerance), warms it
 up as the job does (compile, warm-up call and, with the canary on, the reference batch), runs
 `settle` shards of the window's shape outside it (first allocations, first writes), then runs
-the window through the job's own dispatcher (`runner.dispatch.Dispatcher`, the job's `INFLIGHT`
+the window through the job's own dispatcher (`runner.driver.dispatch.Dispatcher`, the job's `INFLIGHT`
 shards in flight, `canary_every` = `run.canary_every_items`, default `config.CANARY_BATCHES`
 batches, and `run.canary_every_s`) over an in-process pool (`LocalPool`): the canaries fire where
 the dispatcher asks for them in a job, none is called by hand.
@@ -52,7 +52,7 @@ ARMS = ("on", "off")
 
 
 class LocalPool:
-    """A `runner.dispatch.Pool` of one `runner.worker.Worker` in this process: each call of the
+    """A `runner.driver.dispatch.Pool` of one `runner.serve.worker.Worker` in this process: each call of the
     worker (they block, as an actor's threaded calls do) on a thread of its own, a
     concurrent.futures future for each. Notes when each shard and canary was asked and done
     (`calls`: kind, items or None, asked, future, done time) for the window's figures. A worker lost
@@ -113,7 +113,7 @@ class LocalPool:
         return list(done)
 
     def result(self, future: cf.Future) -> Any:
-        from ..dispatch import TaskError
+        from ..driver.dispatch import TaskError
         try:
             return future.result()
         except Exception as e:           # raised in the worker's call: it lives on
@@ -132,7 +132,7 @@ class LocalPool:
 def _items(job: dict, n: int, file: str, first: int = 0) -> list:
     """`n` prompts at the job's default shape, steps and guidance (as a prompt file leaving those
     columns out gives them), consecutive rows of `file`."""
-    from ..prompts import Item
+    from ..io.prompts import Item
     g = job["generation"]
     frames = g.num_frames if job["model"].family.kind == "video" else None
     return [Item(id=f"{file}-{k:05d}", prompt=f"a photo of a lighthouse number {k}",
@@ -157,13 +157,14 @@ def run_arm(job: dict, batches: int, settle: int = 1) -> dict:
     figures."""
     import torch
 
-    from .. import job as runner_job
-    from ..dispatch import Dispatcher
-    from ..prompts import Shard, plan_shards
-    from ..worker import Worker
+    from ..driver import job as runner_job
+    from ..driver.checks import constraints
+    from ..driver.dispatch import Dispatcher
+    from ..io.prompts import Shard, plan_shards
+    from ..serve.worker import Worker
     opts = job["run"]
     on_gpu = torch.cuda.is_available()
-    cfg = runner_job.worker_config(job, runner_job.constraints(job["model"]), on_gpu=on_gpu)
+    cfg = runner_job.worker_config(job, constraints(job["model"]), on_gpu=on_gpu)
     window = _items(job, batches * opts.batch_size, "window")
     extra = _items(job, opts.shard_size, "extra")
     shards = plan_shards(window, opts.shard_size)
@@ -234,7 +235,7 @@ def main(argv: list[str]) -> dict:
         report["rate_cost"] = round(1 - on["items_per_s"] / off["items_per_s"], 5)
     print(_table(report))
     if opts["out"]:
-        from ..outputs import write_json
+        from ..io.outputs import write_json
         write_json(opts["out"], report)
     return report
 
@@ -249,7 +250,7 @@ def _period_batches(run) -> int:
 
 
 def _table(report: dict) -> str:
-    from ..outputs import format_table
+    from ..io.outputs import format_table
     rows = [dict(r, canaries=len(r["canaries"])) for r in report["arms"].values()]
     text = format_table(rows, ["arm", "device", "batches", "items", "window_s", "items_per_s",
                                "canaries", "canary_s", "share", "canary_ref_s"])

@@ -14,7 +14,7 @@ Builds `source=random` (published size, random weights) fp16 on CUDA and measure
   4. compiled (`compile.mode`) on a fresh cache directory (a temporary one, removed at the end;
      `cache_dir=DIR`: yours, kept): warm-up with compilation (first call),
      then the same timed calls; max abs error and PSNR of the decoded output vs eager (same seed);
-     with `step_cache.method=...` (step reuse, runner/step_cache.py; keys as in a job) the step cache
+     with `step_cache.method=...` (step reuse, runner/serve/step_cache.py; keys as in a job) the step cache
      is also measured alone on the eager pipeline (it/s, speed-up, error and PSNR vs eager) and
      then applied to the compiled one (whose mode then runs without its cudagraphs step graph);
   5. warm-up with cache: a second Python process on the filled cache directory (and the packed
@@ -77,7 +77,7 @@ def parse_argv(argv: list[str]) -> dict:
         else:
             raise SystemExit(f"unknown argument {k!r}; valid: {sorted(a)}, compile.* and "
                              f"step_cache.*\nusage: {USAGE}")
-    from .. import step_cache
+    from ..serve import step_cache
     from ..config import ConfigError, StepCacheSection
     try:
         a["step_cache"] = StepCacheSection(**sc)
@@ -98,7 +98,7 @@ def error_vs(out: torch.Tensor, ref: torch.Tensor) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def build(args):
-    from ..models import ModelSpec, build_pipeline, video_length
+    from ..serve.models import ModelSpec, build_pipeline, video_length
     spec = ModelSpec(args["model"], source=args["source"], dtype=args["dtype"], device=args["device"])
     pipe = build_pipeline(spec)
     tiny = args["source"] == "tiny"
@@ -257,7 +257,7 @@ def child(args) -> dict:
     hit = blob is not None and cache.unpack_and_load(blob, key)
     t_loaded = time.perf_counter()
     compile_pipe(pipe, args["compile"])
-    from .. import step_cache
+    from ..serve import step_cache
     step_cache.apply(pipe, args["step_cache"], spec.family)
     start: list = []
     if args["profile"] >= 2:  # where the warm first call's CPU time goes (Python profile)
@@ -339,7 +339,7 @@ def bench(args: dict, argv: list[str], cache_dir: str) -> dict:
     ref = ref.float().cpu()
 
     # step cache alone (eager), then off again for the compiled run (which gets it after compiling)
-    from .. import step_cache
+    from ..serve import step_cache
     sc = args["step_cache"]
     if sc.method != "none":
         step_cache.apply(pipe, sc, spec.family)

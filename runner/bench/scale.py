@@ -41,10 +41,10 @@ def _job_args(prompts: str, out: str) -> list[str]:
 def _record(prompts: str, out: str, done: int) -> None:
     """A job directory whose record holds the first `done` rows as finished (made once)."""
     from ..config import load_config, split
-    from ..job import constraints
-    from ..prompts import check_prompts
-    from ..results import Results, settings_id
-    from ..storage import resolve
+    from ..driver.checks import constraints
+    from ..io.prompts import check_prompts
+    from ..driver.results import Results, settings_id
+    from ..io.storage import resolve
     job_dir = os.path.join(out, "j")
     if os.path.isdir(os.path.join(job_dir, "records")):
         return
@@ -69,8 +69,8 @@ def _step(step: str, prompts: str, out: str) -> dict:
     t0 = time.perf_counter()
     if step == "shard":
         from ..config import load_config, split
-        from ..job import constraints
-        from ..prompts import check_prompts, plan_shards
+        from ..driver.checks import constraints
+        from ..io.prompts import check_prompts, plan_shards
         job = split(load_config(_job_args(prompts, out)))
         _, _, items = check_prompts(job["prompts"].paths, job["generation"],
                                     constraints(job["model"]), "error")
@@ -78,7 +78,7 @@ def _step(step: str, prompts: str, out: str) -> dict:
         shards = plan_shards(items, 8)       # each shard holds its items: nothing to look up later
         return dict(step=step, per_shard_ms=(time.perf_counter() - t) / len(shards) * 1e3,
                     rss_mb=_peak_rss_mb())
-    from ..job import run
+    from ..driver.job import run
     summary = run(_job_args(prompts, out))
     return dict(step=step, seconds=time.perf_counter() - t0, done=summary["done"],
                 to_run=summary["to_run"], shards=summary["shards"],

@@ -27,7 +27,7 @@ under `out` are removed first) and with its own local Ray (RAY_ADDRESS is not pa
   `*.artifact` files of the cold run's cache are copied, as a fresh node sees an object-store
   cache; not the Inductor/Triton working files beside them). Each run of a `+` group has its own;
 - `warm`: warm runs only, from the artifact in `cache_from=DIR` (a compile.cache_dir), else from
-  one `python -m runner.warm` run with the same job arguments first (`cache-fill`).
+  one `python -m runner.driver.warm` run with the same job arguments first (`cache-fill`).
 `warm_prompts=` gives the warm runs their own prompt counts (one, or one per worker count: e.g. a
 1,000-prompt 4-worker job against 64- and 128-prompt bases).
 `resume=true` goes on with a bench a time limit cut short (a GPU machine's 10-minute command): the
@@ -85,7 +85,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..outputs import atomic_path, format_table, write_json, write_text
+from ..io.outputs import atomic_path, format_table, write_json, write_text
 from . import parse_args
 
 
@@ -390,21 +390,21 @@ def _sizes(opts: dict, counts: list[int]) -> dict[str, dict[int, int]]:
 
 def _fill(opts: dict, out: str, rest: list[str]) -> str:
     """cache=warm: the compile cache a previous job left. `cache_from=DIR` (a compile.cache_dir
-    holding the job's artifact), else filled now by `python -m runner.warm` with the same job
+    holding the job's artifact), else filled now by `python -m runner.driver.warm` with the same job
     arguments (this machine's first GPU)."""
     if opts["cache_from"]:
         src = os.path.abspath(opts["cache_from"])
         if not glob.glob(os.path.join(src, "*.artifact")):
             raise SystemExit(f"cache_from={opts['cache_from']!r}: no compile artifact (*.artifact) "
-                             "there: give a compile.cache_dir a job (or runner.warm) filled")
+                             "there: give a compile.cache_dir a job (or runner.driver.warm) filled")
         return src
     src = os.path.join(out, "cache-fill")
     shutil.rmtree(src, ignore_errors=True)
-    cmd = [sys.executable, "-m", "runner.warm", f"job={opts['job']}", f"compile.cache_dir={src}",
+    cmd = [sys.executable, "-m", "runner.driver.warm", f"job={opts['job']}", f"compile.cache_dir={src}",
            f"output.dir={out}", "job.name=fill", *rest]
     print("$", *cmd, flush=True)
     if subprocess.run(cmd).returncode != 0:
-        raise SystemExit("filling the compile cache (runner.warm, above) failed")
+        raise SystemExit("filling the compile cache (runner.driver.warm, above) failed")
     return src
 
 

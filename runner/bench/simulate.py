@@ -3,7 +3,7 @@
     python -m runner.bench.simulate workers=1000 prompts=10000000 item_s=0.7 duration_s=120 \
         [shard_size=8] [out=DIR] [sweep=100:1000000,1000:100000,1000:1000000:0.1] [sweep_s=60]
 
-The job is the real one (`runner.job.main`: config, prompt checks, the lock, the record's resume
+The job is the real one (`runner.driver.job.main`: config, prompt checks, the lock, the record's resume
 plan, `JobRun`, `Dispatcher`, `Results`, the background snapshots of results.parquet and
 report.html every 30 s, the summary) on a real temp-dir store; only the workers are simulated:
 `SimPool`, a `dispatch.Pool` whose workers start in `startup_s` seconds (uniform), take `item_s`
@@ -78,11 +78,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..cluster import View, view
-from ..dispatch import NodeLost, TaskError, WorkerLost
-from ..outputs import format_table, write_json
-from ..prompts import Item
-from ..storage import atomic_path
+from ..driver.cluster import View, view
+from ..driver.dispatch import NodeLost, TaskError, WorkerLost
+from ..io.outputs import format_table, write_json
+from ..io.prompts import Item
+from ..io.storage import atomic_path
 from . import parse_args
 
 log = logging.getLogger("runner")
@@ -102,7 +102,7 @@ def tiny_png() -> bytes:
 
 
 def _row(it: Item, rank: int, fate: str, started_at: float, e2e_s: float) -> dict:
-    """A worker's result row for `it` (the same columns as `runner.worker`'s)."""
+    """A worker's result row for `it` (the same columns as `runner.serve.worker`'s)."""
     row = {k: getattr(it, k) for k in ROW_FIELDS}
     if fate.startswith("fail:"):
         row.update(status="failed", error=fate[5:], output=None, e2e_s=None, started_at=None)
@@ -485,7 +485,7 @@ class SimCluster:
     killed), else killed outright: its workers die with `NodeLost` and the view reports it dead
     at once. The autoscaler replaces a preempted node `replace_s` after it died, if the driver
     still wants (`want`) more GPUs than the live and coming ones. `poll` builds the `View` with
-    `runner.cluster.view` from the node records, as `RayCluster` does from Ray's node table; its
+    `runner.driver.cluster.view` from the node records, as `RayCluster` does from Ray's node table; its
     CPU is the simulator's (`pool.sim_cpu_s`). Counts: `kills`, `drains`, `workers_lost`
     (workers on a node at its death), `replaced`, `not_replaced`."""
 
@@ -658,7 +658,7 @@ def _peak_rss_mb() -> float:
 def _child_run(o: dict) -> dict:
     """One run of the job (`python -m runner` in this process) over a SimPool, stopped by
     `_monitor`; its figures."""
-    from .. import job
+    from ..driver import job
     state: dict = {}
     lo, hi = (float(x) for x in o["startup_s"].split(":"))
 
@@ -708,9 +708,9 @@ def _child_snapshot(o: dict) -> dict:
     record, then report.html (its timeline as the run left it)."""
     import pyarrow.parquet as pq
 
-    from ..report import write_report
-    from ..results import Results
-    from ..storage import resolve
+    from ..driver.report import write_report
+    from ..driver.results import Results
+    from ..io.storage import resolve
     job_dir = os.path.join(o["job_dir"], "sim")
     ids = pq.read_table(o["prompts_file"], columns=["id"]).column("id").to_pylist()
     t0 = time.perf_counter()
@@ -733,8 +733,8 @@ def _child_snapshot(o: dict) -> dict:
 def _touch_media(job_dir: str) -> int:
     """The media files the simulated workers would have written (1 byte each), for the ok rows of
     the record: what the resume's one listing of media/ then finds."""
-    from ..results import Results
-    from ..storage import resolve
+    from ..driver.results import Results
+    from ..io.storage import resolve
     d = os.path.join(job_dir, "sim", "media")
     os.makedirs(d, exist_ok=True)
     rows = Results(resolve(os.path.join(job_dir, "sim"))).load().rows
@@ -885,7 +885,7 @@ def _child_ray(o: dict) -> dict:
     threads in it included), on a local Ray."""
     import ray
 
-    from ..raypool import RayPool
+    from ..driver.raypool import RayPool
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
     n = int(o["ray_calls"])
     make = ray.remote(HeldWorker).options(num_cpus=0, max_concurrency=n + 10)
@@ -957,7 +957,7 @@ def _elastic_argv(o: dict, mode: str) -> list[str]:
 
 
 def elastic_run(o: dict, mode: str) -> dict:
-    """One job (`runner.job.main`, in this process, on a `VirtualClock`) over the SimPool of
+    """One job (`runner.driver.job.main`, in this process, on a `VirtualClock`) over the SimPool of
     `mode`: "elastic" (a `SimCluster`: arrivals, preemptions, replacements; `ray.min_workers=1`,
     `ray.max_workers=gpus`) or "fixed" (`ray.num_workers=gpus`, slot r ready once the r-th GPU
     of the same arrival came, no preemption). Every row handed to the job's `on_rows` is counted
@@ -965,7 +965,7 @@ def elastic_run(o: dict, mode: str) -> dict:
     exactly one ok row there, or never delivered), `rows_duplicated` (delivered more than once)."""
     import pyarrow.parquet as pq
 
-    from .. import job
+    from ..driver import job
     clock = VirtualClock()
     gpus, prompts = int(o["gpus"]), int(o["prompts"])
     lo, hi = (float(x) for x in o["startup_s"].split(":"))

@@ -16,7 +16,7 @@ The same generated prompts (ids, seeds) go through:
                 rows' `first_blocks` column: the peer's Fn, the job's reuse arms' first_blocks;
                 the table says so under it); a static
                 step-computation mask with exactly the steps the job's `step_cache` schedule
-                computes, `runner.step_cache.plan`; Wan 2.2 A14B: each expert its slice, the
+                computes, `runner.serve.step_cache.plan`; Wan 2.2 A14B: each expert its slice, the
                 second expert's first step computed, as the job does),
                 `cache_dit.set_compile_configs()`, then `torch.compile(pipe.transformer)`; its
                 outputs are compared with the `loop` arm's (its own no-reuse output, when that arm
@@ -40,7 +40,7 @@ the end of its last; the job's once its worker serves (`steady_items_per_s` of s
 worker's load + warm-up. `computed_steps`: denoising steps computed in full per item (the rest
 reuse), for the step-reuse arms; `computed_calls`: denoiser calls computed in full per item (two a
 step with guidance: the conditional and the unconditional one), and `uncond_skipped` the
-unconditional calls `+cfg` skips, both from the schedules (`runner.step_cache.computed_calls`).
+unconditional calls `+cfg` skips, both from the schedules (`runner.serve.step_cache.computed_calls`).
 GPU busy is NVML's utilisation over the same windows (what nvidia-smi shows; the job's comes from
 its worker's metrics); null on CPU. Other `key=value` arguments go to the job and decide the
 loop's model and sizes too (`model.*`, `generation.*`). Arms run in the order `arms=` names them; each
@@ -77,7 +77,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..outputs import format_table, write_json
+from ..io.outputs import format_table, write_json
 from . import parse_args, release_gpu
 
 ARMS = ("loop", "loop_compile", "cachedit", "cachedit_sage", "job")
@@ -145,8 +145,8 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str, warmup_steps: i
     import torch
     from diffusers.utils import export_to_video
 
-    from ..models import build_pipeline
-    from ..timing import UtilSampler
+    from ..serve.models import build_pipeline
+    from ..serve.timing import UtilSampler
     t0 = time.perf_counter()
     spec, g = job["model"].resolved(), job["generation"]
     cuda = spec.device.startswith("cuda")
@@ -172,9 +172,9 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str, warmup_steps: i
     video = spec.family.kind == "video"
     extra = spec.family.call_args(pipe, g.num_frames if video else None)   # as the job calls it
     if g.guidance_scale <= 1 and "guidance_scale_2" in extra:   # no CFG on either expert, as
-        extra["guidance_scale_2"] = 1.0                         # runner.worker.generate
+        extra["guidance_scale_2"] = 1.0                         # runner.serve.worker.generate
     if spec.family.image:   # image-to-video: the row's image, fitted as the job fits it
-        from .. import images
+        from ..io import images
     os.makedirs(out, exist_ok=True)
     util = UtilSampler.start(cuda)
     ends, calls = [], []   # end of each item (written); seconds of each pipe call alone
@@ -225,7 +225,7 @@ def run_loop(job: dict, prompts: list[dict], out: str, arm: str, warmup_steps: i
 def _fuse_adapters(pipe, spec) -> None:
     """The job's LoRA adapters as a diffusers user fuses them: `load_lora_weights`, `fuse_lora`
     at the adapter's scale, `unload_lora_weights` (the fused weights stay)."""
-    from ..adapters import local_file
+    from ..serve.adapters import local_file
     for i, a in enumerate(spec.adapters):
         extra = {"load_into_transformer_2": True} if a.expert == "transformer_2" else {}
         pipe.load_lora_weights(local_file(a), adapter_name=f"a{i}", **extra)
@@ -263,7 +263,7 @@ def reuse_plan(sc, steps: int) -> tuple[bool, ...]:
     method aside): what the job's `+residual` arms run and the cachedit arm's mask."""
     import dataclasses
 
-    from ..step_cache import plan
+    from ..serve.step_cache import plan
     return plan(steps, dataclasses.replace(sc, method="residual"))
 
 
@@ -300,7 +300,7 @@ def _cachedit(pipe, sc, steps: int) -> list[int]:
     a static mask of the steps the job's schedule computes. Returns the mask over the pipeline
     call's steps (1 = computed). Two experts (Wan 2.2 A14B): cache-dit keeps a context per expert that counts that
     expert's own calls from 0, so each gets its slice of the mask (`ParamsModifier`), and the
-    second's first step is computed, as the job computes it (`runner.step_cache.Scheduled`: an
+    second's first step is computed, as the job computes it (`runner.serve.step_cache.Scheduled`: an
     expert's first call has nothing of its own to reuse)."""
     import cache_dit
     from cache_dit import DBCacheConfig, ParamsModifier
@@ -359,7 +359,7 @@ def mode_calls(sc, mode: str, steps: int, two_calls: bool) -> dict:
     the guidance branches as two denoiser calls a step (else one call a step)."""
     import dataclasses
 
-    from ..step_cache import computed_calls
+    from ..serve.step_cache import computed_calls
     parts = mode.split("+")[1:]
     if not parts:
         return dict(computed_steps=None, computed_calls=None, uncond_skipped=None)

@@ -1,6 +1,6 @@
 """The few-step samplers step-distilled Wan models were trained with, as a diffusers scheduler.
 
-A distilled preset (`sampler` in its facts: `runner.models.build_pipeline` swaps it in) runs:
+A distilled preset (`sampler` in its facts: `runner.serve.models.build_pipeline` swaps it in) runs:
 - sigmas linspace(1, 0, N+1)[:-1] shifted once, s' = shift * s / (1 + (shift - 1) * s): at shift 5
   and 4 steps [1, 0.9375, 0.8333, 0.625], timesteps [1000, 937.5, 833.3, 625] (LightX2V's
   `denoising_step_list` [1000, 750, 500, 250] through its `sample_shift` 5; Wan2.2-Lightning's
@@ -13,7 +13,7 @@ A distilled preset (`sampler` in its facts: `runner.models.build_pipeline` swaps
 Stock diffusers schedulers do not reach these timesteps (FlowMatchEulerDiscreteScheduler(shift=5)
 at 4 steps: [1000, 910, 717, 24]; UniPC(flow_shift=5) within ~1 of them, another solver). The
 fresh noise is drawn from each row's own generator (`generators`, set per call by
-`runner.worker.generate`), so an output depends on its seed, never on its batch-mates.
+`runner.serve.worker.generate`), so an output depends on its seed, never on its batch-mates.
 """
 
 from __future__ import annotations

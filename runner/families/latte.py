@@ -2,7 +2,7 @@
 pairs; 16 frames (the temporal embedding's length: the only frame count it takes), 512x512, DDIM.
 
 LattePipeline trims a single prompt's embedding to its token count (`mask_feature`), so batch-mates
-share their token count (`trim_text`, see `runner.text`).
+share their token count (`trim_text`, see `runner.serve.text`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def encode(pipe, prompts: list[str], max_tokens: int):
 
 
 def call_args(pipe, num_frames: int | None) -> dict:
-    # embeddings are given: the pipeline's own mask_feature trimming does not apply (runner.text)
+    # embeddings are given: the pipeline's own mask_feature trimming does not apply (runner.serve.text)
     return dict(video_length=num_frames, clean_caption=False)
 
 

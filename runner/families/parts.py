@@ -1,5 +1,5 @@
 """Building blocks several families share: published configs, in-memory tokenizers, T5, SD VAEs,
-schedulers. Random/tiny builds only; `pretrained` loads through diffusers (`runner.models`).
+schedulers. Random/tiny builds only; `pretrained` loads through diffusers (`runner.serve.models`).
 
 Tokenizers are built in memory (transformers 5 accepts vocab lists directly): no files, no network.
 """

@@ -28,7 +28,7 @@ class Family:
     # length the pipeline pads to), height/width (the preset's size), and what `build` reads;
     # optionally gpu_gib: the GPU memory a worker needs at the preset's published setting (its
     # weights, counted on the meta device, plus a call's activations), checked against the free
-    # memory before the model is loaded (`runner.models.check_gpu_memory`)
+    # memory before the model is loaded (`runner.serve.models.check_gpu_memory`)
     presets: dict[str, dict]
     # (preset facts, tiny) -> the pipeline with random weights: the published architecture at full
     # size (tiny=False; built under the caller's device and dtype) or a small config for CPU tests
@@ -53,9 +53,9 @@ class Family:
     # (`parts.train_timesteps`, ...); a row asking for more is refused before any model is built
     max_steps: int | None = None
     # text embeddings trimmed to the prompt's token count (Latte's mask_feature): batch-mates must
-    # share it (`runner.text`)
+    # share it (`runner.serve.text`)
     trim_text: bool = False
-    step_reuse: tuple[str, ...] = ()   # step_cache methods offered (`runner.step_cache`)
+    step_reuse: tuple[str, ...] = ()   # step_cache methods offered (`runner.serve.step_cache`)
     # the pipeline runs classifier-free guidance as two denoiser calls per step, the conditional
     # one first, each inside the denoiser's `cache_context("cond"/"uncond")` (diffusers' Wan
     # pipelines): `step_cache.cfg_reuse` can skip the second call (PixArt, Latte and SD batch both
@@ -79,7 +79,7 @@ class Family:
     load_kwargs: dict = field(default_factory=dict)   # extra `from_pretrained` arguments
     # model_index.json entries that tell this family's checkpoints from another family's of the
     # same pipeline class (Wan 2.1 T2V, Wan 2.2 A14B and TI2V-5B are all WanPipeline): entry ->
-    # set (a component, a true flag, a value) or not (absent, null, false). `runner.checkpoint`
+    # set (a component, a true flag, a value) or not (absent, null, false). `runner.serve.checkpoint`
     # checks a pretrained checkpoint against it on the driver, before a worker loads it
     checkpoint: dict[str, bool] = field(default_factory=dict)
     # the pipeline runs a negative-prompt branch (classifier-free guidance); False for a
@@ -94,20 +94,20 @@ class Family:
     tokenizer: str = "tokenizer"
     # image-to-video: None (text only), "required" (every row animates its `image`: Wan 2.1 I2V) or
     # "optional" (rows with an image are animated from it, rows without are text-to-video: Wan 2.2
-    # TI2V-5B); `runner.images` reads and fits the image, `runner.worker` passes it as `image=`
+    # TI2V-5B); `runner.io.images` reads and fits the image, `runner.serve.worker` passes it as `image=`
     image: str | None = None
     # (pipe) -> the pipeline a row with an image is run by, sharing `pipe`'s modules (TI2V-5B:
     # WanImageToVideoPipeline beside the text-to-video WanPipeline); None: `pipe` itself
     image_pipeline: Callable[[Any], Any] | None = None
     # the pipeline attributes of its denoisers, the first the one every step runs (Wan 2.2 A14B:
-    # the low-noise expert `transformer_2` too): where `model.adapters` may go (`runner.adapters`)
+    # the low-noise expert `transformer_2` too): where `model.adapters` may go (`runner.serve.adapters`)
     experts: tuple[str, ...] = ("transformer",)
     # (denoiser, layout, rank, seed) -> a random LoRA adapter's tensors in one of the family's
     # published key layouts (`runner.bench.lora`, tests: no adapter can be downloaded here)
     random_adapter: Callable[..., dict] | None = None
     # (an adapter file's key) -> the denoiser parameter a full difference of the family's layout
     # adds to (`.diff`, `.diff_b`, `diff_m`), None for other keys; None: the family has none
-    # (`runner.adapters` refuses them then)
+    # (`runner.serve.adapters` refuses them then)
     lora_diffs: Callable[[str], str | None] | None = None
     # video with a causal video VAE (Wan's `AutoencoderKLWan`): (tiny) -> that VAE alone, random
     # weights, at full size (tiny=False; under the caller's device) or small; `runner.bench.decode`

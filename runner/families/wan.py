@@ -72,7 +72,7 @@ LORA_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.t
               "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
 
 
-# LoRA files' full differences (`runner.adapters`, LightX2V's extractor): original Wan names ->
+# LoRA files' full differences (`runner.serve.adapters`, LightX2V's extractor): original Wan names ->
 # WanTransformer3DModel's, replaced in this order: diffusers'
 # scripts/convert_wan_to_diffusers.py, TRANSFORMER_KEYS_RENAME_DICT
 _RENAME = (

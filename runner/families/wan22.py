@@ -6,7 +6,7 @@ expert) and `transformer_2` (the low-noise expert), each a Wan 2.1 14B-shaped Di
 heads x 128, ffn 13824); the pipeline calls `transformer` while the timestep is >= boundary_ratio
 x 1000 = 875 and `transformer_2` after, each with its own guidance scale (guidance_scale 4.0, then
 guidance_scale_2 3.0). Both experts are loaded once per worker and compiled (one graph per block
-class, shared: `compiler.compile_pipe`); step reuse runs on both (`runner.step_cache`), the second
+class, shared: `compiler.compile_pipe`); step reuse runs on both (`runner.serve.step_cache`), the second
 expert's first call always computed. UMT5-XXL, the Wan 2.1 VAE (16 channels, 8x space, 4x time).
 Published: 720x1280 (and 480x832), 81 frames, 16 fps, 40 UniPC steps.
 
@@ -165,7 +165,7 @@ WAN22_A14B = Family(
              # with a LoRA per expert (conf/models/), 4 Euler steps at shift 5 (its
              # wan/utils/fm_solvers_euler.py: timesteps 1000, 937.5 | 833.3, 625: two on each side
              # of the 875 boundary), guidance 1.0 on both experts (a row at guidance <= 1 runs no
-             # CFG on either: runner.worker.generate), 81 frames at 16 fps, 720x1280.
+             # CFG on either: runner.serve.worker.generate), 81 frames at 16 fps, 720x1280.
              # gpu_gib_fp8: with O3's FP8 linears the serving peak is both experts' 26.2 G block
              # weights in 8 bits beside UMT5-XXL (10.6 GiB) and a 720p call, 48.2 GiB measured
              # with diffusers' decode; but the experts are built (or loaded) in 16 bits before

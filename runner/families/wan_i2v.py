@@ -9,10 +9,10 @@ conditioning video (zeros after it), whose 16 latent channels and a 4-channel fi
 concatenated to the 16 noise channels: in_channels 36. Otherwise Wan 2.1 14B (40 blocks, 40 heads x
 128, ffn 13824), UMT5-XXL, the Wan 2.1 VAE, UniPC with flow shift 3.0; guidance 5.0, 81 frames at 16
 fps, 50 steps; 480x832 (480P checkpoint) or 720x1280 (720P checkpoint), the row's image resized to
-cover the row's size and center-cropped (`runner.images.fit`).
+cover the row's size and center-cropped (`runner.io.images.fit`).
 
 Batching: the pipeline encodes one image per call and repeats it over the batch, so a batch is rows
-that share their image (the worker groups them: `runner.worker`), each with its own prompt and seed.
+that share their image (the worker groups them: `runner.serve.worker`), each with its own prompt and seed.
 
 Sources: the transformer config is diffusers/scripts/convert_wan_to_diffusers.py's
 "Wan-I2V-14B-480p"/"-720p" (the hub's transformer/config.json), which also takes the image encoder

@@ -2,7 +2,7 @@
 
 Tests that set RUNNER_FAULTS also put this directory first on PYTHONPATH (`tests/conftest.py`'s
 `fault_env`), so every Python process of the job, the driver and Ray's worker processes alike,
-imports this module at start-up. It changes nothing until `runner.worker` is imported, then wraps
+imports this module at start-up. It changes nothing until `runner.serve.worker` is imported, then wraps
 two of that module's functions. Faults, comma-separated:
     nan:<id>          the output of <id> is NaN (on the device, before the finiteness check)
     slow:<seconds>    sleep before each pipeline call (warm-up excluded)
@@ -24,7 +24,7 @@ two of that module's functions. Faults, comma-separated:
                       the others should not wait for
     drift:<n>         a GPU that starts computing wrong: once a worker process has generated
                       more than n items, every output it makes (its canaries too:
-                      `runner.canary`) is brightened by 0.2. Only the first worker of the job to get there (a marker
+                      `runner.serve.canary`) is brightened by 0.2. Only the first worker of the job to get there (a marker
                       in RUNNER_FAULT_DIR): its replacement computes right.
 Other worker deaths, raising rows and warm-up errors are the simulated pool's
 (tests/test_jobrun.py); the CLI tests also kill real processes from outside.
@@ -128,7 +128,7 @@ def _ready_prefix() -> str:
 
 def _wait_for_every_worker(timeout_s: float) -> None:
     from omegaconf import OmegaConf
-    from runner.storage import resolve
+    from runner.io.storage import resolve
     ray_cfg = OmegaConf.create(resolve(_JOB_DIR[0]).read_text("config.yaml")).ray
     n = ray_cfg.num_workers or ray_cfg.cpu_workers
     end = time.monotonic() + timeout_s
@@ -160,7 +160,7 @@ def _patch(worker):
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "runner.worker":
+        if name != "runner.serve.worker":
             return None
         sys.meta_path.remove(self)
         try:

@@ -13,7 +13,7 @@ Contract (used by `Worker.warmup` when the compile mode has `cache-all`):
   worker waiting for another's warm-up (the claimant that found it also publishes it to the broker
   at once, for workers that cannot read that directory). Artifacts are read only from there or
   from the broker. `compile.cache_dir` may be a local path or an `s3://`/`gs://` URI (`<cache_dir>/<key>.artifact`, one get / one put
-  through `runner.storage`); Inductor's and Triton's own working caches stay on a local disk
+  through `runner.io.storage`); Inductor's and Triton's own working caches stay on a local disk
   (`local_dir`): the artifact carries everything a warm start needs.
 - A "fetch" worker waits for the claimant's artifact at most half the start-up time it has left
   (`warm_from_shared_cache`'s `time_left_s`: what remains of `ray.worker_start_timeout_s`, after
@@ -42,7 +42,7 @@ LOCAL_CACHE = "~/.cache/runner/compile-cache"
 
 def local_dir(cache_dir: str) -> str:
     """Where Inductor and Triton keep their working caches for `cache_dir`."""
-    from .storage import is_uri
+    from ..io.storage import is_uri
     if not is_uri(cache_dir):
         return cache_dir
     return os.path.expanduser(os.environ.get("RUNNER_LOCAL_COMPILE_CACHE") or LOCAL_CACHE)
@@ -53,7 +53,7 @@ def read_artifact(cache_dir: str, key: str) -> bytes | None:
     locally a file of another user's job made 0600 by an older version, a directory in its
     place, an I/O error), which is logged: the worker compiles, it never fails its warm-up."""
     from compiler import cache as cc
-    from .storage import is_uri, resolve
+    from ..io.storage import is_uri, resolve
     try:
         if not is_uri(cache_dir):
             return cc.read_artifact(cache_dir, key)
@@ -70,7 +70,7 @@ def write_artifact(cache_dir: str, key: str, blob: bytes) -> None:
     """Best effort, local path or store alike: a worker whose graphs are compiled serves even when
     the artifact cannot be kept (a full disk: the next job compiles again)."""
     from compiler import cache as cc
-    from .storage import is_uri, resolve
+    from ..io.storage import is_uri, resolve
     try:
         if not is_uri(cache_dir):
             cc.write_artifact(cache_dir, key, blob)

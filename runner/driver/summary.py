@@ -1,7 +1,7 @@
 """The job's summary: `summary.json` (every figure) and `summary.txt` (the table the job prints).
 
 Contract: `summarize(head, n_items, table, slots, metrics, resumed, interrupted, timing, plan)` is
-the summary dict, `summary_text(summary, metrics, plan, table)` its text; `runner.job` writes both
+the summary dict, `summary_text(summary, metrics, plan, table)` its text; `runner.driver.job` writes both
 into the job's store and prints the text. `head` names the job (job, model, source,
 compile_mode); `table` is results.parquet's rows of this input; `slots` the dispatcher's worker
 slots; `metrics` the workers' `metrics()` that came back; `timing` the run's figures (startup_s,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from .outputs import format_table, plural
+from ..io.outputs import format_table, plural
 from .results import format_errors, group_errors
 
 MAX_IDS = 10    # ids listed per failure cause (summary.txt, summary.json's error_ids)
@@ -145,7 +145,7 @@ def summarize(head: dict, n_items: int, table: list[dict], slots, metrics: list[
 def canary_lines(s: dict) -> list[str]:
     """Each failed canary: the worker, where it ran (host, node, GPU), what differed and the
     outputs marked suspect (summary.txt, report.html)."""
-    from .canary import where
+    from ..serve.canary import where
     lines = []
     for f in s.get("canary_failures") or ():
         ids = ", ".join(f["suspect_ids"]) + (" ..." if f["suspect"] > len(f["suspect_ids"]) else "")
@@ -160,7 +160,7 @@ def canary_lines(s: dict) -> list[str]:
 def hang_lines(s: dict) -> list[str]:
     """Each worker declared hung: where it ran (host, node, GPU), how long it was silent, on
     which rows (summary.txt, report.html)."""
-    from .canary import where
+    from ..serve.canary import where
     lines = []
     for h in s.get("hangs") or ():
         ids = ", ".join(h["ids"]) + (" ..." if h["rows"] > len(h["ids"]) else "")

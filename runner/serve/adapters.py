@@ -21,7 +21,7 @@ Contract:
   (D: the parameter's full difference, if any) in fp32, cast once, in place: the compiled graphs,
   CUDA graphs and FP8 weights are what they are without adapters (no runtime cost, no recompile).
 
-The adapters' paths, weight names, scales and experts are output settings (`runner.results`).
+The adapters' paths, weight names, scales and experts are output settings (`runner.driver.results`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .config import Adapter
-from .images import StoreUnreachable
+from ..config import Adapter
+from ..io.images import StoreUnreachable
 
 __all__ = ["Adapter", "AdapterError", "Change", "Switch", "check", "fuse", "load", "apply", "fused",
            "local_file", "split"]
@@ -118,7 +118,7 @@ def _fetch_uri(a: Adapter, uri: str) -> str:
     fault); a cache that cannot take the copy names its directory and leaves no partial file."""
     import pyarrow.fs as pafs
 
-    from .storage import resolve
+    from ..io.storage import resolve
     full = uri.rstrip("/") + ("/" + a.weight_name if a.weight_name else "")
     parent, name = full.rsplit("/", 1)
     try:
@@ -152,7 +152,7 @@ class AdapterStoreUnreachable(StoreUnreachable):
 
 def _store_error(a: Adapter, full: str, e: BaseException) -> Exception:
     """The store's error as ours: unreachable (exit 3) or about this object (exit 2)."""
-    from .storage import unreachable
+    from ..io.storage import unreachable
     why = unreachable(e)
     if why is not None:
         return AdapterStoreUnreachable(

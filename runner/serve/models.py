@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from .config import ModelSpec
+from ..config import ModelSpec
 
 __all__ = ["ModelSpec", "ModelLoadError", "build_pipeline", "check_gpu_memory", "check_pretrained",
            "hub_unreachable", "model_path", "pretrained_file", "video_length"]
@@ -34,7 +34,7 @@ class ModelLoadError(RuntimeError):
 
 class GpuTooSmall(ModelLoadError):
     """This worker's GPU has too little memory for the preset (`check_gpu_memory`): the driver of
-    an elastic pool places no more workers on that GPU type (`runner.cluster`)."""
+    an elastic pool places no more workers on that GPU type (`runner.driver.cluster`)."""
 
 
 def video_length(spec: ModelSpec) -> int | None:
@@ -102,7 +102,7 @@ def check_pretrained(spec: ModelSpec) -> None:
     """Fail fast, on the driver, when `pretrained` weights cannot be found or are not the preset's
     (no GPU time spent), in one line: a hub that does not answer is found by `hub_unreachable`
     before any call of the hub client (which retries for ~24 s, logging each try); a checkpoint
-    of another family, or one incomplete or damaged on disk, by `runner.checkpoint`."""
+    of another family, or one incomplete or damaged on disk, by `runner.serve.checkpoint`."""
     if spec.source != "pretrained":
         return
     path = model_path(spec)
@@ -253,7 +253,7 @@ def build_pipeline(spec: ModelSpec):
                 with torch.device(spec.device), _default_dtype(spec.torch_dtype):
                     pipe = spec.family.build(spec.info, False)
     if "sampler" in spec.info:          # a step-distilled preset: the sampler it was trained with
-        from .families.distill import scheduler
+        from ..families.distill import scheduler
         pipe.scheduler = scheduler(**spec.info["sampler"])
     pipe = pipe.to(spec.device)
     if pipe.dtype != spec.torch_dtype:  # tiny models are built in fp32

@@ -1,8 +1,8 @@
-"""The batch job, top to bottom: load config, check prompts and plan shards, start workers,
-stream results, summarize. `main(argv)` is what `python -m runner` runs.
+"""The batch job, top to bottom: load config, check, plan shards, start workers, stream results,
+summarize. `main(argv)` is what `python -m runner` runs.
 
 Everything that can be wrong with the input is checked before any worker starts or any model is
-built. A rerun into the same directory resumes: prompts whose output is complete are skipped (see
+built (`checks.py`). A rerun into the same directory resumes: prompts whose output is complete are skipped (see
 `results.py`); with nothing left it says so in one line and keeps the last summary. One driver per
 job directory (`lock.py`). The job directory is a `storage.Store`: a local directory, `s3://` or
 `gs://`, through the same calls; workers write their media to it themselves, so no filesystem needs
@@ -36,42 +36,34 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
-import pyarrow.fs as pafs
 from omegaconf import OmegaConf
 
-from . import step_cache
-from .config import (ConfigError, OutputOptions, RayOptions, RunOptions, WorkerConfig, help_text,
+from .checks import Checked, JobError, check_job, check_same_config
+from ..config import (ConfigError, OutputOptions, RayOptions, RunOptions, WorkerConfig, help_text,
                      load_config, split)
 from .dispatch import DispatchError, Dispatcher, PersistentFault, Pool
 from .ending import Ending, first_line
-from .images import StoreUnreachable, fill_hashes
+from ..io.images import StoreUnreachable, fill_hashes
 from .lock import LockedError, job_lock, holder as lock_holder
 from .progress import PhasePrinter, Progress
-from .prompts import (MAX_LISTED, Constraints, Item, PromptError, Shard, case_collisions,
-                      check_prompts, plan_shards)
-from .results import (JOURNAL, RECORDS, Plan, Results, config_changes, fallback_settings_id,
-                      fingerprint, remove_temp_files, settings_id, start_fresh, write_parquet)
-from .storage import Store, StoreTimeout, case_insensitive, resolve, uri_of
-from .outputs import plural
+from ..io.prompts import Constraints, Item, PromptError, Shard, plan_shards
+from .results import (Plan, Results, fallback_settings_id, remove_temp_files, settings_id,
+                      start_fresh, write_parquet)
+from ..io.storage import Store, StoreTimeout, uri_of
+from ..io.outputs import plural
 from .summary import LEGEND, WIDTH, json_text, summarize, summary_text, work_after
 from .terminal import legend_due, plain_off_terminal
 
 log = logging.getLogger("runner")
 INFLIGHT = 2   # shards queued per worker: the next is ready the moment one finishes
 STOPPED_METRICS_S = 5.0   # a worker stopped by the driver: its metrics waited for this long
-
-
-class JobError(RuntimeError):
-    pass
 
 
 # The stop signals received (SIGINT: Ctrl-C, SIGTERM). The handler only records the first: the
@@ -175,7 +167,7 @@ def main(argv: list[str] | None = None, start_pool: StartPool | None = None,
         print(f"note: {line}", file=sys.stderr)
     # 1: some items failed, or are suspect (see summary.txt); the others are complete. Every
     # output complete with only the report missing is still 0: the report is a view of the
-    # outputs, made again by `python -m runner.report DIR`, and a pipeline must not redo a
+    # outputs, made again by `python -m runner.driver.report DIR`, and a pipeline must not redo a
     # finished job for it.
     return 0 if summary["failed"] == 0 and not summary.get("suspect") else 1
 
@@ -260,15 +252,6 @@ def exit_within(status: int, timeout_s: float = 30.0) -> None:
     threading.Thread(target=guard, name="exit-guard", daemon=True).start()
 
 
-@dataclass(frozen=True)
-class Checked:
-    """The job's input, checked against the model."""
-    limits: Constraints
-    files: list[str]
-    items: list[Item]
-    skipped: int                  # rows with an empty prompt left out (prompts.on_empty=skip)
-
-
 def run(argv: list[str], start_pool: StartPool | None = None,
         clock: Callable[[], float] = time.time) -> dict:
     """The job of `argv`; its workers from `start_pool` (default: Ray actors), its timing marks
@@ -277,11 +260,8 @@ def run(argv: list[str], start_pool: StartPool | None = None,
     # 1. Config: merged, checked (the compile options parsed once), split into typed pieces.
     cfg = load_config(argv)
     job = split(cfg)
-    # 2. Prompts and output directory: all checked before any worker or model.
-    checked = check_input(job)
-    store = resolve(job["output"].job_dir)    # the job directory: one Store for the whole run
-    _check_output_dir(store, create=not job["run"].dry_run)
-    check_case_collisions(checked.items, store)
+    # 2. Model, prompts and output directory: all checked before any worker or model (checks.py).
+    checked, store = check_job(job)     # store: the job directory, one Store for the whole run
     if job["run"].dry_run:
         return _dry_run(cfg, job, checked.items, store)
     CHECKING.clear()
@@ -292,35 +272,6 @@ def run(argv: list[str], start_pool: StartPool | None = None,
     finally:
         if ending.abandoned:
             EXIT_AT_ONCE.append("calls on a failed store may still be running")
-
-
-def check_input(job: dict) -> Checked:
-    limits = constraints(job["model"])
-    step_cache.prepare(job)                      # step reuse: offered for this model? step graph off
-    check_warmup(job, limits)
-    p = job["prompts"]
-    files, raw_rows, items = check_prompts(p.paths, job["generation"], limits, p.on_empty, p.strict,
-                                           p.max_image_bytes)
-    step_cache.check_steps(job["step_cache"], items)   # compute_steps within every row's steps
-    skipped = sum(raw_rows.values()) - len(items)      # empty prompts, prompts.on_empty=skip
-    if skipped:
-        log.warning("%s with an empty prompt skipped (prompts.on_empty=skip)", plural(skipped, "row"))
-    return Checked(limits, files, items, skipped)
-
-
-def check_warmup(job: dict, limits: Constraints) -> None:
-    """The workers' warm-up call (`Worker._warmup_call`: `run.warmup_steps`, at least the model's
-    minimum, lengthened by step reuse to reach a reused step) within the steps the model runs:
-    past them it would fail after every worker loaded and compiled the model."""
-    run = job["run"]
-    if not run.warmup_steps or limits.max_steps is None:
-        return
-    steps = step_cache.warmup_steps(job["step_cache"], max(run.warmup_steps, limits.min_steps))
-    if steps > limits.max_steps:
-        raise ConfigError(f"run.warmup_steps={run.warmup_steps}: the warm-up call would run {steps} "
-                          f"steps, more than this model runs (at most {limits.max_steps}: "
-                          f"docs/models.md, \"Step limits\"); set run.warmup_steps <= "
-                          f"{limits.max_steps}")
 
 
 def _run_locked(cfg, job: dict, checked: Checked, store: Store, start_pool: StartPool, clock,
@@ -596,7 +547,7 @@ class JobRun:
         """A worker failed its canary: `rows`, ok rows it returned since its last good canary,
         recorded again as suspect; the failure named (worker, node, GPU) in the log and, at the
         end, in the summary and report."""
-        from .canary import describe, where
+        from ..serve.canary import describe, where
         self._record(rows)
         now = self.clock()
         if self.timeline:            # they were counted ok
@@ -746,7 +697,7 @@ class JobRun:
         self.ending.write("the record's compaction", self.results.compact)
 
     def _write_report(self, table, summary: dict, metrics, text: str) -> None:
-        """report.html last: it is a view of the rest (`python -m runner.report DIR` makes it
+        """report.html last: it is a view of the rest (`python -m runner.driver.report DIR` makes it
         again). Its failure (a full disk at the report stage) is said at the end, and in
         summary.txt when that can be rewritten; it never changes the exit status."""
         if self.ending.skip("report.html"):
@@ -764,7 +715,7 @@ class JobRun:
             else:
                 self.ending.not_written["report.html"] = cause
         done = "every output is complete" if summary["ok"] == summary["items"] else "the rest is written"
-        note = (f"report.html not written ({cause}); {done}: `python -m runner.report "
+        note = (f"report.html not written ({cause}); {done}: `python -m runner.driver.report "
                 f"{self.store.uri()}` makes it once the cause is fixed")
         summary["notes"] = [note]
         if not self.ending.not_written.keys() - {"report.html"}:
@@ -899,7 +850,7 @@ def _dry_run(cfg, job, items, store: Store) -> dict:
     out, opts, r = job["output"], job["run"], job["ray"]
     results = Results(store, settings_id(cfg), fallback_settings_id(cfg))
     if not cfg.output.overwrite:
-        _check_same_config(cfg, out, store)
+        check_same_config(cfg, out, store)
         results.load()
     items = fill_hashes(items, results.rows, job["prompts"].max_image_bytes)
     plan = results.plan(items)
@@ -950,52 +901,11 @@ def _open_results(cfg, out, store: Store) -> Results:
     if cfg.output.overwrite:
         start_fresh(store)
     else:
-        _check_same_config(cfg, out, store)
+        check_same_config(cfg, out, store)
     removed = remove_temp_files(store)
     if removed:
         log.info("removed %s left by an earlier run", plural(removed, "half-written file"))
     return Results(store, settings_id(cfg), fallback_settings_id(cfg)).load()
-
-
-def _check_same_config(cfg, out, store: Store) -> None:
-    """The job directory's config.yaml (`store`'s) against `cfg`: an error naming what changed
-    where the outputs recorded there were made otherwise (`out.job_dir` as the user gave it)."""
-    try:
-        old_cfg = store.read_text("config.yaml")
-    except OSError as e:       # local: a directory in its place, no access; a store's: its own
-        if not store.local:
-            raise
-        raise _damaged_config(store, e) from e
-    if old_cfg is not None and (store.exists(JOURNAL) or store.list(RECORDS)):
-        try:
-            old = OmegaConf.create(old_cfg)
-            old_fingerprint = fingerprint(old)
-        except Exception as e:    # not YAML, not a mapping, keys missing: yaml's, omegaconf's errors
-            raise _damaged_config(store, e) from e
-        changes = config_changes(old_fingerprint, fingerprint(cfg))
-        # the fingerprint holds whether the mode is lossy; the user changed the mode: name it
-        mode = f"compile.mode: {OmegaConf.select(old, 'compile.mode')!r} -> {cfg.compile.mode!r}"
-        named = {"lossy: False -> True": f"{mode} (lossless -> lossy)",
-                 "lossy: True -> False": f"{mode} (lossy -> lossless)",
-                 "low_precision: False -> None": f"{mode} (FP8 Linears on)",
-                 "low_precision: None -> False": f"{mode} (FP8 Linears off)"}
-        changes = [named.get(c, c) for c in changes]
-        if changes:
-            raise JobError(f"{out.job_dir} holds results of a different config ({'; '.join(changes)}); "
-                           f"set output.overwrite=true to regenerate everything, or choose another "
-                           f"job.name or output.dir")
-
-
-def _damaged_config(store: Store, e: BaseException) -> JobError:
-    """The config.yaml of an earlier run that cannot be read as one (empty or zero-filled after a
-    power loss: its write is not synced; edited by hand): the error names it and the ways on. Its
-    removal is safe: each recorded row still carries the settings and parameters its output was
-    made from, and a rerun regenerates the rows made otherwise (`Results.plan`)."""
-    return JobError(f"{store.uri('config.yaml')} is damaged or unreadable ({first_line(e)}): it "
-                    f"is the config the outputs recorded there were made with. Restore it, or "
-                    f"remove it to resume (each output is still checked against what it was made "
-                    f"from; those made otherwise are regenerated), or set output.overwrite=true "
-                    f"to regenerate everything")
 
 
 def _nothing_to_do(results: Results, items, ending: Ending, without_kernel: int = 0) -> dict:
@@ -1043,122 +953,3 @@ def without_kernel_line(n: int) -> str:
             f"it): a rerun with work to do on a cluster where the kernel runs remakes them")
 
 
-def constraints(model) -> Constraints:
-    from . import adapters
-    from .models import ModelLoadError, check_pretrained, video_length
-    try:
-        check_pretrained(model)
-        hashes = adapters.check(model)   # each adapter's file and keys against its denoiser
-    except (ModelLoadError, adapters.AdapterError) as e:
-        raise JobError(str(e)) from e
-    fam = model.family
-    info = model.info     # a distilled preset's sampler may bound the steps itself (FastWan: 3)
-    return Constraints(size_factor=info["size_factor"], video_length=video_length(model),
-                       frame_step=fam.frame_step, min_steps=info.get("min_steps", fam.min_steps),
-                       max_steps=info.get("max_steps", fam.max_steps), image=fam.image,
-                       published=published_setting(model.preset, fam.kind == "video"),
-                       adapters=tuple(a.name for a in model.adapters if a.per_row),
-                       adapter_hashes=tuple(adapters.row_hashes(model.adapters, hashes).items()),
-                       distilled=distilled_setting(model.preset, info))
-
-
-def distilled_setting(preset: str, info: dict) -> tuple[str, int, float] | None:
-    """A distilled preset's (name, published steps, guidance) from conf/models/<preset>.yaml:
-    those with a few-step sampler of their own or a step range (`distilled` in the preset)."""
-    from .config import CONF_DIR
-    if "sampler" not in info and not info.get("distilled"):
-        return None
-    gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
-    return preset, int(gen.num_inference_steps), float(gen.guidance_scale)
-
-
-def published_setting(preset: str, video: bool) -> tuple[int, int, int | None] | None:
-    """The preset's published (height, width, frames) from conf/models/<preset>.yaml: what the
-    model was made for, and so the measure of a row's work (`Constraints.work_error`)."""
-    from .config import CONF_DIR
-    gen = OmegaConf.load(CONF_DIR / "models" / f"{preset}.yaml").get("generation") or {}
-    if "height" not in gen or "width" not in gen:
-        return None
-    return int(gen.height), int(gen.width), int(gen.num_frames) if video and "num_frames" in gen else None
-
-
-def _check_output_dir(store: Store, create: bool = True) -> None:
-    """The job directory can be created and written (created if `create`; else its nearest
-    existing parent is probed, so a dry run writes nothing that stays). On an object store: a
-    probe object is written and deleted (a dry run only lists)."""
-    if not store.local:
-        try:
-            if create:
-                probe = f".probe-{os.getpid()}-{time.time_ns()}"
-                store.write_text(probe, "")
-                store.delete(probe)
-            else:   # read only: the bucket must exist (listing a missing one says nothing)
-                bucket = store.base.split("/", 1)[0]
-                if store.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-                    raise OSError(f"the bucket {bucket!r} does not exist")
-                store.list(RECORDS)
-        except (OSError, ValueError) as e:
-            raise JobError(f"output.dir: cannot write {store.uri()!r} ({e}); check the bucket and the "
-                           f"credentials in the environment (docs/cloud.md)") from e
-        return
-    job_dir = store.base
-    _check_job_subdirs(job_dir)
-    p = job_dir
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    if not os.path.isdir(p):
-        raise JobError(f"output.dir: {p!r} exists and is a file; set output.dir to a directory "
-                       f"(or remove the file)")
-    try:
-        if create:
-            os.makedirs(job_dir, exist_ok=True)
-            p = job_dir
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".tmp-probe-"):
-            pass
-    except OSError as e:
-        raise JobError(f"output.dir: cannot create or write {job_dir!r} ({e.strerror or e}); set "
-                       f"output.dir to a writable directory") from e
-
-
-JOB_SUBDIRS = ("media", "records", "metrics", "report")    # what a job keeps in its directory
-
-
-def _check_job_subdirs(job_dir: str) -> None:
-    """A file (or a dangling link) where the job keeps a directory: exit 2 naming it, before any
-    worker. It passed the checks, then stopped the job with exit 3 after Ray started, with no
-    summary or report written (issue 60)."""
-    for name in JOB_SUBDIRS:
-        path = os.path.join(job_dir, name)
-        if os.path.lexists(path) and not os.path.isdir(path):
-            raise JobError(f"output.dir: {path!r} is a file, where the job keeps its {name}/ "
-                           f"directory; move or remove it, or use another job.name")
-
-
-def check_case_collisions(items: list[Item], store: Store) -> None:
-    """Ids that differ only in case ("Fox", "fox") name one media file where output.dir folds
-    case (macOS's default, FAT/exFAT, SMB): one output would silently replace the other while
-    both rows report ok. An error there, before any model; elsewhere (a case-sensitive directory,
-    an object store) both are fine. The directory is probed only when such ids exist: media/, or
-    its nearest existing parent (a dry run creates nothing)."""
-    pairs = case_collisions(items)
-    if not pairs:
-        return
-    if not store.local:
-        return
-    probed = os.path.join(store.base, "media")
-    while not os.path.isdir(probed):
-        probed = os.path.dirname(probed)
-    try:
-        if not case_insensitive(probed):
-            return
-    except OSError as e:
-        raise JobError(f"output.dir: cannot probe {probed!r} for case-insensitive names "
-                       f"({e.strerror or e}); set output.dir to a writable directory") from e
-    listed = "\n  ".join(f"{a.id!r} ({a.source}) and {b.id!r} ({b.source})"
-                         for a, b in pairs[:MAX_LISTED])
-    shown = "" if len(pairs) <= MAX_LISTED else f", the first {MAX_LISTED} below"
-    raise JobError(f"output.dir: {store.base!r} is on a case-insensitive filesystem, where prompt "
-                   f"ids that differ only in case name one media file: one output would replace "
-                   f"the other ({len(pairs)} such ids{shown}). Rename one id of each pair, or set "
-                   f"output.dir to a case-sensitive directory or an object store (s3://, gs://):"
-                   f"\n  {listed}")

@@ -62,7 +62,7 @@ import dataclasses
 import logging
 import math
 
-from .config import ConfigError, StepCacheSection
+from ..config import ConfigError, StepCacheSection
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ DEFAULT_TIMESTEP_RANGE = {"fastercache": (-1, 681), "pab": (100, 800)}   # diffu
 
 def check(sc: StepCacheSection, family) -> None:
     """`family`: the model's `Family` record."""
-    from .families import FAMILIES
+    from ..families import FAMILIES
     if sc.method != "none" and sc.method not in family.step_reuse:
         offered = [f.name for f in FAMILIES.values() if sc.method in f.step_reuse]
         raise ConfigError(f"step_cache.method={sc.method!r} is not offered for {family.name} models; "
@@ -151,7 +151,7 @@ def _check_list(name: str, steps: list, instead: str, items) -> None:
 
 
 def prepare(job: dict) -> None:
-    """Driver (job, runner.warm), before Ray: check `job["step_cache"]` against the model and drop
+    """Driver (job, runner.driver.warm), before Ray: check `job["step_cache"]` against the model and drop
     the step graph from `job["compile"]` when a step cache is on (one log line, on the driver)."""
     sc = job["step_cache"]
     check(sc, job["model"].family)
@@ -333,7 +333,7 @@ class Scheduled:
         return context
 
     def reset(self) -> None:
-        """Before each pipeline call (`runner.step_cache.reset`)."""
+        """Before each pipeline call (`runner.serve.step_cache.reset`)."""
         self.calls, self.step, self.first_branch, self.computed = 0, 0, None, set()
         self.branch = self.step_index = None      # set by the context of each call that has one
         if self.cfg is not None:

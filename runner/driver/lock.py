@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 
-from .storage import Store, resolve
+from ..io.storage import Store, resolve
 
 LOCK = ".lock"
 HEARTBEAT_S = 15.0      # object stores: how often the holder rewrites its lock

@@ -10,7 +10,7 @@ reference. When the driver asks (`Worker.canary`, every `run.canary_every_items`
 batch again and compares (`compare`): bit for bit under a lossless compile mode (the same graphs on
 the same GPU give the same bits), at least `run.canary_min_psnr_db` under a lossy one (O3's FP8
 and low-precision kernels are not promised to be deterministic). The driver acts on the verdict
-(`runner.dispatch`): a failed canary stops the worker, and the outputs it made since its last
+(`runner.driver.dispatch`): a failed canary stops the worker, and the outputs it made since its last
 good canary are marked `suspect`.
 
 Each worker is its own reference: comparing across workers would flag GPUs that differ in the
@@ -27,7 +27,7 @@ import socket
 
 import numpy as np
 
-from .prompts import Item
+from ..io.prompts import Item
 
 # The warm-up's prompt too (`Worker._warmup_call`): a model that trims text embeddings to the
 # prompt's token count (Latte) sees the shapes the warm-up compiled, so the canary compiles nothing.

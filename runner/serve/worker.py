@@ -4,7 +4,7 @@ Contract: `Worker(rank, WorkerConfig)` builds the pipeline in `__init__` (load t
 `warmup()` compiles it through `compiler` and runs one short call at the job's default shape;
 `submit(items)` queues a shard's items and returns at once; `run_shard(items)` waits for their rows;
 `metrics()` returns the worker's performance figures; `phases(since)` the warm-up's phases so far.
-The class is plain Python: the driver starts it as a Ray actor through `runner.actor.WorkerActor`
+The class is plain Python: the driver starts it as a Ray actor through `runner.serve.actor.WorkerActor`
 (no torch on the driver; one actor per GPU, threaded: see `start_shard`), and tests also use it
 in-process. What the driver calls on the actor (`warmup`, `start_shard`, `finish_shard`, `metrics`,
 `phases`) is the typed `WorkerContract`.
@@ -13,11 +13,11 @@ Three stages, so the GPU never waits for the host:
     prepare   the driver sends each shard's validated items with it (no Parquet reads here); items
               are grouped into batches of equal shape (image-to-video: rows sharing their image,
               as the pipelines take one image per call); each batch's image is read, decoded and
-              fitted to its size on `READ_THREADS` threads (`runner.images`) while the GPU works,
+              fitted to its size on `READ_THREADS` threads (`runner.io.images`) while the GPU works,
               and a missing or undecodable one fails that batch's rows, naming why;
     generate  one thread, `gpu`, runs every model call in submission order: first the text
               encoding of the whole shard (one text-encoder call for its prompts, each negative
-              prompt once per worker: `runner.text`), then per batch denoising, VAE decode, uint8
+              prompt once per worker: `runner.serve.text`), then per batch denoising, VAE decode, uint8
               conversion and the finiteness check on the device and one non-blocking copy of the
               uint8 result into pinned host memory;
     finish    `HOST_THREADS` threads wait for a batch's copy, encode PNG/mp4 (zlib and ffmpeg
@@ -26,12 +26,12 @@ Three stages, so the GPU never waits for the host:
               to s3:// or gs://, never a partial object); a row is returned only after its file is
               complete under its final name.
 While the GPU generates batch k+1, batch k is encoded and written. Queues are bounded by the shards
-the driver has in flight per worker (`runner.job.INFLIGHT`), so host memory stays flat. Seeds and
+the driver has in flight per worker (`runner.driver.job.INFLIGHT`), so host memory stays flat. Seeds and
 per-item generators are as before, and the uint8 rounding equals `outputs.to_uint8` on diffusers'
 float32 output, so files are byte-identical to the sequential path's.
 
 Nothing here mutates state shared with other workers; outputs are named by prompt id, so a rerun
-rewrites the same files. Where each second goes: `runner.timing`.
+rewrites the same files. Where each second goes: `runner.serve.timing`.
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import adapters, canary, images, oom, step_cache
-from .config import WorkerConfig
-from .families import Family
+from . import adapters, canary, oom, step_cache
+from ..io import images
+from ..config import WorkerConfig
+from ..families import Family
 from .models import ModelSpec, build_pipeline, check_gpu_memory
-from .outputs import write_mp4, write_png
-from .prompts import Constraints, Item
-from .results import failed_row
-from .storage import resolve
+from ..io.outputs import failed_row, write_mp4, write_png
+from ..io.prompts import Constraints, Item
+from ..io.storage import resolve
 from .text import Embeds, TextCache
 from .timing import Marks, UtilSampler, instrument
 
@@ -179,8 +179,8 @@ class ShardRun:
 
 
 class WorkerContract(Protocol):
-    """What the driver calls on a worker actor (`runner.raypool.RayPool`, `runner.job`). `Worker`
-    implements it, and `runner.actor.WorkerActor` forwards it; tests/test_dispatch.py checks that
+    """What the driver calls on a worker actor (`runner.driver.raypool.RayPool`, `runner.driver.job`). `Worker`
+    implements it, and `runner.serve.actor.WorkerActor` forwards it; tests/test_dispatch.py checks that
     the names and parameters of both match."""
 
     def warmup(self, asked_at: float | None = None) -> dict:
@@ -196,7 +196,7 @@ class WorkerContract(Protocol):
 
     def canary(self, seq: int) -> dict:
         """At turn `seq` of the shards: the canary batch again against the worker's first
-        (`runner.canary`); the verdict."""
+        (`runner.serve.canary`); the verdict."""
 
     def metrics(self) -> dict:
         """The worker's performance figures."""
@@ -207,7 +207,7 @@ class WorkerContract(Protocol):
     def progress(self) -> float:
         """Seconds since the worker's last model call finished (or since it became ready): the
         driver's watchdog asks a worker silent in a long shard whether it still makes progress
-        (`runner.watchdog`)."""
+        (`runner.driver.watchdog`)."""
 
 
 class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol base)
@@ -380,7 +380,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
                 "warmup_with_cache_s", "cache_hit", "cache_wait_s", "int8_attention",
                 "int8_attention_off", "started_at", "loaded_at", "ready_at")
         # where the kernel counts this process's out-of-memory kills (the driver reads it again
-        # if the worker dies: runner.oom)
+        # if the worker dies: runner.serve.oom)
         return {**{k: self.m[k] for k in keys if k in self.m}, "memory": oom.baseline(),
                 "device": self.device}
 
@@ -539,7 +539,7 @@ class Worker:   # a WorkerContract (structurally, as WorkerActor: no Protocol ba
     def canary(self, seq: int) -> dict:
         """Ray entry: at turn `seq` of this worker's shards (after the GPU work of those before
         it, before that of those after), the canary batch again, compared with the reference
-        (`runner.canary.compare`): the verdict, with its seconds and this worker's device."""
+        (`runner.serve.canary.compare`): the verdict, with its seconds and this worker's device."""
         if self._reference is None:
             raise RuntimeError("no canary reference: this worker was started with run.canary off")
         with self._turn:

@@ -2,7 +2,7 @@
 and safetensors headers only (no torch; milliseconds for a 64 GiB checkpoint).
 
 Contract: `problem(index, preset, where, folder)` is None, or one line naming the value and the
-fix (`runner.models.check_pretrained` raises it as a `ModelLoadError`) when
+fix (`runner.serve.models.check_pretrained` raises it as a `ModelLoadError`) when
 - `index` (the checkpoint's model_index.json, parsed) is not of `preset`'s family: another
   pipeline class (`_class_name`), or the same class with the entries of another family
   (`Family.checkpoint`: a Wan 2.2 A14B directory given to a Wan 2.1 preset);
@@ -23,7 +23,7 @@ import json
 import re
 from pathlib import Path
 
-from .families import PRESETS
+from ..families import PRESETS
 
 # the weights file names diffusers and transformers load without a `variant` (their sharded
 # forms list their shards in `<name>.index.json`)

@@ -1,7 +1,7 @@
 """The class the driver wraps in `ray.remote`: `WorkerActor(rank, cfg, broker)` builds a
-`runner.worker.Worker` in the actor's own process and forwards the `WorkerContract` calls to it.
+`runner.serve.worker.Worker` in the actor's own process and forwards the `WorkerContract` calls to it.
 
-Why a second class: the driver needs the actor's class to start it, and `runner.worker` imports
+Why a second class: the driver needs the actor's class to start it, and `runner.serve.worker` imports
 torch and diffusers, which the driver never uses otherwise (~1.3 s of CPU per job, on the machine
 that also runs the workers). This module imports no torch; what a worker is handed is
 `runner.config.WorkerConfig`.
@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import WorkerConfig
-    from .prompts import Item
+    from ..config import WorkerConfig
+    from ..io.prompts import Item
 
 
-class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/worker.py)
+class WorkerActor:   # a WorkerContract: each call is the Worker's own (runner/serve/worker.py)
     def __init__(self, rank: int, cfg: WorkerConfig, broker=None):
         from .worker import Worker
-        # An error here (the model cannot load: `runner.models.ModelLoadError`) is raised again by
+        # An error here (the model cannot load: `runner.serve.models.ModelLoadError`) is raised again by
         # `warmup`, the driver's first call: a task error, whose cause the driver shows and does
         # not retry twice. Raised from __init__ it killed the actor, and the driver saw a lost
         # worker ("The actor died because of an error raised in its creation task", the cause

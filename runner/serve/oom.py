@@ -10,7 +10,7 @@ is, and its value, when it becomes ready (`baseline`, part of its ready info); w
 driver reads the count again if it runs on the same machine (`killed`): a higher count names the
 kill. On another node nothing is read, and the cause stays what Ray says. Ray's own memory monitor,
 which kills before the kernel does where it sees the limit, is named by Ray itself
-(`ray.exceptions.OutOfMemoryError`: `runner.raypool.lost_cause`).
+(`ray.exceptions.OutOfMemoryError`: `runner.driver.raypool.lost_cause`).
 
 A higher count says that the kernel ended a process of the worker's cgroup (or, without one, of
 the machine) since the worker started, not which: the worker is the one that died, and Ray makes

@@ -24,7 +24,7 @@ Contract:
   (`Results.retire`, called before the changed rows are dispatched), so that no file made from
   old inputs stays under the row's name if the regeneration fails or never runs; or `suspect`:
   its output (still under `output`) was made by a worker after its last good canary, before one
-  that failed (`runner.canary`): not done, so a rerun regenerates it.
+  that failed (`runner.serve.canary`): not done, so a rerun regenerates it.
 - Failure reasons group by cause (`group_errors`): the first line of `error`, with the paths and
   URIs it names, the row's own id and what differs per call masked.
 - An item is done only when its latest row says ok, its media file exists (non-empty, found by one
@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from .prompts import PARAMS
-from .storage import Store, resolve
+from ..io.outputs import failed_row
+from ..io.prompts import PARAMS
+from ..io.storage import Store, resolve
 
 JOURNAL = "journal.jsonl"   # the record of older versions (append-only, local only); still read
 RECORDS = "records"
@@ -72,7 +73,7 @@ def lossy(mode) -> bool:
 def int8_attention(mode, preset: str) -> bool:
     """Whether compile flag `int8-attention` is on and changes this model's outputs."""
     import compiler
-    from .families import PRESETS
+    from ..families import PRESETS
     return compiler.parse_options(str(mode)).has("int8_attention") and PRESETS[preset].long_attention
 
 
@@ -83,8 +84,8 @@ def _output_settings(cfg: DictConfig) -> dict:
     # directories made before adapters existed keep their settings id
     adapters = OmegaConf.select(cfg, "model.adapters")
     if adapters:
-        from .config import parse_adapters
-        from .families import PRESETS
+        from ..config import parse_adapters
+        from ..families import PRESETS
         out["adapters"] = [a.settings() for a in parse_adapters(
             OmegaConf.to_container(adapters, resolve=True), PRESETS[cfg.model.preset].experts)]
     # `lossy` alone would give int8-attention by itself (eager-exact Linears; on a model it does
@@ -103,7 +104,7 @@ def _output_settings(cfg: DictConfig) -> dict:
     # The unconditional-branch reuse (`cfg_reuse`) likewise: its keys join when it is on.
     sc = OmegaConf.select(cfg, "step_cache")
     if sc is not None:
-        from .config import StepCacheSection
+        from ..config import StepCacheSection
         sc = StepCacheSection(**OmegaConf.to_container(sc, resolve=True))
         if sc.on:
             out["step_cache"] = sc.settings()
@@ -161,13 +162,6 @@ def changed_row(item, old: dict, removed: list[str]) -> dict:
     why = ", ".join(what) if what else "the output settings"
     return {**failed_row(item, f"its inputs changed ({why}) since {', '.join(removed)} was made: "
                                f"removed before regenerating"), "status": "changed"}
-
-
-def failed_row(item, error: str, worker: int | None = None) -> dict:
-    """The result row of an item that produced no output (same columns as a worker's ok rows)."""
-    return {**item.params(), "status": "failed", "error": error[:2000], "output": None,
-            "worker": worker, "batch_size": 1 if worker is not None else None, "e2e_s": None,
-            "started_at": None, "denoise_it_s": None}
 
 
 # Characters of an error's first line that name its cause: the longest cause the runner words

@@ -5,11 +5,11 @@ Contract:
   cluster (`ray.address`, or RAY_ADDRESS, else a new embedded local Ray, quiet: see `connect`) and
   returns the pool. `gpu`: "yes" (the model needs GPUs), "no" (`model.device=cpu`) or "if any" (a
   tiny model: GPU workers where the cluster has or can add GPUs, else CPU ones). GPU workers make
-  an elastic pool: `cluster` (a `runner.cluster.RayCluster` for workers needing `need_gib`) and
+  an elastic pool: `cluster` (a `runner.driver.cluster.RayCluster` for workers needing `need_gib`) and
   `size` (`ray.num_workers`, else `ray.min_workers`, else the GPUs there are, at least 1) for the
   dispatcher, each worker placed on the node the dispatcher picks (`start(rank, node)`: one GPU
   and one CPU there). CPU workers are a fixed pool of `ray.cpu_workers` (`cluster` None). Each is a
-  `runner.actor.WorkerActor` built from `worker_config(on_gpu)`, never restarted by Ray itself
+  `runner.serve.actor.WorkerActor` built from `worker_config(on_gpu)`, never restarted by Ray itself
   (the dispatcher decides).
   `shared_cache`: a `CacheBroker` actor lets one worker compile and the others load its artifact.
 - The Pool calls map one to one onto actor calls (`warmup`, told when it was asked: the worker's
@@ -21,7 +21,7 @@ Contract:
   `NodeLost` when Ray says the node died or was preempted); `stop`
   kills and waits until each actor's process is gone, so nothing it writes lands after the caller
   goes on.
-- Only this module (and the worker's side: `runner.worker`, `runner.compile_cache`) imports Ray:
+- Only this module (and the worker's side: `runner.serve.worker`, `runner.serve.compile_cache`) imports Ray:
   the job, the dispatcher and the progress display run, and are tested, without it.
 """
 
@@ -35,10 +35,10 @@ from typing import Any, Callable
 
 import ray
 
-from . import oom
-from .config import RayOptions
+from ..serve import oom
+from ..config import RayOptions
 from .dispatch import NodeLost, TaskError, WorkerLost, cause
-from .outputs import plural
+from ..io.outputs import plural
 
 log = logging.getLogger("runner")
 
@@ -54,14 +54,14 @@ class RayPool:
     @classmethod
     def open(cls, opts: RayOptions, gpu: str, worker_config: Callable[[bool], Any],
              shared_cache: bool, inflight: int, need_gib: float | None = None) -> "RayPool":
-        from .actor import WorkerActor
+        from ..serve.actor import WorkerActor
         from .cluster import RayCluster
         connect(opts)
         gpus = int(ray.cluster_resources().get("GPU", 0))
         on_gpu = gpu == "yes" or gpu == "if any" and bool(gpus or RayCluster.max_gpus())
         broker = None
         if shared_cache:
-            from .compile_cache import CacheBroker
+            from ..serve.compile_cache import CacheBroker
             broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=1000).remote()
         cfg = worker_config(on_gpu)
         # Threaded: a shard's two calls (start_shard, finish_shard) for each of the `inflight`
@@ -225,7 +225,7 @@ def lost_cause(e: Exception, memory: dict | None = None) -> str:
 
 
 class _StartedOffTheMainThread(logging.Filter):
-    """Ray's start runs on a thread of its own (`runner.job` watches for Ctrl-C meanwhile), so
+    """Ray's start runs on a thread of its own (`runner.driver.job` watches for Ctrl-C meanwhile), so
     `ray.init` warns that it sets no SIGTERM handler: the job installs its own, the user has
     nothing to do about it."""
 

@@ -27,7 +27,7 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
 - A row whose input's store did not answer its worker (its error starts with
   `images.INPUT_FAULT`) is the store's fault: the shard's other rows are recorded, that row is
   not (it stays pending), and the job stops at once (`PersistentFault`, exit 3, naming the store).
-- Canaries (`canary_every` items, `canary_every_s` seconds; `runner.canary`): a ready slot whose
+- Canaries (`canary_every` items, `canary_every_s` seconds; `runner.serve.canary`): a ready slot whose
   actor was handed that many items (or had that time) since its last canary, and which has more
   to do, is asked for one in turn with its shards (`Pool.canary`: it runs after the GPU work of
   the shards handed out before it). Its shards carry the number of canaries asked before them
@@ -40,7 +40,7 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   a worker's last canary are not checked.
 - A ready worker that makes no progress (no model call finished: no shard or canary back, and,
   asked through `Pool.progress` once silent past its bound, none finished since) for longer than
-  its bound is hung (`runner.watchdog`: a multiple of its own measured time for one call of the
+  its bound is hung (`runner.driver.watchdog`: a multiple of its own measured time for one call of the
   work it holds, a floor, the ceiling `hang_timeout_s`; 0: off; unanswered within
   `watchdog.ASK_S`: hung too): it is killed (`Pool.kill`) and replaced like a dead one,
   the shard it was on is blamed as for a death (a row in flight at `max_deaths` hangs is failed:
@@ -56,7 +56,7 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
   it); left when no slot that takes them is ready and none is starting. A retried or split one
   joins the queue like any shard.
 - `on_ready(slot)` runs when a slot's actor is ready, `on_tick()` at least once a second.
-- Elastic (`cluster`, a `Cluster`: `runner.cluster.RayCluster` on Ray): the slots are not fixed.
+- Elastic (`cluster`, a `Cluster`: `runner.driver.cluster.RayCluster` on Ray): the slots are not fixed.
   Once a second the dispatcher reads the cluster's `View` and asks the cluster for room for the
   workers the work left can keep busy (`Cluster.want`: between `n_workers`, the minimum, and
   `max_workers`, less the slots retired for their own deaths), and starts a worker, a new rank,
@@ -80,9 +80,9 @@ Contract of `Dispatcher(pool, n_workers, shards, on_rows, ...).run()`:
 These rules live in `Dispatcher`, which reaches its workers only through a `Pool` (start a worker
 and its warm-up, submit a shard, wait for futures, read a result as a value, `TaskError` or
 `WorkerLost`, kill a worker; and for the rest of the driver: phases, metrics, stop and wait until
-dead, close): `runner.raypool.RayPool` is the Ray one (the driver's only Ray code), tests drive the
+dead, close): `runner.driver.raypool.RayPool` is the Ray one (the driver's only Ray code), tests drive the
 same rules with in-memory pools, and `runner.bench.simulate` with a simulated cluster. A worker is
-anything with the methods of `runner.worker.WorkerContract`. This module imports no Ray.
+anything with the methods of `runner.serve.worker.WorkerContract`. This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -93,12 +93,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from . import canary
-from .images import INPUT_FAULT
-from .outputs import plural
-from .prompts import Item, Shard
-from .results import error_cause, failed_row
-from .storage import StoreTimeout
+from ..serve import canary
+from ..io.images import INPUT_FAULT
+from ..io.outputs import failed_row, plural
+from ..io.prompts import Item, Shard
+from .results import error_cause
+from ..io.storage import StoreTimeout
 from .watchdog import ASK_S, Pace, Watchdog, units
 
 log = logging.getLogger("runner")
@@ -156,10 +156,10 @@ class NodeLost(WorkerLost):
 
 
 class Cluster(Protocol):
-    """An elastic pool's room (`runner.cluster.RayCluster`; simulated in runner.bench.simulate)."""
+    """An elastic pool's room (`runner.driver.cluster.RayCluster`; simulated in runner.bench.simulate)."""
 
     def poll(self) -> Any:
-        """A `runner.cluster.View`: `places` (a node id per worker that could start now),
+        """A `runner.driver.cluster.View`: `places` (a node id per worker that could start now),
         `draining` (node id -> deadline, epoch s, 0: none), `dead` (node ids), `text()`."""
 
     def want(self, n: int) -> None:
@@ -182,7 +182,7 @@ class Pool(Protocol):
 
     def canary(self, worker: Any, seq: int) -> Any:
         """Turn `seq` of this worker: its canary (`WorkerContract.canary`): future of the
-        verdict (`runner.canary.compare`'s dict, with `s`, `rank`, `device`)."""
+        verdict (`runner.serve.canary.compare`'s dict, with `s`, `rank`, `device`)."""
 
     def submit(self, worker: Any, seq: int, items: list[Item]) -> tuple[Any, Any]:
         """Shard number `seq` of this worker (`start_shard`, `finish_shard`): (future done when
@@ -256,7 +256,7 @@ class Slot:
     canary_at: float = 0.0           # when it was last asked for one (or became ready)
     checking: bool = False           # a canary of it is in flight
     made: dict = field(default_factory=dict)   # epoch -> ok rows it returned, not yet verified
-    pace: Pace | None = None         # its progress clock once ready (`runner.watchdog`)
+    pace: Pace | None = None         # its progress clock once ready (`runner.driver.watchdog`)
     node: str | None = None          # the node it was placed on (elastic), or its ready info's
     draining: float | None = None    # its node's drain deadline (epoch s, 0: none) once noticed
     idle_from: float | None = None   # ready without work since (the clock's seconds)
@@ -663,7 +663,7 @@ class Dispatcher:
             self.hungry[slot] = None
 
     def _check_hung(self) -> None:
-        """Once a second: a ready worker silent past its bound (`runner.watchdog`) is hung. O(slots)
+        """Once a second: a ready worker silent past its bound (`runner.driver.watchdog`) is hung. O(slots)
         a second, not per loop iteration."""
         now = self.clock()
         if not self.watchdog.on or now < self.next_hang_check:

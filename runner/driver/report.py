@@ -24,7 +24,7 @@ kept there while the job runs, and report.html plus every new or changed file of
 uploaded. The gallery's sampling bounds what is fetched. The staging directory is removed after
 the job's last page (`remove_stage`).
 
-`python -m runner.report DIR` rebuilds the page of a finished job directory from its files (DIR may
+`python -m runner.driver.report DIR` rebuilds the page of a finished job directory from its files (DIR may
 be a URI).
 """
 
@@ -44,10 +44,10 @@ import urllib.parse
 
 import numpy as np
 
-from .outputs import atomic_path, write_json
+from ..io.outputs import atomic_path, write_json
 from .results import group_errors
 from .summary import canary_lines, hang_lines, not_ready_text
-from .storage import Store, resolve
+from ..io.storage import Store, resolve
 
 log = logging.getLogger("runner")
 MAX_GALLERY = 200       # outputs shown in full; a larger job shows a sample (first/last, failures)
@@ -108,7 +108,7 @@ def stage_dir(store: Store) -> str:
 def remove_stage(store: Store) -> None:
     """The staging directory of a job on an object store removed (its page is written): a driver
     host that runs job after job keeps nothing of them in its temp folder. A later rewrite
-    (`python -m runner.report`, a rerun) stages again, fetching its gallery's media once."""
+    (`python -m runner.driver.report`, a rerun) stages again, fetching its gallery's media once."""
     if not store.local:
         shutil.rmtree(stage_dir(store), ignore_errors=True)
 
@@ -547,9 +547,9 @@ PAGE = """<!doctype html>
 
 
 def main(argv: list[str]) -> int:
-    """`python -m runner.report DIR`: the page again from a job directory's files."""
+    """`python -m runner.driver.report DIR`: the page again from a job directory's files."""
     if len(argv) != 1:
-        print("usage: python -m runner.report JOB_DIR", file=sys.stderr)
+        print("usage: python -m runner.driver.report JOB_DIR", file=sys.stderr)
         return 2
     import pyarrow.parquet as pq
     store = resolve(argv[0])

@@ -29,7 +29,7 @@ Contract:
   fault, not the row's: the worker reports it so, and the job stops). The image
   is resized to cover width x height (Lanczos) and center-cropped to it: no distortion, the
   row's own size (the crop of diffusers' Wan docs, `center_crop_resize`, and of Wan 2.2's own
-  image-to-video code). A missing or undecodable image fails its row only (`runner.worker`).
+  image-to-video code). A missing or undecodable image fails its row only (`runner.serve.worker`).
 - The content hash is what an output was made from (`prompts.Item.image_sha256`, one of
   `prompts.PARAMS`): the worker records the hash of the bytes it read; on a rerun
   `fill_hashes(items, rows)` (driver, before the resume plan) hashes the current image of every
@@ -77,12 +77,12 @@ class ImageError(ValueError):
 class InputStoreFault(OSError):
     """The store an image is read from did not answer a worker's read (timed out, refused, a host
     name that does not resolve): the store's fault, not the row's. The worker hands it to the
-    driver as such (`runner.worker`), and the dispatcher stops the job (exit 3) instead of
+    driver as such (`runner.serve.worker`), and the dispatcher stops the job (exit 3) instead of
     failing every row that reads from that store (issue 60: 36 of 40 rows burnt in 192 s)."""
 
 
 # How a worker's row says its input store failed it (the start of the row's error): the
-# dispatcher stops the job on such a row and records it not (`runner.dispatch`).
+# dispatcher stops the job on such a row and records it not (`runner.driver.dispatch`).
 INPUT_FAULT = f"{InputStoreFault.__name__}: "
 
 
@@ -160,7 +160,7 @@ def _empty(cell) -> bool:
 
 def image_presets() -> list[str]:
     """The presets whose model takes an image (for messages)."""
-    from .families import PRESETS
+    from ..families import PRESETS
     return sorted(p for p, f in PRESETS.items() if f.image)
 
 

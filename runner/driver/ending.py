@@ -13,7 +13,7 @@ Contract: `Ending()` lives from before the job's lock is taken to the process's 
   snapshot or listing did not finish in time; on an object store (`remote`), any failure: the
   lock's heartbeat and release are requests too). pyarrow's exit waits for S3 requests in
   flight (33 s measured after a stalled write), so then the process ends at once
-  (`python -m runner`, see `runner.job.EXIT_AT_ONCE`).
+  (`python -m runner`, see `runner.driver.job.EXIT_AT_ONCE`).
 
 Why one deadline: a stalled store (no answer, not refused) made each step wait for its own
 timeout: 20 s for the summary, 20 s per metrics file, 15 s for the lock, 33 s at the exit; a job
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from .storage import StoreTimeout, call_within
+from ..io.storage import StoreTimeout, call_within
 
 STOP_S = 30.0    # a stopping job's end (results, summary, report, lock), in all: Kubernetes'
                  # default grace after SIGTERM, and more than one store timeout (20 s)

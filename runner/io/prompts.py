@@ -3,14 +3,14 @@
 Contract:
 - Input is one .parquet file, several, or directories of them (sorted, so the plan is stable;
   a directory named `*.parquet`, Spark's output, is a directory),
-  local or on an object store (`s3://`, `gs://`: read on the driver through `runner.storage`).
+  local or on an object store (`s3://`, `gs://`: read on the driver through `runner.io.storage`).
 - `Item` is the one definition of a row: its fields' metadata say which are Parquet columns, which
   are integers and which are the parameters an output is made from (`PARAMS`); the column lists,
   the result rows and resume's "made from" comparison derive from it.
 - Column `prompt` is required. Optional: `id`, `negative_prompt`, `seed`, `height`, `width`,
   `num_frames`, `num_inference_steps`, `guidance_scale`; absent columns (and null cells) take the
   job's `generation` defaults. `image` (image-to-video models): a path, URI or the image's bytes,
-  checked and located by `runner.images` (its content hash, `image_sha256`, is what an output is
+  checked and located by `runner.io.images` (its content hash, `image_sha256`, is what an output is
   made from). Unknown columns are named in one warning line, with the closest
   known name (a misspelt `seeds` would otherwise silently run every row with the default seed);
   with `strict` they are an error. A pandas index written into the file is not a column.
@@ -23,7 +23,7 @@ Contract:
 - A missing `id` becomes `<file stem>-<row>` (row number within its file): stable across reruns.
   Ids are sanitized into file names (`[A-Za-z0-9._-]`, no leading dot); two rows whose sanitized ids
   collide are an error, so no output can overwrite another. Ids that differ only in case
-  (`case_collisions`) are an error only where output.dir folds case (checked by `runner.job`,
+  (`case_collisions`) are an error only where output.dir folds case (checked by `runner.driver.job`,
   which knows the directory).
 - `check_prompts` reads every file once on the driver and raises `PromptError` for anything that
   would fail later (before any model is built): one error listing every bad row (the first
@@ -49,7 +49,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from . import storage
-from .config import GenerationDefaults, did_you_mean
+from ..config import GenerationDefaults, did_you_mean
 
 log = logging.getLogger("runner")
 _ID_BAD = re.compile(r"[^A-Za-z0-9._-]")
@@ -154,7 +154,7 @@ class Item:
     guidance_scale: float = _col()
     file: str                                  # where the row came from (errors, the results table)
     row: int
-    # image-to-video (`runner.images`; last, with defaults: text rows leave them out): where the
+    # image-to-video (`runner.io.images`; last, with defaults: text rows leave them out): where the
     # row's image is read from (a column, not a parameter: a moved but unchanged image is the same
     # input), the sha256 of its bytes (the parameter: known on the driver for bytes cells and on a
     # rerun, else filled in by the worker that read it), and a bytes cell's bytes (not in rows)
@@ -162,7 +162,7 @@ class Item:
     image_sha256: str | None = field(default=None, metadata={"param": True})
     image_bytes: bytes | None = field(default=None, repr=False, metadata={"row": False})
     # the row's own adapter: the name of one of `model.adapters` with `per_row: true`, fused for
-    # this row only (`runner.adapters.Switch`); None: none of them
+    # this row only (`runner.serve.adapters.Switch`); None: none of them
     adapter: str | None = field(default=None, metadata={"column": True, "param": True})
     # one sha256 of the contents of every adapter the output is made from (`adapters.row_hashes`:
     # the job-wide ones and the row's own), None without adapters: an adapter file replaced under

@@ -1,4 +1,4 @@
-"""`python -m runner.warm job=NAME [key=value ...]`: fill the compile cache ahead of a job.
+"""`python -m runner.driver.warm job=NAME [key=value ...]`: fill the compile cache ahead of a job.
 
 Builds the job's pipeline once in this process (this machine's GPU, else the CPU), compiles it with
 the job's compile options, runs the warm-up call at the job's default shape and batch size, and
@@ -14,10 +14,11 @@ import json
 import logging
 import sys
 
-from . import step_cache
-from .config import ConfigError, load_config, split
-from .job import JobError, check_warmup, constraints, worker_config
-from .prompts import PromptError
+from ..serve import step_cache
+from ..config import ConfigError, load_config, split
+from .checks import JobError, check_warmup, constraints
+from .job import worker_config
+from ..io.prompts import PromptError
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
-    from .worker import Worker
+    from ..serve.worker import Worker
     on_gpu = job["model"].device != "cpu" and torch.cuda.is_available()
     worker = Worker(0, worker_config(job, limits, on_gpu=on_gpu))
     worker.warmup()

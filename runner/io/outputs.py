@@ -1,4 +1,5 @@
-"""The media encoders and the small files and tables the job writes.
+"""The media encoders, the small files and tables the job writes, and the row of an item that
+produced no output (`failed_row`: the worker's and the driver's).
 
 `write_png` and `write_mp4` write straight to the path they are given: the worker hands them a
 temporary name (`storage.Store.atomic_local`), so an output appears under its final name only once
@@ -95,6 +96,13 @@ def _removed_on_error(path):
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+
+
+def failed_row(item, error: str, worker: int | None = None) -> dict:
+    """The result row of an item that produced no output (same columns as a worker's ok rows)."""
+    return {**item.params(), "status": "failed", "error": error[:2000], "output": None,
+            "worker": worker, "batch_size": 1 if worker is not None else None, "e2e_s": None,
+            "started_at": None, "denoise_it_s": None}
 
 
 def format_table(rows: list[dict], columns: list[str], width: int | None = None) -> str:
