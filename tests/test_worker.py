@@ -451,7 +451,7 @@ def test_a_canary_compares_bit_for_bit_or_within_the_lossy_tolerance():
     assert describe(compare(ref, ref, False, True, 40)) == "bit for bit: non-finite values"
 
 
-def test_a_compiled_wan_worker_serves_a_second_row_size(tmp_path, monkeypatch):
+def test_a_compiled_wan_worker_serves_a_second_row_size(tmp_path):
     """Per-row sizes on a compiled Wan worker (O2, its VAE compiled: Wan's `resblock` needs as
     many graphs again for each size): rows of two sizes both ok. Dynamo's limits are put back to
     its defaults first, so that what an earlier test of this process raised them to does not
@@ -459,24 +459,25 @@ def test_a_compiled_wan_worker_serves_a_second_row_size(tmp_path, monkeypatch):
     FailOnRecompileLimitHit)."""
     from compiler import parse_options
     from runner.config import CompileConfig
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
-    torch._dynamo.reset()
-    # O2's compile without its artifact cache (on CPU, cudagraphs is a no-op); the text encoder
-    # stays eager (~20 CPU-s less; its graphs do not depend on the row size)
-    options = parse_options({"mode": "cudagraphs", "compile_text_encoder": False})
-    cfg = WorkerConfig(model=ModelSpec("wan21_t2v_1_3b", source="tiny"),
-                       generation=GenerationDefaults(height=64, width=48, num_frames=5,
-                                                     num_inference_steps=2, guidance_scale=1.0),
-                       limits=Constraints(size_factor=16, frame_step=4), on_empty="error",
-                       job_dir=str(tmp_path / "job"), warmup_steps=2,
-                       compile=CompileConfig(options=options, mode="cudagraphs"))
-    w = Worker(0, cfg)
-    w.warmup()                                        # compiles the job's size, 64x48
-    assert w.pipe._compile_report["vae_blocks"]["resblock"] > 0
-    rows = w.run_shard([Item(id=f"r{h}", prompt="a fox", negative_prompt="", seed=0, height=h,
-                             width=112 - h, num_frames=5, num_inference_steps=2,
-                             guidance_scale=1.0, file="p.parquet", row=k)
-                        for k, h in enumerate((64, 48))])
-    assert [(r["id"], r["status"], r["error"]) for r in rows] == [
-        ("r64", "ok", None), ("r48", "ok", None)]
+    # the defaults, restored after: monkeypatch would `delattr` these on undo, and a torch config
+    # module hides a deleted key (every later compile of the process failed: AttributeError)
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        torch._dynamo.reset()
+        # O2's compile without its artifact cache (on CPU, cudagraphs is a no-op); the text encoder
+        # stays eager (~20 CPU-s less; its graphs do not depend on the row size)
+        options = parse_options({"mode": "cudagraphs", "compile_text_encoder": False})
+        cfg = WorkerConfig(model=ModelSpec("wan21_t2v_1_3b", source="tiny"),
+                           generation=GenerationDefaults(height=64, width=48, num_frames=5,
+                                                         num_inference_steps=2, guidance_scale=1.0),
+                           limits=Constraints(size_factor=16, frame_step=4), on_empty="error",
+                           job_dir=str(tmp_path / "job"), warmup_steps=2,
+                           compile=CompileConfig(options=options, mode="cudagraphs"))
+        w = Worker(0, cfg)
+        w.warmup()                                        # compiles the job's size, 64x48
+        assert w.pipe._compile_report["vae_blocks"]["resblock"] > 0
+        rows = w.run_shard([Item(id=f"r{h}", prompt="a fox", negative_prompt="", seed=0, height=h,
+                                 width=112 - h, num_frames=5, num_inference_steps=2,
+                                 guidance_scale=1.0, file="p.parquet", row=k)
+                            for k, h in enumerate((64, 48))])
+        assert [(r["id"], r["status"], r["error"]) for r in rows] == [
+            ("r64", "ok", None), ("r48", "ok", None)]

@@ -227,16 +227,22 @@ def _descendants() -> list[int]:
     return found
 
 
-def _kill_descendants(timeout_s: float = 2.0) -> None:
-    """SIGKILL to every process this one started, and theirs, scanning again until a scan finds
-    none not signalled yet (one may have started another meanwhile), or `timeout_s`. It does not
+def _kill_descendants(timeout_s: float = 2.0, settle_s: float = 0.1) -> None:
+    """SIGKILL to every process this one started, and theirs, scanning again until two scans
+    `settle_s` apart find none not signalled yet, or `timeout_s`. A kill lands after a fork in
+    flight completes: a raylet killed while starting its agents left one that no scan saw (CI,
+    under load: Ray's dashboard and runtime-env agents alive after the job's exit). It does not
     wait for them to end. Elsewhere than Linux, nothing: Ray's reaper process is left to do it."""
-    end, killed = time.monotonic() + timeout_s, set()
-    while (new := set(_descendants()) - killed) and time.monotonic() < end:
+    end, killed, quiet = time.monotonic() + timeout_s, set(), 0
+    while quiet < 2 and time.monotonic() < end:
+        new = set(_descendants()) - killed
         for pid in new:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         killed |= new
+        quiet = 0 if new else quiet + 1
+        if not new:
+            time.sleep(settle_s)
 
 
 def exit_within(status: int, timeout_s: float = 30.0) -> None:
