@@ -336,7 +336,10 @@ def test_the_only_gpu_node_dying_with_none_coming_exits_3(cluster, write_prompts
             rc = job.wait(120)
             t_end = time.monotonic()
         assert rc == 3, job.tail()
-        seen = [t for t, line in job.lines if "lost with its node" in line]
+        # the node's death seen first, or the actor's first and then found to be its node's
+        # (a CI run: ActorUnavailableError 2 s after the kill, the node dead 0.8 s later)
+        seen = [t for t, line in job.lines
+                if "lost with its node" in line or "its death was its node's" in line]
         assert seen, job.tail()
         print(f"node death seen {seen[0] - t_kill:.1f} s after the kill; exit {t_end - t_kill:.1f} s")
         assert seen[0] - t_kill < DEAD_WITHIN_S, job.tail()
