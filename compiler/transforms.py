@@ -388,16 +388,23 @@ def _drop_weight(lin: nn.Linear) -> None:
     lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
 
 
+def linear_rows(module: nn.Module, path: str) -> tuple[nn.Module, int]:
+    """(the module that computes the Linear at `path`, its first row there): the Linear itself
+    and 0, or after `fuse_qkv` the fused QKV/KV linear (16-bit or FP8) and the projection's
+    first row in it."""
+    parent_path, _, name = path.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    fused = parent.__dict__.get(FUSED_ROWS, {}).get(name)
+    return (getattr(parent, fused[0]), fused[1]) if fused else (getattr(parent, name), 0)
+
+
 def set_linear_weight(module: nn.Module, path: str, weight: torch.Tensor) -> None:
     """The Linear at `path` (named as before any transform: `blocks.0.attn1.to_q`) given `weight`
     ((out, in), the model's dtype), in place wherever it lives after `fuse_qkv` and `to_fp8`: its
     own parameter, its rows of a fused QKV/KV linear, or those rows of an FP8Linear, quantised as
     `to_fp8` quantises. Storage never moves: compiled graphs and CUDA graphs stay valid (an
     adapter switched between calls: `runner.serve.adapters`)."""
-    parent_path, _, name = path.rpartition(".")
-    parent = module.get_submodule(parent_path) if parent_path else module
-    fused = parent.__dict__.get(FUSED_ROWS, {}).get(name)
-    target, start = (getattr(parent, fused[0]), fused[1]) if fused else (getattr(parent, name), 0)
+    target, start = linear_rows(module, path)
     with torch.no_grad():
         if isinstance(target, FP8Linear):
             target.write_rows(start, weight)

@@ -200,14 +200,11 @@ def test_a14b_lightning_720p_with_adapters_fits_one_80gb_gpu(tmp_path):
 def _checksums(den, paths) -> dict:
     """{Linear path: a bitwise checksum of its live weight}, wherever `compile_pipe` put it (its
     rows of a fused QKV/KV linear): equal weights give equal sums, one changed bit another."""
-    from compiler.transforms import FUSED_ROWS
+    from compiler.transforms import linear_rows
     out = {}
     for p in paths:
-        parent_path, _, name = p.rpartition(".")
-        parent, lin = den.get_submodule(parent_path), den.get_submodule(p)
-        fused = parent.__dict__.get(FUSED_ROWS, {}).get(name)
-        w = (getattr(parent, fused[0]).weight[fused[1]:fused[1] + lin.out_features] if fused
-             else lin.weight)
+        target, start = linear_rows(den, p)     # a 16-bit weight (O2: no FP8 rows)
+        w = target.weight[start:start + den.get_submodule(p).out_features]
         bits = w.contiguous().view(torch.int16).long()
         out[p] = (bits.sum() * 1_000_003 + (bits * bits).sum()).item()
     return out

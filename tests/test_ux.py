@@ -497,13 +497,14 @@ def test_ctrl_c_while_ray_starts_exits_130_at_once_leaving_no_process(tmp_path):
                      daemon=True).start()
 
     def session(name=""):
-        """Its session's live processes (Ray's own included) whose command line holds `name`."""
+        """Its session's live processes (Ray's own included) whose command line holds `name`:
+        (pid, parent pid, start time, command line) each."""
         found = []
-        for q in psutil.process_iter(["cmdline"]):
+        for q in psutil.process_iter(["cmdline", "ppid", "create_time"]):
             with contextlib.suppress(psutil.Error, OSError):
                 cmd = " ".join(q.info["cmdline"] or [])
                 if os.getsid(q.pid) == p.pid and q.status() != psutil.STATUS_ZOMBIE and name in cmd:
-                    found.append(cmd)
+                    found.append((q.pid, q.info["ppid"], q.info["create_time"], cmd))
         return found
     try:
         # mid-start, Ray's processes running: its raylet is up (it starts agents of its own),
@@ -527,12 +528,8 @@ def test_ctrl_c_while_ray_starts_exits_130_at_once_leaving_no_process(tmp_path):
     t, t_exit = time.monotonic(), time.time()
     while session() and time.monotonic() - t < 10:
         time.sleep(0.2)
-    left = []            # what a failure needs: who started each, and when against the exit
-    for q in psutil.process_iter(["cmdline", "ppid", "create_time"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(q.pid) == p.pid and q.status() != psutil.STATUS_ZOMBIE:
-                left.append((q.pid, q.info["ppid"], round(q.info["create_time"] - t_exit, 2),
-                             " ".join(q.info["cmdline"] or [])[:160]))
+    # what a failure needs: who started each, and when against the exit
+    left = [(pid, ppid, round(born - t_exit, 2), cmd[:160]) for pid, ppid, born, cmd in session()]
     assert left == [], left       # (pid, parent, started s after the job's exit, command)
 
 

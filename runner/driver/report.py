@@ -80,8 +80,8 @@ def write_report(job_dir: "str | Store", rows: list[dict], summary: dict | None 
         plots="".join(f"<figure class='plot'><img src='{ASSETS}/{os.path.basename(p)}' "
                       f"alt='{os.path.splitext(os.path.basename(p))[0]} plot'></figure>" for p in plots),
         workers=_workers_table(metrics, (summary or {}).get("workers_not_ready") or ()),
-        failures=_failure_list(rows) + _suspect_list(summary or {})
-                 + _hung_list(summary or {}),
+        failures=_failure_list(rows) + _line_list("Suspect outputs", canary_lines(summary or {}))
+                 + _line_list("Hung workers", hang_lines(summary or {})),
         gallery="\n".join(_entry(job_dir, r, deadline, store, no_thumb) for r in shown),
         hidden=(f"<p class='note'>{hidden} of {len(rows)} outputs not shown: this page shows the "
                 f"first and last {MAX_GALLERY // 2} and every failure. All of them are in "
@@ -455,21 +455,13 @@ def _failure_list(rows: list[dict]) -> str:
     return f"<h2>Failures</h2><ul class='failures'>{items}</ul>"
 
 
-def _suspect_list(s: dict) -> str:
-    """Each worker whose canary failed: where it ran (host, node, GPU) and its suspect outputs."""
-    lines = canary_lines(s)
+def _line_list(title: str, lines: list[str]) -> str:
+    """A section of the summary's lines under `title` (none: nothing): the workers whose canary
+    failed (`canary_lines`: where each ran, its suspect outputs), those declared hung
+    (`hang_lines`: where each ran, the rows it held)."""
     if not lines:
         return ""
-    return ("<h2>Suspect outputs</h2><ul class='failures'>"
-            + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
-
-
-def _hung_list(s: dict) -> str:
-    """Each worker declared hung: where it ran (host, node, GPU) and the rows it held."""
-    lines = hang_lines(s)
-    if not lines:
-        return ""
-    return ("<h2>Hung workers</h2><ul class='failures'>"
+    return (f"<h2>{title}</h2><ul class='failures'>"
             + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>")
 
 

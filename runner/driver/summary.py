@@ -255,7 +255,7 @@ def head_text(s: dict) -> str:
     if "steady_items_per_s" in s:
         lines.append(f"all ready at {s['all_ready_s']:.1f} s, then "
                      f"{s['steady_items_per_s']:.3g} items/s")
-    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in lines)
+    return "\n".join(wrapped(lines))
 
 
 def summary_text(s: dict, metrics: list[dict], plan, table: list[dict],
