@@ -112,6 +112,8 @@ def cli_env(**extra) -> dict:
     them over: Ray's `ray.init` reads RAY_JOB_CONFIG_JSON_ENV_VAR, which is how a submitted job's
     driver gets it."""
     env = {**os.environ, **extra}
+    if env.get("RUNNER_TEST_TIMELINE"):    # tags the run's processes for tests/cpu_sampler.py
+        env.setdefault("RUNNER_TEST_ID", os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0])
     if env.get("RAY_ADDRESS"):
         env_vars = {k: v for k, v in env.items()
                     if any(k == w or (w.endswith("_") and k.startswith(w)) for w in WORKER_ENV)}
@@ -532,16 +534,23 @@ def long_tests_first(config, items) -> None:
 #   python -m pytest -q -n 4 --dist worksteal; python tests/timeline.py FILE
 def pytest_runtest_logstart(nodeid, location):
     if os.environ.get("RUNNER_TEST_TIMELINE"):
-        _SESSION.setdefault("started", {})[nodeid] = time.time()
+        import resource
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        _SESSION.setdefault("started", {})[nodeid] = (time.time(), time.process_time(),
+                                                      kids.ru_utime + kids.ru_stime)
 
 
 def pytest_runtest_logfinish(nodeid, location):
     path = os.environ.get("RUNNER_TEST_TIMELINE")
-    t0 = _SESSION.get("started", {}).pop(nodeid, None)
-    if path and t0 is not None:
+    started = _SESSION.get("started", {}).pop(nodeid, None)
+    if path and started is not None:
+        import resource
+        t0, cpu0, kids0 = started
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(path, "a") as f:    # one short write per line: lines of 4 workers do not mix
             f.write(json.dumps({"id": nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                                "start": t0, "end": time.time()}) + "\n")
+                                "start": t0, "end": time.time(), "cpu": time.process_time() - cpu0,
+                                "children_cpu": kids.ru_utime + kids.ru_stime - kids0}) + "\n")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -5,7 +5,11 @@
 
 Prints each worker's busy seconds and when it ran out of tests, how many workers were busy over
 the run (the idle tail: the minutes one or two long tests run alone), and the N longest tests
-with their start and end (seconds from the first start)."""
+with their start and end (seconds from the first start); with CPU=FILE (tests/cpu_sampler.py's
+output of the same run), the N costliest tests in CPU-seconds too: the test process's own, plus
+its CLI runs' and their Ray workers' (the processes that carry its RUNNER_TEST_ID), or the
+children it waited for where those are more (an in-process compile's C++ builds)."""
+import os
 import json
 import sys
 
@@ -30,6 +34,18 @@ def main(path: str, n: int = 25) -> None:
     print(f"the {n} longest:")
     for r in sorted(rows, key=lambda r: r["start"] - r["end"])[:n]:
         print(f"  {r['end'] - r['start']:6.1f} s  {r['start'] - t0:6.0f}-{r['end'] - t0:6.0f}  {r['worker']}  {r['id']}")
+    if os.environ.get("CPU") and "cpu" in rows[0]:
+        sampled = json.load(open(os.environ["CPU"]))
+        tagged = sampled["by_test"]
+        cost = {r["id"]: r["cpu"] + max(r["children_cpu"], tagged.get(r["id"], 0.0)) for r in rows}
+        total = sum(sampled["by_program"].values())
+        print(f"CPU-seconds: {total:.0f} sampled in all, {sum(cost.values()):.0f} of them the tests' "
+              f"(the rest: Ray's daemons, the test processes' imports and collection, services)")
+        for name, s in sorted(sampled["by_program"].items(), key=lambda x: -x[1])[:10]:
+            print(f"  {s:6.1f}  {name}")
+        print(f"the {n} costliest tests:")
+        for i, s in sorted(cost.items(), key=lambda x: -x[1])[:n]:
+            print(f"  {s:6.1f} CPU-s  {i}")
 
 
 if __name__ == "__main__":
