@@ -532,25 +532,27 @@ def long_tests_first(config, items) -> None:
 # RUNNER_TEST_TIMELINE=FILE: each test's start and end (wall clock) and the xdist worker that ran
 # it, one JSON line per test appended to FILE, to see where a run's minutes go (its idle tail):
 #   python -m pytest -q -n 4 --dist worksteal; python tests/timeline.py FILE
+def _cpu_now() -> tuple[float, float]:
+    """(this process's CPU-s, its waited-for children's CPU-s): a test's share is the difference."""
+    import resource
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), kids.ru_utime + kids.ru_stime
+
+
 def pytest_runtest_logstart(nodeid, location):
     if os.environ.get("RUNNER_TEST_TIMELINE"):
-        import resource
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        _SESSION.setdefault("started", {})[nodeid] = (time.time(), time.process_time(),
-                                                      kids.ru_utime + kids.ru_stime)
+        _SESSION.setdefault("started", {})[nodeid] = (time.time(), *_cpu_now())
 
 
 def pytest_runtest_logfinish(nodeid, location):
     path = os.environ.get("RUNNER_TEST_TIMELINE")
     started = _SESSION.get("started", {}).pop(nodeid, None)
     if path and started is not None:
-        import resource
-        t0, cpu0, kids0 = started
-        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        (t0, cpu0, kids0), (cpu, kids) = started, _cpu_now()
         with open(path, "a") as f:    # one short write per line: lines of 4 workers do not mix
             f.write(json.dumps({"id": nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                                "start": t0, "end": time.time(), "cpu": time.process_time() - cpu0,
-                                "children_cpu": kids.ru_utime + kids.ru_stime - kids0}) + "\n")
+                                "start": t0, "end": time.time(), "cpu": cpu - cpu0,
+                                "children_cpu": kids - kids0}) + "\n")
 
 
 @pytest.hookimpl(optionalhook=True)

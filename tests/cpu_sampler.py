@@ -10,6 +10,7 @@ under half a second is missed. Writes {"by_test": {test id or "untagged": CPU-s}
 "by_program": {"tagged|untagged: name": CPU-s}, "processes": {same keys: how many}}."""
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -18,8 +19,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def label(cmd: str, stat: str) -> str:
-    """A short name for an untagged process: its program and what it runs."""
-    import re
+    """A short name for a process: its program and what it runs."""
     words = cmd.split()
     if not words:
         return stat[stat.index("(") + 1:stat.rindex(")")]
@@ -66,7 +66,7 @@ def main(path: str) -> None:
     processes: dict = {}       # how many processes of each name
     for tag, cpu, name in seen.values():
         by_test[tag] = by_test.get(tag, 0.0) + cpu
-        key = f"{'tagged' if tag != 'untagged' else 'untagged'}: {name}"
+        key = f"{'untagged' if tag == 'untagged' else 'tagged'}: {name}"
         by_program[key] = by_program.get(key, 0.0) + cpu
         processes[key] = processes.get(key, 0) + 1
     json.dump({"by_test": by_test, "by_program": by_program, "processes": processes},

@@ -9,8 +9,8 @@ with their start and end (seconds from the first start); with CPU=FILE (tests/cp
 output of the same run), the N costliest tests in CPU-seconds too: the test process's own, plus
 its CLI runs' and their Ray workers' (the processes that carry its RUNNER_TEST_ID), or the
 children it waited for where those are more (an in-process compile's C++ builds)."""
-import os
 import json
+import os
 import sys
 
 
