@@ -27,9 +27,10 @@ the compiler makes lives in `FLAGS` (plus the user's `options` overrides, applie
 | `low-precision` | lossy, denoiser blocks: their Linear layers in FP8 (e4m3, per-channel weight / per-row activation scales, `torch._scaled_mm`; GPUs of compute capability >= 8.9 only; the projections feeding attention add their bias in the GEMM and write the model dtype, so q/k/v reach the attention kernel as views without a copy), Inductor `triton.codegen_upcast_to_fp32=False` (pointwise math in fp16/bf16), reduced-precision GEMM reductions |
 | `int8-attention` | lossy, compiled, CUDA Hopper (sm90): Wan's self-attention over >= 16,384 tokens (the published video sizes), where its q and k are normalised per token (the kernel's domain; elsewhere lossless, one log line), in INT8 (QK; Q and K Hadamard-rotated first, so outlier channels keep their precision) and FP8 (PV) with FP32 accumulation (`compiler/kernels/int8_attention.py`: SageAttention 2's kernel, built once per machine with nvcc, our quantisation): 1.40x cuDNN at 480x832 x 81 frames on an H100, output cosine >= 0.999 also with outlier channels; where it cannot run (another GPU, no nvcc), one log line and cuDNN's attention |
 | `cache-all` | Inductor `fx_graph_cache` and `autotune_local_cache` on (in `compiler.cache`'s directory), and portable artifacts packed by `compiler.cache` |
+| `deterministic` | Inductor `deterministic`: each reduction kernel takes the one config Inductor's heuristic picks instead of the fastest of a few timed on the GPU, so every worker of a job computes the same bits (two fresh O2 workers made other videos without it: benchmarks/2026-12-04-o2-deterministic-h200.md) |
 | `benchmark` | `torch.backends.cudnn.benchmark` (conv algorithms timed per shape: UNet, VAE) and Inductor `benchmark_fusion` |
-| `O2` (preset) | `cudagraphs:cache-all`: lossless, compiles in seconds |
-| `O3` (preset) | `O2` + `max-optimize:low-precision:int8-attention`: fastest, not bit-faithful (the benchmark states its error) |
+| `O2` (preset) | `cudagraphs:cache-all:deterministic`: lossless, compiles in seconds, the same bits from every worker |
+| `O3` (preset) | `cudagraphs:cache-all:max-optimize:low-precision:int8-attention`: fastest, not bit-faithful (the benchmark states its error); without `deterministic` (`max-optimize` times its reduction configs), so two workers may differ in the last bits |
 | key `fuse_qkv` (default true) | one fused QKV (self) / KV (cross) projection in every attention of the denoiser, any mode, eager too |
 | key `fuse_gelu` (default true) | compiled, CUDA: Linear + GELU(tanh) as one cuBLASLt GEMM with a GELU epilogue |
 | key `short_attention` (default true) | compiled, CUDA: unmasked self-attention over <= 64 tokens (Latte's temporal attention) as one Triton kernel reading the fused QKV output in place |
@@ -78,12 +79,15 @@ FLAGS: dict[str, dict] = {
     "low-precision": {"low_precision": True, "denoiser_only": True, "inductor": {"triton.codegen_upcast_to_fp32": False}},
     "int8-attention": {"int8_attention": True, "denoiser_only": True},
     "cache-all": {"cache": True, "inductor": {"fx_graph_cache": True, "autotune_local_cache": True}},
+    # deterministic: without it Inductor times a few configs of each reduction at first launch and keeps
+    # the fastest, which differs between workers (noise) and so does the order of the sums.
+    "deterministic": {"inductor": {"deterministic": True}},
     "benchmark": {"cudnn_benchmark": True, "inductor": {"benchmark_fusion": True}},
 }
 
 # Presets expand to plain flags (O2 lossless, O3 adds lossy speed).
 PRESETS: dict[str, tuple[str, ...]] = {
-    "O2": ("cudagraphs", "cache-all"),
+    "O2": ("cudagraphs", "cache-all", "deterministic"),
     "O3": ("cudagraphs", "cache-all", "max-optimize", "low-precision", "int8-attention"),
 }
 

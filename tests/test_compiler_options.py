@@ -30,9 +30,10 @@ def test_none_empty_and_bare_mode():
 
 def test_presets_expand():
     o2, o3 = parse_options("O2"), parse_options("O3")
-    assert o2.flags == set(PRESETS["O2"]) == {"cudagraphs", "cache-all"}
+    assert o2.flags == set(PRESETS["O2"]) == {"cudagraphs", "cache-all", "deterministic"}
+    assert o2.inductor_config()["deterministic"] is True and "deterministic" not in o3.inductor_config()
     assert o2.lossless
-    assert o3.flags >= o2.flags and "low-precision" in o3.flags and not o3.lossless
+    assert o3.flags >= o2.flags - {"deterministic"} and "low-precision" in o3.flags and not o3.lossless
     assert parse_options("O2:max-autotune").flags == o2.flags | {"max-autotune"}
     assert parse_options("O2:cudagraphs").flags == o2.flags  # duplicates collapse
 

@@ -380,3 +380,46 @@ def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_pa
         assert not np.array_equal(per_row[i], per_row[n]), f"{i}: its adapter changed nothing"
     print(f"seconds: adapter files + per-row worker ready {t_ready - t0:.1f}, its rows "
           f"{t_rows - t_ready:.1f}, four reference jobs {time.perf_counter() - t_rows:.1f}")
+
+
+def test_fresh_o2_workers_of_one_job_make_the_same_videos(tmp_path):
+    """Four fresh O2 workers of one job (`wan_batch`, the full-size Wan 2.1 T2V 1.3B with random
+    weights, one compile cache, one after another in one process, as a job's workers start) make
+    bit-equal videos of the same rows: O2's `deterministic` flag has Inductor take one heuristic
+    config per reduction kernel instead of the fastest of a few it times at first launch. Without
+    it (`cudagraphs:cache-all`) two of four workers made other videos of one row on an H200, every
+    weight, text embedding and VAE decode bit-equal (benchmarks/2026-12-04-o2-deterministic-h200.md);
+    the per-row adapter test above rests on this. Small rows of the full architecture (256x256,
+    5 frames, 4 steps, guidance 1.0)."""
+    import hashlib
+
+    from runner.driver import checks, job
+    from runner.config import load_config, split
+    from runner.io.prompts import Item
+    from runner.serve.worker import Worker
+    import imageio.v3 as iio
+    rows = [("r0", 0), ("r1", 1)]
+    made = []                                   # per worker: {row id: sha1 of its decoded frames}
+    for n in range(4):
+        j = split(load_config([
+            "job=wan_batch", "model.source=random", f"output.dir={tmp_path / f'w{n}'}",
+            f"compile.cache_dir={tmp_path / 'compile-cache'}", "compile.mode=O2",
+            "compile.compile_text_encoder=false", "compile.compile_vae=false",
+            "generation.height=256", "generation.width=256", "generation.num_frames=5",
+            "generation.num_inference_steps=4", "generation.guidance_scale=1.0",
+            "run.canary_every_items=0"]))
+        w = Worker(0, job.worker_config(j, checks.constraints(j["model"]), on_gpu=True))
+        try:
+            w.warmup()
+            out = w.run_shard([Item(id=i, prompt=f"a red fox running in the snow, take {k}",
+                                    negative_prompt="", seed=k, height=256, width=256, num_frames=5,
+                                    num_inference_steps=4, guidance_scale=1.0, file="p", row=k,
+                                    adapter=None) for i, k in rows])
+            assert [r["status"] for r in out] == ["ok"] * len(rows), [r["error"] for r in out]
+            made.append({i: hashlib.sha1(iio.imread(f"{w.cfg.job_dir}/media/{i}.mp4").tobytes())
+                         .hexdigest()[:12] for i, _ in rows})
+        finally:
+            free_pipeline(w.pipe)
+    print("videos per worker:", made)
+    assert made[0]["r0"] != made[0]["r1"], "two takes made one video: the rows do not test anything"
+    assert all(m == made[0] for m in made), f"fresh O2 workers made other videos: {made}"
