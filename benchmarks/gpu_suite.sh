@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The gpu suite in one command, a test process per GPU (README "Tests"), whole or in two parts:
 #   source .devbundle/install.sh && bash benchmarks/gpu_suite.sh DIR [1|2]
-# Part 1: the files of PART1 below (the adapter tests with the A14B 720P one, the VAE decode tests,
-# the compiled-vs-eager tests); part 2: every other gpu test. Together they run every gpu test
-# once; on one H200 each part should fit one 10-minute device call (~400-480 s and ~330-410 s from
-# the per-test seconds of 2026-12-03, not yet run so: benchmarks/README.md "The gpu suite on one
-# GPU"). Without a part: the whole suite.
+# Part 1: the files of PART1 below (the adapter tests with the A14B 720P one, the VAE decode tests);
+# part 2: every other gpu test. Together they run every gpu test once; on one H200 each part should
+# fit one 10-minute device call (~495 and ~475 s from the per-test seconds of 2026-12-04, not yet
+# run so: benchmarks/README.md "The gpu suite on one GPU"). Without a part: the whole suite.
 # DIR gets suite.log (pytest -v, `--durations=0`: every test's setup, call and teardown seconds; the
 # last section lists every gpu test with its GPU, outcome and seconds), junit.xml, gpus.txt,
 # versions.txt and rc.txt (pytest's exit status and wall time). SIGINT at LIMIT s (default 590;
@@ -13,7 +12,7 @@
 set -u
 Q=${1:?usage: gpu_suite.sh DIR [1|2]}
 PART=${2:-}
-PART1=(tests/test_gpu_adapters.py tests/test_video_vae.py tests/test_compiler_gpu.py)
+PART1=(tests/test_gpu_adapters.py tests/test_video_vae.py)
 case "$PART" in
   "") SELECT=(); DEFAULT_LIMIT=590 ;;
   1) SELECT=("${PART1[@]}"); DEFAULT_LIMIT=540 ;;

@@ -308,10 +308,10 @@ def test_per_row_adapters_on_the_full_size_1_3b_equal_single_adapter_jobs(tmp_pa
             ("n1", None, 1), ("n2", None, 2)]
 
     def worker(name, entries) -> Worker:
-        # one compile cache for the test's workers, as a job's workers share one: a worker that
-        # compiles alone autotunes Inductor's reduction kernels by timing them, and another
-        # choice there is other bits (seen on an H200: b1 and the rows without an adapter, every
-        # weight bit-equal, differed from their jobs by up to 32 of 255 in 855k values)
+        # one compile cache for the test's workers, as a job's workers share one; that workers of
+        # one config make the same bits at all is O2's `deterministic` flag (without it Inductor
+        # keeps the fastest timed config of each reduction: on an H200 rows differed from their
+        # jobs by up to 32 of 255 in 855k values, every weight bit-equal): the next test
         j = split(load_config([
             "job=wan_batch", "model.source=random", f"output.dir={tmp_path / name}",
             f"compile.cache_dir={tmp_path / 'compile-cache'}",
