@@ -18,6 +18,12 @@ cluster with no GPU node yet starts CPU workers (runner/driver/raypool.py `RayPo
 does not count there), and the job of test 1 starts with zero GPU nodes. `ray.max_workers` bounds
 each job's request where the test needs a given number of nodes.
 
+Waits for a worker's start-up (issue 75: no bound that is the machine's speed): a job's first
+worker is bounded only against a hang (FIRST_START_S; ~20 s idle, 146-178 s seen beside two busy
+loops on the 2 cores, when a fixed 240 s wait for the first row ran out), and every later wait for
+a start-up (another node's worker, a replacement's) is `later_start_s` of the job's own first one,
+as is the test's guard from then on (`guarded` yields `rearm`).
+
 Every job runs with `run.hang_timeout_s=0`: the wait_ready fault holds a ready worker's first item
 until the job's other workers have warmed up, on nodes still being launched (a minute under load),
 which the hang watchdog's 60 s floor would otherwise call a hang.
@@ -48,6 +54,15 @@ NODE_TYPES = {
               "min_workers": 0, "max_workers": 1},
 }
 START_GUARD_S = 240        # the cluster's start: 18-50 s measured (tests/autoscaling.py)
+FIRST_START_S = 600        # a job's start to its first warm worker (or first row): a hang bound
+RESET_S = 300              # the shared cluster back to rest (tests/autoscaling.py `reset`)
+
+
+def later_start_s(first_s: float) -> float:
+    """The bound for a later worker start-up in a job whose first took `first_s` (from the job's
+    start: the driver's own start, a node, the worker's imports and load): twice that, plus a
+    minute. A worker on a new node does the same work as the first, on the same 2 cores."""
+    return 2 * first_s + 60
 TINY = ["job=demo_image", "generation.height=64", "generation.width=64",
         "generation.num_inference_steps=2", "run.shard_size=1", "run.batch_size=1",
         "output.results_every_s=0", "run.hang_timeout_s=0"]
@@ -68,12 +83,26 @@ def cluster():
 
 @contextlib.contextmanager
 def guarded(cluster, seconds: float, what: str):
-    """The test's guard, then the cluster back to no worker node (within the guard too)."""
-    with time_guard(seconds, what):
+    """The cluster at rest (no worker node, nothing pending: what a test that failed before left
+    is removed first, so that it cannot fail this one), then the test under its guard (`seconds`
+    from after that reset; yields `rearm(s)`: the guard set to `s` from now), then the cluster back
+    to rest (within the guard too)."""
+    with time_guard(RESET_S, f"the cluster's reset before {what}"):
+        cluster.reset(RESET_S)
+    with time_guard(seconds + RESET_S, what) as rearm:
         try:
-            yield cluster
+            yield lambda s: rearm(s + RESET_S)
         finally:
-            cluster.reset()
+            cluster.reset(RESET_S)
+
+
+def first_start(job: "Job", what: str, cond) -> float:
+    """Waits (FIRST_START_S at most) for `cond()`, the job's first worker warm or first row;
+    returns the seconds from the job's start."""
+    until(what, cond, job, FIRST_START_S)
+    took = time.monotonic() - job.t0
+    print(f"{what}: {took:.1f} s after the job's start")
+    return took
 
 
 class Job:
@@ -214,14 +243,17 @@ def test_a_job_started_with_no_gpu_node_scales_up_to_three_and_finishes(cluster,
     """Zero GPU nodes at the start; the job asks for 3 (ray.max_workers=3, 12 slow rows), the
     autoscaler launches 3 "big" nodes, a worker on each serves (wait_ready with ray.cpu_workers=3:
     no row is generated until 3 workers are warm), every row once."""
-    with guarded(cluster, 420, "the scale-up job"):
+    with guarded(cluster, FIRST_START_S + 30, "the scale-up job") as rearm:
         assert cluster.worker_nodes() == []
         before = autoscaled_ids(cluster)
         path, ids = prompts(write_prompts, 12)
         with Job(cluster, [*TINY, f"prompts.path={path}", f"output.dir={tmp_path}",
                            "job.name=up", "ray.max_workers=3", "ray.cpu_workers=3"],
                  faults="slow:0.3,wait_ready") as job:
-            rc = job.wait(360)
+            # the 3 nodes are launched at once: the other two workers start beside the first
+            first = first_start(job, "the first worker warm", lambda: ready_markers(job) >= 1)
+            rearm(later_start_s(first) + 30)
+            rc = job.wait(later_start_s(first))
         assert rc == 0, job.tail()
         launched = [n for n in cluster.nodes(alive=None)
                     if n.node_type and n.node_id not in before]
@@ -246,17 +278,19 @@ def test_a_node_added_mid_job_serves_and_a_too_small_type_gets_no_worker(cluster
     one "big" node (see the report: the request cannot say which GPU type). A node added by hand
     once the first worker is warm gets the second worker, which serves (wait_ready with
     ray.cpu_workers=2: no row is generated until both are warm)."""
-    with guarded(cluster, 420, "the job with an added node and a too-small type"):
+    with guarded(cluster, FIRST_START_S + 400, "the job with an added node and a too-small type"
+                 ) as rearm:
         cluster.request_resources([{"accelerator_type:T4": 1}])
-        (small,) = cluster.wait_nodes(1, timeout=120)
+        (small,) = cluster.wait_nodes(1)
         assert small.node_type == "small"
         path, ids = prompts(write_prompts, 8)
         with Job(cluster, [*TINY, f"prompts.path={path}", f"output.dir={tmp_path}",
                            "job.name=add", "ray.max_workers=2", "ray.cpu_workers=2",
                            "ray.gpu_gib=30"], faults="slow:0.3,wait_ready") as job:
-            until("the first worker is warm", lambda: ready_markers(job) >= 1, job, 300)
+            first = first_start(job, "the first worker warm", lambda: ready_markers(job) >= 1)
+            rearm(later_start_s(first) + 330)
             added = cluster.add_node({"CPU": 1, "GPU": 1, "accelerator_type:H100": 1})
-            rc = job.wait(300)
+            rc = job.wait(later_start_s(first))   # the added node's worker: a start-up
         assert rc == 0, job.tail()
         table = assert_every_row_once_ok(tmp_path / "add", ids)
         served = {r["node_id"] for r in table}
@@ -285,12 +319,14 @@ def test_three_preemptions_cost_no_row_and_no_restart(cluster, write_prompts, tm
     node's, none charged."""
     plan = ["kill", "drain", "kill"]
     node = {"CPU": 1, "GPU": 1, "accelerator_type:H100": 1}
-    with guarded(cluster, 540, "the job with 3 preemptions"), cluster.paused_autoscaler():
+    with guarded(cluster, FIRST_START_S + 600, "the job with 3 preemptions") as rearm, \
+            cluster.paused_autoscaler():
         for _ in range(2):
             cluster.add_node(node)
         path, ids = prompts(write_prompts, 40)
         job_dir = tmp_path / "pre"
         preempted: list[str] = []
+        wait_s = FIRST_START_S     # the first row; later ones: from the job's own first start-up
         with Job(cluster, [*TINY, f"prompts.path={path}", f"output.dir={tmp_path}",
                            "job.name=pre", "ray.max_workers=2", "ray.max_worker_restarts=1"],
                  faults="slow:0.7") as job:
@@ -299,15 +335,20 @@ def test_three_preemptions_cost_no_row_and_no_restart(cluster, write_prompts, tm
                     alive = {n.node_id for n in cluster.worker_nodes()}
                     made = [r.get("node_id") for r in record_rows(job_dir)]
                     return next((n for n in made if n in alive and n not in preempted), None)
-                victim = until(f"a node that made a row, for preemption {len(preempted) + 1}",
-                               next_node, job, 240)
+                what = f"a node that made a row, for preemption {len(preempted) + 1}"
+                if not preempted:
+                    first = first_start(job, what, next_node)
+                    wait_s = later_start_s(first)    # a replacement's worker: a start-up
+                    # 3 such waits and the job's end (40 rows of 0.7 s), with room for the nodes
+                    rearm(4 * wait_s + 40 * 0.7 + 3 * 300)
+                victim = until(what, next_node, job, wait_s)
                 if how == "kill":
                     cluster.kill_node(victim)
                 else:
                     cluster.drain_node(victim, deadline_s=3)
                 preempted.append(victim)
                 cluster.add_node(node)
-            rc = job.wait(300)
+            rc = job.wait(wait_s + 40 * 0.7)
         assert rc == 0, job.tail()
         assert_every_row_once_ok(job_dir, ids)
         losses = summary(job_dir)["losses"]
@@ -323,14 +364,15 @@ def test_the_only_gpu_node_dying_with_none_coming_exits_3(cluster, write_prompts
     come, as a cloud out of capacity). Its raylet SIGKILLed mid-job: the loss is a node death,
     seen within DEAD_WITHIN_S; no worker left and none coming, the job exits 3 within
     ray.gpu_wait_s=10 (+ the bound, + its ending), its last line naming the GPUs it waited for."""
-    with guarded(cluster, 300, "the job whose only GPU node died"), cluster.paused_autoscaler():
+    with guarded(cluster, FIRST_START_S + 300, "the job whose only GPU node died"), \
+            cluster.paused_autoscaler():
         node = cluster.add_node({"CPU": 1, "GPU": 1, "accelerator_type:H100": 1})
         path, ids = prompts(write_prompts, 30)
         job_dir = tmp_path / "dies"
         with Job(cluster, [*TINY, f"prompts.path={path}", f"output.dir={tmp_path}",
                            "job.name=dies", "ray.gpu_wait_s=10"], faults="slow:0.5") as job:
-            until("a row made on the added node", lambda: any(
-                r.get("node_id") == node.node_id for r in record_rows(job_dir)), job, 240)
+            first_start(job, "a row made on the added node", lambda: any(
+                r.get("node_id") == node.node_id for r in record_rows(job_dir)))
             t_kill = time.monotonic()
             cluster.kill_node(node.node_id)
             rc = job.wait(120)
