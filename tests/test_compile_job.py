@@ -40,8 +40,12 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     # Inductor's working cache (the node-local side of a URI cache_dir) in this test's own
     # directory: the first compile is cold on any machine, and nothing lands in ~/.cache.
     local = {"RUNNER_LOCAL_COMPILE_CACHE": str(tmp_path / "local-cc")}
+    # Jobs a and c: their workers' start-up bounded only against a hang (the default 120 s is a
+    # real GPU node's: beside two busy loops on CI's 2 cores a tiny model's load took 113 s, and
+    # both workers were given up; job h's bound is derived from job a's figures below).
+    hang_bound = "ray.worker_start_timeout_s=900"
     # wait_ready holds generation until both workers are warm, so each serves shards.
-    r = cli(*common, "job.name=a", faults="wait_ready", **local)
+    r = cli(*common, "job.name=a", hang_bound, faults="wait_ready", **local)
     m = metrics(tmp_path / "a")
     # start-up phases shown as they happen: one worker compiles, the other loads its artifact
     # the phase's first line (its repeats while it runs end in ", N s": runner/driver/progress.py)
@@ -95,7 +99,7 @@ def test_second_worker_warms_from_the_first_workers_artifact(tmp_path, s3_bucket
     # back 20 s (a slow GPU, a long canary), the other is ready well before it. (Before: the
     # others waited for the claimant to publish after its whole warm-up.)
     try:
-        cli(*common, "job.name=c", faults="wait_ready,slow_warmup:20", **local)
+        cli(*common, "job.name=c", hang_bound, faults="wait_ready,slow_warmup:20", **local)
         ws = metrics(tmp_path / "c")
         assert os.listdir(tmp_path / "local-cc" / "inductor")     # the workers' local side was there
         assert [(w["cache_hit"], w["cache_source"], w["cache_wait_s"]) for w in ws] == \
@@ -156,7 +160,8 @@ def test_a_claimant_failing_before_its_warm_up_call_lets_the_waiters_compile(tmp
     monkeypatch.setattr(compiler, "compile_pipe", oom)
     j = split(load_config(["job=demo_image", "compile.mode=cache-all", f"output.dir={tmp_path}",
                            "compile.compile_text_encoder=false", "compile.compile_vae=false"]))
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    # the session's Ray; under RUNNER_TEST_RAY=local (no session cluster) a local one of its own
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
     try:
         broker = ray.remote(CacheBroker).options(num_cpus=0, max_concurrency=10).remote()
         w = Worker(0, worker_config(j, constraints(j["model"]), on_gpu=False), broker)

@@ -108,7 +108,8 @@ def test_cudagraphs_is_dropped_from_the_mode_for_the_hook_methods_only():
     assert job["compile"].options.mode == job["compile"].mode == "cache-all:int8-attention:low-precision:max-optimize"
     job = split(load_config(["job=demo_video", "compile.mode=O2", "step_cache.method=pab"]))
     step_cache.prepare(job)
-    assert job["compile"].options.flags == {"cache-all"} and job["compile"].mode == "cache-all"
+    assert job["compile"].options.flags == {"cache-all", "deterministic"}
+    assert job["compile"].mode == "cache-all:deterministic"
     for method in ("none", "residual"):   # off, or residual (a graph per kind of step): untouched
         job = split(load_config(["job=demo_video", "compile.mode=O2", f"step_cache.method={method}"]))
         step_cache.prepare(job)
@@ -241,7 +242,8 @@ def test_per_block_compile_with_step_cache_matches_eager_step_cache(method):
     torch._dynamo.reset()
     ref = run(latte(method), item(1))
     pipe = latte(method, compile_mode="O2")
-    assert pipe._compile_options.mode == ("cache-all:cudagraphs" if method == "residual" else "cache-all")
+    assert pipe._compile_options.mode == ("cache-all:cudagraphs:deterministic" if method == "residual"
+                                          else "cache-all:deterministic")
     assert pipe._compile_report["compiled_blocks"]
     out = run(pipe, item(1))
     assert step_cache.skipped(pipe) > 0
@@ -352,7 +354,7 @@ def test_bench_reports_error_and_psnr_of_each_lossy_variant(tmp_path):
     alone = res["step_cache_eager"]
     assert alone["reused"] > 0 and alone["speedup"] > 0
     assert 0 < alone["max_abs_err"] <= 1 and 10 < alone["psnr_db"] < float("inf")
-    assert res["args"]["compile"]["mode"] == "cache-all"      # step graph dropped
+    assert res["args"]["compile"]["mode"] == "cache-all:deterministic"      # step graph dropped
     assert res["max_abs_err_vs_eager"] > 0 and res["psnr_vs_eager_db"] > 10
     # per-block compile + step cache gives the eager step cache's output
     assert abs(res["psnr_vs_eager_db"] - alone["psnr_db"]) < 1.0
