@@ -41,7 +41,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from autoscaling import DEAD_WITHIN_S, autoscaling_cluster, time_guard
+from autoscaling import DEAD_WITHIN_S, NODE_TIMEOUT_S, autoscaling_cluster, time_guard
 from conftest import FAULTS_DIR, WORKER_ENV, fault_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -327,6 +327,7 @@ def test_three_preemptions_cost_no_row_and_no_restart(cluster, write_prompts, tm
         job_dir = tmp_path / "pre"
         preempted: list[str] = []
         wait_s = FIRST_START_S     # the first row; later ones: from the job's own first start-up
+        rows_s = len(ids) * 0.7    # the rows' own seconds (slow:0.7), on one worker
         with Job(cluster, [*TINY, f"prompts.path={path}", f"output.dir={tmp_path}",
                            "job.name=pre", "ray.max_workers=2", "ray.max_worker_restarts=1"],
                  faults="slow:0.7") as job:
@@ -339,8 +340,8 @@ def test_three_preemptions_cost_no_row_and_no_restart(cluster, write_prompts, tm
                 if not preempted:
                     first = first_start(job, what, next_node)
                     wait_s = later_start_s(first)    # a replacement's worker: a start-up
-                    # 3 such waits and the job's end (40 rows of 0.7 s), with room for the nodes
-                    rearm(4 * wait_s + 40 * 0.7 + 3 * 300)
+                    # 3 such waits and the job's end (its rows at 0.7 s), with room for the nodes
+                    rearm(4 * wait_s + rows_s + len(plan) * NODE_TIMEOUT_S)
                 victim = until(what, next_node, job, wait_s)
                 if how == "kill":
                     cluster.kill_node(victim)
@@ -348,7 +349,7 @@ def test_three_preemptions_cost_no_row_and_no_restart(cluster, write_prompts, tm
                     cluster.drain_node(victim, deadline_s=3)
                 preempted.append(victim)
                 cluster.add_node(node)
-            rc = job.wait(wait_s + 40 * 0.7)
+            rc = job.wait(wait_s + rows_s)
         assert rc == 0, job.tail()
         assert_every_row_once_ok(job_dir, ids)
         losses = summary(job_dir)["losses"]
