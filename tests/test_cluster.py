@@ -28,6 +28,39 @@ def sh(cmd, timeout=GUARD_S, **kw):
     return r
 
 
+def add_node_within(cluster, bound_s: float, **node_args):
+    """`cluster.add_node(**node_args)`, with `bound_s` rather than Ray's fixed 30 s for the new raylet
+    to register with the GCS (`raylet_start_wait_time_s = 30` in ray/_private/node.py): a 2-core
+    machine under load can take longer. On that timeout the half-started node (its processes run,
+    but Ray drops the Node object) is adopted once it registers, or killed and the test failed."""
+    from ray._private import node as ray_node
+    from ray._private.services import wait_for_node
+    started, start = [], ray_node.Node.start_ray_processes
+
+    def recording(self):
+        started.append(self)
+        return start(self)
+
+    t0 = time.monotonic()
+    ray_node.Node.start_ray_processes = recording
+    try:
+        return cluster.add_node(**node_args)
+    except Exception as e:
+        if "timed out during startup" not in str(e) or not started:
+            raise
+        node = started[-1]
+    finally:
+        ray_node.Node.start_ray_processes = start
+    try:
+        wait_for_node(node.gcs_address, node.plasma_store_socket_name,
+                      max(1.0, bound_s - (time.monotonic() - t0)))
+    except TimeoutError:
+        node.kill_all_processes(check_alive=False, allow_graceful=False)
+        raise AssertionError(f"a worker node did not register with the GCS in {bound_s:.0f} s")
+    cluster.worker_nodes.add(node)     # so remove_node/shutdown stop it like any other
+    return node
+
+
 def submit(dashboard: str, runtime_env: dict, args: list, env=ENV, timeout=GUARD_S):
     """`ray job submit ... -- python -m runner <args>`, the working directory uploaded. Retried
     while the head's job agent is not up yet (`ray start` returns before it is; nothing was
@@ -96,7 +129,7 @@ def test_worker_node_removed_mid_job(tmp_path, write_prompts, monkeypatch):
         num_cpus=2, num_gpus=1, include_dashboard=False,
         _system_config={"health_check_period_ms": 500, "health_check_failure_threshold": 3}))
     try:
-        doomed = cluster.add_node(num_cpus=2, num_gpus=1)
+        doomed = add_node_within(cluster, GUARD_S, num_cpus=2, num_gpus=1)
         job_dir = tmp_path / "demo_image"
         p = subprocess.Popen(
             [sys.executable, "-m", "runner", "job=demo_image", f"prompts.path={prompts}",
