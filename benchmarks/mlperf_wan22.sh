@@ -11,7 +11,7 @@
 #             after one untimed 2-step call that compiles both experts' graphs)
 #   o3_reuse  O3 + step reuse (step_cache.method=residual, 11 of 20 steps computed): a
 #             separate, labelled row, not MLPerf's computation
-# Measured on one H200 (2026-12-02, benchmarks/2026-12-02-mlperf-wan22-o3-cold.md): O3's worker
+# Measured on one H200 (2026-12-02, benchmarks/2026-12-02-per-row-mlperf-h200.md): O3's worker
 # was ready 498 s after its start on a cold compile cache (load 26 s, compile and warm-up 471 s),
 # so a row and its compile do not fit one 10-minute call. Two calls a row, the second within the
 # machine's 30 s idle window (the machine, /tmp and the compile cache stay):

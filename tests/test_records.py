@@ -99,3 +99,43 @@ def test_the_check_sees_a_removed_script_and_a_wrong_commit(tmp_path):
     assert stale([doc], set(), None) == [f"r.md: gone.sh (at none of {head_commit})"]
     doc.write_text(f"reproduce: `git checkout {head_commit} && bash benchmarks/gpu_suite.sh DIR 1`\n")
     assert stale([doc], set(), None) == []        # it exists at that commit
+
+
+RECORD = re.compile(r"(?<![\w/.-])benchmarks/(20\d\d-\d\d-\d\d-[\w.-]+?\.md)\b")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def missing_records(files: list[Path]) -> list[str]:
+    """`file: target` for each dated record a file names (`benchmarks/DATE-NAME.md`, in a doc, a
+    script's header or a code comment) and each relative link of a Markdown file whose target is
+    not in the tree (mlperf_wan22.sh's header named a record under a name it never had)."""
+    bad = []
+    for f in files:
+        text = f.read_text(errors="replace")
+        where = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name
+        bad += [f"{where}: benchmarks/{n}" for n in sorted(set(RECORD.findall(text)))
+                if not (BENCH / n).is_file()]
+        if f.suffix == ".md":
+            bad += [f"{where}: {t}" for t in sorted(set(LINK.findall(text)))
+                    if not re.match(r"[a-z]+:", t) and not (f.parent / t).exists()]
+    return bad
+
+
+def tracked_text_files() -> list[Path]:
+    """The docs, benchmarks/' scripts and the project's Python sources (no git needed)."""
+    code = [p for d in ("runner", "compiler", "tests", "conf", "jobs") for p in (ROOT / d).rglob("*")
+            if p.suffix in (".py", ".yaml", ".sh") and p.is_file()]
+    return documents() + sorted(BENCH.glob("*.sh")) + sorted(code)
+
+
+def test_every_record_and_link_a_file_names_is_in_the_tree():
+    bad = missing_records(tracked_text_files())
+    assert not bad, "names or links a record or file that is not in the tree:\n" + "\n".join(bad)
+
+
+def test_the_record_check_sees_a_wrong_record_name_and_a_broken_link(tmp_path):
+    gone = "benchmarks/" + "2026-12-02-mlperf-wan22-o3-cold.md"     # split: this file is checked too
+    doc = tmp_path / "r.md"
+    doc.write_text(f"see {gone} and [data](data/gone/)\n"
+                   "and [here](https://example.com) and benchmarks/2026-12-06-gpu-suite-two-calls-h100.md\n")
+    assert missing_records([doc]) == [f"r.md: {gone}", "r.md: data/gone/"]
